@@ -1,0 +1,19 @@
+#include <cuda_runtime.h>
+
+#include "cuda/device.h"
+
+namespace quads::cuda {
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver" error so later checks start clean
+    return 0;
+  }
+  return n;
+}
+std::string device_name(int i) {
+  cudaDeviceProp p{};
+  if (cudaGetDeviceProperties(&p, i) != cudaSuccess) return "";
+  return p.name;
+}
+}  // namespace quads::cuda
