@@ -1,0 +1,60 @@
+#pragma once
+// Qwen3-MoE configuration, read from a Hugging Face config.json. Both the transformers v4 names
+// (`num_experts`, `rope_theta`, `rope_scaling`) and the v5 names (`num_local_experts`,
+// `rope_parameters`) are accepted. Anything that would change the computation and that we do not
+// implement (rope scaling, sliding window, attention bias, an activation other than SiLU, ...) is
+// an error naming the field; fields that cannot change the computation (dtype, token ids, dropout
+// at inference, ...) are kept as they are and written back on save.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace quads::model {
+
+struct ModelConfig {
+  int vocab_size = 0;
+  int hidden_size = 0;
+  int intermediate_size = 0;      // dense MLP layers
+  int moe_intermediate_size = 0;  // each expert
+  int num_hidden_layers = 0;
+  int num_attention_heads = 0;
+  int num_key_value_heads = 0;
+  int head_dim = 0;               // `head_dim`, else hidden_size / num_attention_heads
+  int num_experts = 0;            // 0: every layer is dense
+  int num_experts_per_tok = 0;
+  int decoder_sparse_step = 1;
+  std::vector<int> mlp_only_layers;
+  bool norm_topk_prob = false;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  bool tie_word_embeddings = false;
+  double router_aux_loss_coef = 0.001;
+  bool output_router_logits = false;  // HF adds the aux loss to the training loss only when true
+  int max_position_embeddings = 0;
+
+  // The json it came from (or an empty object), re-emitted with our fields updated by to_json().
+  nlohmann::json raw = nlohmann::json::object();
+
+  // HF's rule: (layer not in mlp_only_layers) and num_experts > 0 and (layer+1) % step == 0.
+  bool is_sparse(int layer) const;
+  int q_dim() const { return num_attention_heads * head_dim; }
+  int kv_dim() const { return num_key_value_heads * head_dim; }
+  // The aux-loss coefficient HF would use in training: router_aux_loss_coef when
+  // output_router_logits is set, else 0.
+  double effective_aux_loss_coef() const { return output_router_logits ? router_aux_loss_coef : 0.0; }
+
+  // `source` names the file in error messages. Validates (positive sizes, heads divisible by kv
+  // heads, top-k <= experts, supported rope/attention/activation settings).
+  static ModelConfig from_json(const nlohmann::json& j, const std::string& source = "config.json");
+  static ModelConfig load(const std::string& path);  // a config.json file
+  void validate(const std::string& source = "config") const;
+
+  // Writes the transformers v5 spelling (num_local_experts, rope_parameters) plus the v4 aliases
+  // num_experts and rope_theta so that either version loads it.
+  nlohmann::json to_json() const;
+  std::string describe() const;  // one line
+};
+
+}  // namespace quads::model
