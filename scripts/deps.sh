@@ -2,7 +2,7 @@
 # Installs the Debian packages quads builds with, when any is missing (Debian 12, as root).
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config libopenblas-dev nlohmann-json3-dev libcli11-dev
-      libtomlplusplus-dev libfmt-dev libgtest-dev libbenchmark-dev libpcre2-dev gnuplot-nox)
+      libtomlplusplus-dev libfmt-dev libgtest-dev libbenchmark-dev libpcre2-dev libutf8proc-dev gnuplot-nox)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
