@@ -191,14 +191,6 @@ const ByteLevelTables& byte_level() {
   return t;
 }
 
-std::string byte_level_map(std::string_view s) {
-  const auto& t = byte_level();
-  std::string out;
-  out.reserve(s.size() * 2);
-  for (unsigned char b : s) out += t.byte_to_utf8[b];
-  return out;
-}
-
 // The ByteLevel decoder on one token: every character mapped back to its byte, or the token's own
 // bytes when any character is outside the byte-level alphabet.
 void byte_level_unmap(const std::string& tok, std::string& out) {
@@ -286,11 +278,16 @@ const char* kGpt2Pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p
 
 enum class Behavior { Removed, Isolated, MergedWithPrevious, MergedWithNext, Contiguous };
 
-// HF's NormalizedString::split: the string cut at the regex matches, the pieces kept or merged
-// per `behavior`; empty pieces are dropped.
-void split_pieces(const std::string& s, const Regex& re, Behavior behavior, bool invert,
-                  std::vector<std::string>& out) {
-  if (s.empty()) return;
+struct Span {
+  size_t off, len;
+};
+
+// HF's NormalizedString::split on buf[in]: the piece cut at the regex matches, the parts kept or
+// merged per `behavior`; empty parts are dropped. Parts are appended to `out` as spans of `buf`.
+void split_span(std::string_view buf, Span in, const Regex& re, Behavior behavior, bool invert,
+                std::vector<Span>& out) {
+  if (in.len == 0) return;
+  std::string_view s = buf.substr(in.off, in.len);
   struct Seg {
     size_t a, b;
     bool match;
@@ -348,7 +345,7 @@ void split_pieces(const std::string& s, const Regex& re, Behavior behavior, bool
     }
   }
   for (auto& c : cuts)
-    if (!c.remove && c.b > c.a) out.push_back(s.substr(c.a, c.b - c.a));
+    if (!c.remove && c.b > c.a) out.push_back({in.off + c.a, c.b - c.a});
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -408,8 +405,16 @@ struct PreStep {
   bool add_prefix_space = false;
 };
 
+// Hash maps keyed by std::string that can be searched with a string_view (no temporary string).
+struct SvHash {
+  using is_transparent = void;
+  size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+};
+template <typename V>
+using StrMap = std::unordered_map<std::string, V, SvHash, std::equal_to<>>;
+
 struct Bpe {
-  std::unordered_map<std::string, int32_t> vocab;
+  StrMap<int32_t> vocab;
   std::unordered_map<int32_t, std::string> vocab_r;
   std::unordered_map<uint64_t, std::pair<int32_t, int32_t>> merges;  // (a, b) -> (rank, merged id)
   std::optional<std::string> unk_token, prefix, suffix;
@@ -418,11 +423,11 @@ struct Bpe {
   // HF's cache: pre-tokens under 256 bytes, up to 10000 of them, then no more insertions.
   static constexpr size_t kCacheCapacity = 10000, kCacheMaxLen = 256;
   mutable std::mutex cache_mu;
-  mutable std::unordered_map<std::string, std::vector<int32_t>> cache;
+  mutable StrMap<std::vector<int32_t>> cache;
 
   static uint64_t key(int32_t a, int32_t b) { return (uint64_t(uint32_t(a)) << 32) | uint32_t(b); }
 
-  void tokenize(const std::string& w, std::vector<int32_t>& out) const {
+  void tokenize(std::string_view w, std::vector<int32_t>& out) const {
     if (w.empty()) return;
     if (ignore_merges) {
       if (auto it = vocab.find(w); it != vocab.end()) {
@@ -451,7 +456,7 @@ struct Bpe {
     return it->second;
   }
 
-  std::vector<int32_t> merge_word(const std::string& w) const {
+  std::vector<int32_t> merge_word(std::string_view w) const {
     struct Sym {
       int32_t c;
       int32_t prev, next;
@@ -470,7 +475,7 @@ struct Bpe {
     for (size_t i = 0; i < w.size();) {
       int len = char_len(p[i]);
       bool first = i == 0, last = i + size_t(len) == w.size();
-      std::string s = w.substr(i, size_t(len));
+      std::string s(w.substr(i, size_t(len)));
       if (!first && prefix) s = *prefix + s;
       if (last && suffix) s += *suffix;
       i += size_t(len);
@@ -562,16 +567,34 @@ struct Tokenizer::Impl {
   int32_t vocab_size = 0;
   std::vector<uint8_t> skip_special;  // per id: dropped by decode(skip_special_tokens=true)
 
-  std::string normalize(std::string s) const {
+  // Per id, filled after loading: the token string (nullptr: no token) and, with the ByteLevel
+  // decoder, the bytes it decodes to.
+  std::vector<const std::string*> id_token;
+  std::vector<std::string> id_bytes;
+
+  // Every normal form leaves ASCII alone and no ASCII character combines with what precedes it,
+  // so only the non-ASCII runs, each with the character before it, go through utf8proc.
+  std::string normalize(std::string_view text) const {
+    std::string s(text);
     for (int opts : normalizers) {
-      bool ascii = std::all_of(s.begin(), s.end(), [](char c) { return static_cast<unsigned char>(c) < 0x80; });
-      if (ascii) continue;  // every Unicode normal form leaves ASCII alone
-      utf8proc_uint8_t* dst = nullptr;
-      utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()),
-                                        utf8proc_ssize_t(s.size()), &dst, utf8proc_option_t(opts));
-      if (n < 0) fail("tokenizer {}: normalizer failed: {}", path, utf8proc_errmsg(n));
-      s.assign(reinterpret_cast<char*>(dst), size_t(n));
-      std::free(dst);
+      size_t i = 0, n = s.size();
+      while (i < n && static_cast<unsigned char>(s[i]) < 0x80) ++i;
+      if (i == n) continue;
+      std::string out(s, 0, i > 0 ? i - 1 : 0);
+      while (i < n) {
+        size_t a = i > 0 ? i - 1 : 0, b = i;
+        while (b < n && static_cast<unsigned char>(s[b]) >= 0x80) ++b;
+        utf8proc_uint8_t* dst = nullptr;
+        utf8proc_ssize_t m = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data() + a),
+                                          utf8proc_ssize_t(b - a), &dst, utf8proc_option_t(opts));
+        if (m < 0) fail("tokenizer {}: normalizer failed: {}", path, utf8proc_errmsg(m));
+        out.append(reinterpret_cast<char*>(dst), size_t(m));
+        std::free(dst);
+        i = b;
+        while (i < n && static_cast<unsigned char>(s[i]) < 0x80) ++i;
+        out.append(s, b, i < n ? i - 1 - b : i - b);  // the ASCII run, less the character that
+      }                                                 // goes with the next non-ASCII run
+      s = std::move(out);
     }
     return s;
   }
@@ -613,35 +636,46 @@ struct Tokenizer::Impl {
     if (start_offset != s.size()) out.push_back({start_offset, s.size(), -1});
   }
 
-  void pre_tokenize(const std::string& text, std::vector<std::string>& out) const {
-    std::vector<std::string> cur{text}, next;
-    for (const PreStep& st : pre) {
-      next.clear();
-      for (std::string& p : cur) {
-        if (st.kind == PreStep::Split) {
-          split_pieces(p, *st.regex, st.behavior, st.invert, next);
-          continue;
-        }
-        if (st.add_prefix_space && (p.empty() || p[0] != ' ')) p.insert(p.begin(), ' ');
-        std::vector<std::string> parts;
-        if (st.regex) split_pieces(p, *st.regex, Behavior::Isolated, false, parts);
-        else parts.push_back(p);
-        for (auto& q : parts) next.push_back(byte_level_map(q));
-      }
-      std::swap(cur, next);
-    }
-    for (auto& p : cur)
-      if (!p.empty()) out.push_back(std::move(p));
-  }
-
-  void encode_text(const std::string& text, std::vector<int32_t>& ids) const {
+  // The pre-tokenizer steps over one piece of text; then BPE on each pre-token. Pre-tokens are
+  // spans of a buffer: splitting keeps the buffer, the ByteLevel mapping writes a new one.
+  void encode_text(std::string_view text, std::vector<int32_t>& ids) const {
     if (!has_pre) {
       bpe.tokenize(text, ids);
       return;
     }
-    std::vector<std::string> words;
-    pre_tokenize(text, words);
-    for (const auto& w : words) bpe.tokenize(w, ids);
+    std::string buf(text), nbuf, tmp;
+    std::vector<Span> cur{{0, buf.size()}}, next, parts;
+    for (const PreStep& st : pre) {
+      next.clear();
+      if (st.kind == PreStep::Split) {
+        for (Span sp : cur) split_span(buf, sp, *st.regex, st.behavior, st.invert, next);
+      } else {
+        nbuf.clear();
+        nbuf.reserve(2 * buf.size() + 16);
+        for (Span sp : cur) {
+          std::string_view piece = std::string_view(buf).substr(sp.off, sp.len);
+          if (st.add_prefix_space && (piece.empty() || piece[0] != ' ')) {
+            tmp = " ";
+            tmp += piece;
+            piece = tmp;
+          }
+          parts.clear();
+          if (st.regex) split_span(piece, {0, piece.size()}, *st.regex, Behavior::Isolated, false, parts);
+          else parts.push_back({0, piece.size()});
+          for (Span q : parts) {
+            size_t off = nbuf.size();
+            for (unsigned char c : piece.substr(q.off, q.len)) {
+              const std::string& m = byte_level().byte_to_utf8[c];
+              nbuf.append(m.data(), m.size());
+            }
+            next.push_back({off, nbuf.size() - off});
+          }
+        }
+        std::swap(buf, nbuf);
+      }
+      std::swap(cur, next);
+    }
+    for (Span sp : cur) bpe.tokenize(std::string_view(buf).substr(sp.off, sp.len), ids);
   }
 
   const std::string* token_string(int32_t id) const {
@@ -868,8 +902,15 @@ Tokenizer Tokenizer::from_json_text(std::string_view text, const std::string& or
   impl->vocab_size = max_id + 1;
   // decode(skip_special_tokens) drops every token whose string is a special token's content.
   impl->skip_special.assign(size_t(impl->vocab_size), 0);
-  for (int32_t id = 0; id < impl->vocab_size; ++id)
-    if (const std::string* s = impl->token_string(id)) impl->skip_special[size_t(id)] = impl->special_set.count(*s) ? 1 : 0;
+  impl->id_token.assign(size_t(impl->vocab_size), nullptr);
+  if (impl->byte_level_decoder) impl->id_bytes.resize(size_t(impl->vocab_size));
+  for (int32_t id = 0; id < impl->vocab_size; ++id) {
+    const std::string* s = impl->token_string(id);
+    impl->id_token[size_t(id)] = s;
+    if (!s) continue;
+    impl->skip_special[size_t(id)] = impl->special_set.count(*s) ? 1 : 0;
+    if (impl->byte_level_decoder) byte_level_unmap(*s, impl->id_bytes[size_t(id)]);
+  }
   return Tokenizer(std::move(impl));
 }
 
@@ -897,12 +938,12 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
       ids.push_back(p.id);
       continue;
     }
-    std::string n = I.normalize(s.substr(p.a, p.b - p.a));
+    std::string n = I.normalize(std::string_view(s).substr(p.a, p.b - p.a));
     norm.clear();
     I.find_added(n, I.norm_matcher, norm);
     for (const Piece& q : norm) {
       if (q.id >= 0) ids.push_back(q.id);
-      else if (q.b > q.a) I.encode_text(n.substr(q.a, q.b - q.a), ids);
+      else if (q.b > q.a) I.encode_text(std::string_view(n).substr(q.a, q.b - q.a), ids);
     }
   }
   return ids;
@@ -913,27 +954,24 @@ std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special_to
   std::string out;
   bool first = true;
   for (int32_t id : ids) {
-    if (id < 0 || id >= I.vocab_size) continue;
-    const std::string* s = I.token_string(id);
-    if (!s || (skip_special_tokens && I.skip_special[size_t(id)])) continue;
+    if (id < 0 || id >= I.vocab_size || !I.id_token[size_t(id)]) continue;
+    if (skip_special_tokens && I.skip_special[size_t(id)]) continue;
     if (I.byte_level_decoder) {
-      byte_level_unmap(*s, out);
+      out += I.id_bytes[size_t(id)];
     } else {
       if (!first) out += ' ';  // HF joins with spaces when there is no decoder
-      out += *s;
+      out += *I.id_token[size_t(id)];
     }
     first = false;
   }
-  return I.byte_level_decoder ? utf8_lossy(out) : out;
+  if (I.byte_level_decoder && utf8_invalid_offset(out) != std::string_view::npos) return utf8_lossy(out);
+  return out;
 }
 
 std::string Tokenizer::token_bytes(int32_t id) const {
-  const std::string* s = id >= 0 && id < impl_->vocab_size ? impl_->token_string(id) : nullptr;
-  QUADS_CHECK(s, "tokenizer {}: no token has id {}", impl_->path, id);
-  if (!impl_->byte_level_decoder) return *s;
-  std::string out;
-  byte_level_unmap(*s, out);
-  return out;
+  const Impl& I = *impl_;
+  QUADS_CHECK(id >= 0 && id < I.vocab_size && I.id_token[size_t(id)], "tokenizer {}: no token has id {}", I.path, id);
+  return I.byte_level_decoder ? I.id_bytes[size_t(id)] : *I.id_token[size_t(id)];
 }
 
 int32_t Tokenizer::vocab_size() const { return impl_->vocab_size; }
@@ -946,9 +984,9 @@ std::optional<int32_t> Tokenizer::token_to_id(std::string_view token) const {
 }
 
 std::string Tokenizer::id_to_token(int32_t id) const {
-  const std::string* s = id >= 0 && id < impl_->vocab_size ? impl_->token_string(id) : nullptr;
-  QUADS_CHECK(s, "tokenizer {}: no token has id {}", impl_->path, id);
-  return *s;
+  const Impl& I = *impl_;
+  QUADS_CHECK(id >= 0 && id < I.vocab_size && I.id_token[size_t(id)], "tokenizer {}: no token has id {}", I.path, id);
+  return *I.id_token[size_t(id)];
 }
 
 const std::vector<AddedToken>& Tokenizer::added_tokens() const { return impl_->added; }

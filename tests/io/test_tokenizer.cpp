@@ -11,6 +11,8 @@
 #include "common/fixtures.h"
 #include "io/tokenizer.h"
 
+#include <utf8proc.h>
+
 using quads::io::Tokenizer;
 using json = nlohmann::json;
 
@@ -133,6 +135,27 @@ TEST(Tokenizer, NfcNormalization) {
   EXPECT_EQ(tok.encode("cafe\xCC\x81"), tok.encode("caf\xC3\xA9"));
   EXPECT_EQ(tok.decode(tok.encode("cafe\xCC\x81")), "caf\xC3\xA9");
   EXPECT_EQ(tok.encode("A\xCC\x8A"), tok.encode("\xC3\x85"));  // A + ring -> Å
+}
+
+// decode(encode(s)) is NFC(s) for text full of combining sequences (marks after ASCII letters,
+// after accented letters, reordered marks, Hangul jamo), with utf8proc's whole-string NFC as the
+// reference for the tokenizer's run-by-run normalization.
+TEST(Tokenizer, NfcOfMixedCombiningText) {
+  const Tokenizer& tok = fixture();
+  const std::vector<std::string> atoms = {"e", "a", " ", "1", "\xCC\x81", "\xCC\x88", "\xCC\xA3", "\xC3\xA9",
+                                          "\xE1\x84\x80", "\xE1\x85\xA1", "\xE1\x86\xA8", "\xE2\x84\xAB",
+                                          "\n", "x", "\xEF\xAC\x81"};
+  std::mt19937 rng(99);
+  for (int trial = 0; trial < 300; ++trial) {
+    std::string s;
+    int n = int(rng() % 30);
+    for (int i = 0; i < n; ++i) s += atoms[rng() % atoms.size()];
+    utf8proc_uint8_t* nfc = utf8proc_NFC(reinterpret_cast<const utf8proc_uint8_t*>(s.c_str()));
+    ASSERT_TRUE(nfc);
+    std::string want(reinterpret_cast<char*>(nfc));
+    std::free(nfc);
+    EXPECT_EQ(tok.decode(tok.encode(s)), want) << s;
+  }
 }
 
 TEST(Tokenizer, EmptyAndLongInputs) {
@@ -402,4 +425,25 @@ TEST(Tokenizer, ConcurrentEncodeIsConsistent) {
   ASSERT_EQ(got[0].size(), got[1].size());
   for (size_t i = 0; i < got[0].size(); ++i) EXPECT_EQ(got[0][i], cases[i % cases.size()]["ids"].get<std::vector<int32_t>>());
   EXPECT_EQ(got[0], got[1]);
+}
+
+// `quads tokenize` prints {"ids": [...]} as its last line and decodes --decode lists.
+TEST(Tokenizer, CliEncodesAndDecodes) {
+  std::string bin = std::string(QUADS_BINARY_DIR) + "/quads";
+  if (!std::ifstream(bin)) GTEST_SKIP() << "no quads binary at " << bin;
+  auto run = [&](const std::string& args) {
+    std::string out;
+    FILE* p = popen((bin + " tokenize --tokenizer " + fixture_tokenizer() + " " + args + " 2>&1").c_str(), "r");
+    char buf[4096];
+    while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
+    EXPECT_EQ(pclose(p), 0) << out;
+    return out;
+  };
+  std::string out = run("--text 'The sum of 12345 and 678 is 13023.'");
+  ASSERT_FALSE(out.empty());
+  out.pop_back();
+  json last = json::parse(out.substr(out.rfind('\n') + 1));
+  EXPECT_EQ(last["ids"].get<std::vector<int32_t>>(), fixture().encode("The sum of 12345 and 678 is 13023."));
+  EXPECT_EQ(run("--decode 74,71,78,345,264,280,78,70"), "hello world\n");
+  EXPECT_EQ(run("--skip-special --decode 1,87,85,262,2"), "user\n");
 }
