@@ -34,7 +34,8 @@ const char* format_name(Format f);
 Format parse_format(const char* name);  // throws quads::Error on an unknown name
 
 // 4-bit codes: bit 3 is the sign, bits 0..2 the magnitude index. Round to nearest even,
-// saturate at ±6 (E2M1) / ±3.5 (E1M2); NaN encodes as +max (these grids have no NaN).
+// saturate at ±6 (E2M1) / ±3.5 (E1M2); NaN encodes as the max magnitude with NaN's sign bit
+// (these grids have no NaN).
 uint8_t e2m1_from_f32(float x);
 float e2m1_to_f32(uint8_t code);
 uint8_t e1m2_from_f32(float x);
