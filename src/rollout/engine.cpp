@@ -1,0 +1,260 @@
+#include "rollout/engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "common/error.h"
+
+namespace quads::rollout {
+
+const char* finish_name(Finish f) { return f == Finish::Stop ? "stop" : "length"; }
+
+std::vector<int32_t> Result::ids() const {
+  std::vector<int32_t> all = prompt;
+  all.insert(all.end(), tokens.begin(), tokens.end());
+  return all;
+}
+
+std::vector<Request> group_requests(const std::vector<std::vector<int32_t>>& prompts, int G, uint64_t base_seed,
+                                    const Request& proto) {
+  QUADS_CHECK(G >= 1, "group_requests: group size must be >= 1 (got {})", G);
+  std::vector<Request> out;
+  out.reserve(prompts.size() * G);
+  for (size_t i = 0; i < prompts.size(); ++i)
+    for (int g = 0; g < G; ++g) {
+      Request r = proto;
+      r.prompt = prompts[i];
+      r.seed = base_seed + i * G + g;
+      out.push_back(std::move(r));
+    }
+  return out;
+}
+
+RolloutEngine::RolloutEngine(const model::Weights& master, const model::PrecisionConfig& p, const EngineOptions& o)
+    : RolloutEngine(model::Weights(master), p, o) {}
+
+RolloutEngine::RolloutEngine(model::Weights&& weights, const model::PrecisionConfig& p, const EngineOptions& o)
+    : options(o), weights_(std::make_unique<model::Weights>(std::move(weights))) {
+  model_ = std::make_unique<model::Model>(*weights_, p);
+  // Batch invariance rests on the row-invariant GEMMs (see the top of engine.h).
+  model_->forward_gemm = model::GemmMode::RowInvariant;
+}
+
+void RolloutEngine::sync(const model::Weights& master) {
+  const model::Layout& a = master.layout;
+  const model::Layout& b = weights_->layout;
+  QUADS_CHECK(a.params.size() == b.params.size(), "rollout sync: the master weights have {} tensors, the engine {}",
+              a.params.size(), b.params.size());
+  for (size_t i = 0; i < a.params.size(); ++i)
+    QUADS_CHECK(a.params[i].name == b.params[i].name && a.params[i].shape == b.params[i].shape,
+                "rollout sync: master tensor {} ({}) does not match the engine's {} ({})", a.params[i].name,
+                fmt::join(a.params[i].shape, "x"), b.params[i].name, fmt::join(b.params[i].shape, "x"));
+  sync(master.data.data(), master.data.size());
+}
+
+void RolloutEngine::sync(const float* master, size_t n) {
+  QUADS_CHECK(n == weights_->data.size(), "rollout sync: {} floats given, the model has {}", n, weights_->data.size());
+  std::memcpy(weights_->data.data(), master, n * sizeof(float));
+  model_->sync();
+}
+
+namespace {
+
+struct Seq {
+  int req = -1;
+  int slot = -1;
+  int64_t fed = 0;         // prompt tokens already in the cache
+  int32_t next = -1;       // the token to feed at the next step (after the prompt)
+  std::vector<Seq> peers;  // same prompt, slots reserved: they copy this one's prefill
+};
+
+}  // namespace
+
+std::vector<Result> RolloutEngine::generate(const std::vector<Request>& requests) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const model::ModelConfig& cfg = weights_->cfg;
+  const int64_t V = cfg.vocab_size;
+  const int n = static_cast<int>(requests.size());
+  QUADS_CHECK(options.max_batch >= 1, "rollout: max_batch must be >= 1 (got {})", options.max_batch);
+  QUADS_CHECK(options.prefill_chunk >= 1, "rollout: prefill_chunk must be >= 1 (got {})", options.prefill_chunk);
+  stats_ = {};
+
+  std::vector<Result> results(n);
+  std::vector<int> todo;  // requests that need the model, in request order
+  for (int i = 0; i < n; ++i) {
+    const Request& r = requests[i];
+    QUADS_CHECK(!r.prompt.empty(), "rollout: request {} has an empty prompt", i);
+    for (size_t j = 0; j < r.prompt.size(); ++j)
+      QUADS_CHECK(r.prompt[j] >= 0 && r.prompt[j] < V,
+                  "rollout: request {}: prompt token {} at index {} is outside the vocabulary (0..{})", i, r.prompt[j],
+                  j, V - 1);
+    for (int32_t s : r.stop_ids)
+      QUADS_CHECK(s >= 0 && s < V, "rollout: request {}: stop id {} is outside the vocabulary (0..{})", i, s, V - 1);
+    QUADS_CHECK(r.max_new_tokens >= 0, "rollout: request {}: max_new_tokens must be >= 0 (got {})", i,
+                r.max_new_tokens);
+    r.sampling.validate(fmt::format("rollout: request {}", i));
+    results[i].prompt = r.prompt;
+    results[i].seed = r.seed;
+    results[i].tokens.reserve(r.max_new_tokens);
+    results[i].logprobs.reserve(r.max_new_tokens);
+    if (r.max_new_tokens > 0) todo.push_back(i);
+  }
+  if (todo.empty()) return results;
+
+  // Waiting requests with the same prompt, for prefill sharing.
+  std::map<std::vector<int32_t>, std::vector<int>> same_prompt;
+  if (options.share_prefill)
+    for (int i : todo) same_prompt[requests[i].prompt].push_back(i);
+  std::vector<uint8_t> admitted(n, 0);
+  size_t next_todo = 0;
+
+  const int nslots = std::min<int>(options.max_batch, static_cast<int>(todo.size()));
+  model::KVCache cache(cfg, nslots);
+  std::vector<int> free_slots;
+  for (int s = nslots - 1; s >= 0; --s) free_slots.push_back(s);  // lowest slot first
+  auto take_slot = [&] {
+    const int s = free_slots.back();
+    free_slots.pop_back();
+    return s;
+  };
+
+  std::vector<Seq> live;
+  std::vector<model::StepItem> items;
+  std::vector<int> item_seq;  // index into live per item
+  struct Job {
+    int req;
+    int live;    // index into live, or -1
+    int joined;  // index into joined (a peer that just copied its leader's prefill), or -1
+    const float* row;
+  };
+  std::vector<Job> jobs;
+  std::vector<Seq> joined;
+  std::vector<Draw> draws;
+  std::vector<std::string> errors;
+
+  while (true) {
+    // Admit waiting requests into free slots, with the peers that share their prompt.
+    while (!free_slots.empty()) {
+      while (next_todo < todo.size() && admitted[todo[next_todo]]) ++next_todo;
+      if (next_todo == todo.size()) break;
+      Seq s;
+      s.req = todo[next_todo];
+      s.slot = take_slot();
+      admitted[s.req] = 1;
+      if (options.share_prefill) {
+        for (int m : same_prompt[requests[s.req].prompt]) {
+          if (free_slots.empty()) break;
+          if (admitted[m]) continue;
+          Seq p;
+          p.req = m;
+          p.slot = take_slot();
+          admitted[m] = 1;
+          s.peers.push_back(std::move(p));
+        }
+      }
+      live.push_back(std::move(s));
+    }
+    if (live.empty()) break;
+
+    // One step: the next prompt chunk of sequences still prefilling, the last token of the others.
+    items.clear();
+    item_seq.clear();
+    int64_t budget = options.max_step_tokens;
+    bool any_prefill = false;
+    for (size_t i = 0; i < live.size(); ++i) {
+      Seq& s = live[i];
+      const auto& prompt = requests[s.req].prompt;
+      const int64_t plen = static_cast<int64_t>(prompt.size());
+      model::StepItem it;
+      it.slot = s.slot;
+      if (s.fed < plen) {
+        int64_t m = std::min(options.prefill_chunk, plen - s.fed);
+        if (any_prefill) m = std::min(m, budget);
+        if (m <= 0) continue;
+        any_prefill = true;
+        budget -= m;
+        it.tokens.assign(prompt.begin() + s.fed, prompt.begin() + s.fed + m);
+        stats_.prefill_tokens += m;
+      } else {
+        it.tokens.push_back(s.next);
+        ++stats_.decode_tokens;
+      }
+      items.push_back(std::move(it));
+      item_seq.push_back(static_cast<int>(i));
+    }
+    const std::vector<float> logits = model_->step(cache, items);
+    ++stats_.steps;
+
+    // Which sequences sample now: those whose prompt just completed (with the peers sharing it,
+    // which copy the cache and sample from the same logits row) and every decoding sequence.
+    jobs.clear();
+    joined.clear();
+    for (size_t j = 0; j < items.size(); ++j) {
+      Seq& s = live[item_seq[j]];
+      const int64_t plen = static_cast<int64_t>(requests[s.req].prompt.size());
+      const float* row = logits.data() + j * V;
+      if (s.fed < plen) {
+        s.fed += static_cast<int64_t>(items[j].tokens.size());
+        if (s.fed < plen) continue;
+        for (Seq& p : s.peers) {
+          cache.copy(s.slot, p.slot);
+          p.fed = plen;
+          ++stats_.shared_prompts;
+          jobs.push_back({p.req, -1, static_cast<int>(joined.size()), row});
+          joined.push_back(std::move(p));
+        }
+        s.peers.clear();
+      }
+      jobs.push_back({s.req, item_seq[j], -1, row});
+    }
+
+    // Sampling: each job depends only on its own row, seed and position.
+    const int njobs = static_cast<int>(jobs.size());
+    draws.assign(njobs, Draw{});
+    errors.assign(njobs, std::string());
+#pragma omp parallel for schedule(static) if (njobs > 1)
+    for (int j = 0; j < njobs; ++j) {
+      const Request& r = requests[jobs[j].req];
+      const uint64_t pos = r.prompt.size() + results[jobs[j].req].tokens.size();
+      try {
+        draws[j] = sample(jobs[j].row, V, r.sampling, r.seed, pos);
+      } catch (const std::exception& e) {
+        errors[j] = e.what();
+      }
+    }
+    for (int j = 0; j < njobs; ++j)
+      QUADS_CHECK(errors[j].empty(), "rollout: request {}: {}", jobs[j].req, errors[j]);
+
+    for (int j = 0; j < njobs; ++j) {
+      const Request& r = requests[jobs[j].req];
+      Result& res = results[jobs[j].req];
+      Seq& s = jobs[j].live >= 0 ? live[jobs[j].live] : joined[jobs[j].joined];
+      res.tokens.push_back(draws[j].token);
+      res.logprobs.push_back(draws[j].logprob);
+      ++stats_.generated;
+      const bool stop = std::find(r.stop_ids.begin(), r.stop_ids.end(), draws[j].token) != r.stop_ids.end();
+      if (stop || static_cast<int>(res.tokens.size()) >= r.max_new_tokens) {
+        res.finish = stop ? Finish::Stop : Finish::Length;
+        cache.clear(s.slot);
+        free_slots.push_back(s.slot);
+        s.req = -1;  // finished
+      } else {
+        s.next = draws[j].token;
+      }
+    }
+    live.erase(std::remove_if(live.begin(), live.end(), [](const Seq& s) { return s.req < 0; }), live.end());
+    for (Seq& p : joined)
+      if (p.req >= 0) live.push_back(std::move(p));
+    std::sort(free_slots.begin(), free_slots.end(), std::greater<int>());
+  }
+  stats_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return results;
+}
+
+}  // namespace quads::rollout

@@ -1,0 +1,110 @@
+#pragma once
+// The rollout engine: batched generation with a KV cache on the model's decode API.
+//
+//   RolloutEngine eng(master_weights, PrecisionConfig::preset("nvfp4"));
+//   eng.sync(master_weights);                       // every RL step: copy + quantize once
+//   auto out = eng.generate(requests);              // tokens + log-probs per request
+//
+// The engine owns a float32 copy of the weights and a model::Model over it in its precision mode;
+// sync() copies the master weights and re-quantizes every linear once (Model::sync), through the
+// same num:: path the trainer's QAT uses, so both sides see bit-identical quantized weights.
+//
+// Scheduling (continuous batching): up to `max_batch` sequences hold a KV-cache slot at once;
+// each step feeds every running sequence its last sampled token and every new one the next chunk
+// of its prompt (variable-length prompts, chunked prefill), all in one Model::step. A sequence
+// ends at a stop token (kept in the output, with its log-prob) or after max_new_tokens; its slot
+// goes to the next waiting request. Requests with identical prompts prefill once (share_prefill):
+// the others copy the KV cache and the prompt's last logits, then sample with their own seeds.
+//
+// Batch invariance: a request's tokens and log-probs are a pure function of (weights, precision,
+// prompt, sampling params, seed, max_new_tokens, stop ids) — bitwise the same alone or in any
+// batch, whatever max_batch, chunking or prefill sharing — as long as the precision mode is
+// batch-invariant (PrecisionConfig::batch_invariant(): per-token activation scales; the
+// `*-tensor` presets take their activation scale over the whole step and are not) and the model
+// runs its row-invariant GEMMs (GemmMode::RowInvariant, the default, which the engine keeps).
+// The model makes each token's logits independent of the batch; the sampler (rollout/sampler.h)
+// draws from a counter-based RNG keyed by (seed, position).
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/model.h"
+#include "rollout/sampler.h"
+
+namespace quads::rollout {
+
+struct Request {
+  std::vector<int32_t> prompt;    // at least one token
+  int max_new_tokens = 16;        // >= 0
+  std::vector<int32_t> stop_ids;  // generation ends after any of these (it is kept)
+  SamplingParams sampling;
+  uint64_t seed = 0;
+};
+
+enum class Finish : uint8_t { Length, Stop };
+const char* finish_name(Finish f);  // "length" / "stop"
+
+struct Result {
+  std::vector<int32_t> prompt;
+  std::vector<int32_t> tokens;    // the new tokens
+  std::vector<float> logprobs;    // one per new token (rollout/sampler.h says which distribution)
+  Finish finish = Finish::Length;
+  uint64_t seed = 0;
+  std::vector<int32_t> ids() const;  // prompt followed by the new tokens
+};
+
+struct EngineOptions {
+  int max_batch = 64;              // KV-cache slots: sequences in flight at once
+  int64_t prefill_chunk = 512;     // at most this many prompt tokens of one sequence per step
+  int64_t max_step_tokens = 2048;  // prompt tokens per step over all sequences (one chunk always fits)
+  bool share_prefill = true;       // identical prompts prefill once and copy the KV cache
+};
+
+// Counters of the last generate() call (timings are wall-clock seconds, for reports only).
+struct EngineStats {
+  int64_t steps = 0;
+  int64_t prefill_tokens = 0;   // prompt tokens run through the model
+  int64_t shared_prompts = 0;   // sequences that copied another's prefill instead
+  int64_t decode_tokens = 0;    // sampled tokens fed back
+  int64_t generated = 0;        // tokens sampled
+  double seconds = 0;
+};
+
+class RolloutEngine {
+ public:
+  // Copies `master` (config and float32 weights) and quantizes it in precision `p`.
+  RolloutEngine(const model::Weights& master, const model::PrecisionConfig& p, const EngineOptions& o = {});
+  // Takes the weights over (no copy): for a command-line run that loads a checkpoint once.
+  RolloutEngine(model::Weights&& weights, const model::PrecisionConfig& p, const EngineOptions& o = {});
+
+  // Copies the master weights into the engine's own copy and re-quantizes them once. The master
+  // must have the same configuration (the error names the first difference).
+  void sync(const model::Weights& master);
+  void sync(const float* master, size_t n);  // a flat buffer in this model's layout
+
+  // Generates every request; results in request order. Throws quads::Error naming the request
+  // for an empty prompt, a token id outside the vocabulary or invalid sampling parameters.
+  std::vector<Result> generate(const std::vector<Request>& requests);
+
+  const model::Model& model() const { return *model_; }
+  model::Model& model() { return *model_; }
+  const model::ModelConfig& config() const { return weights_->cfg; }
+  const model::PrecisionConfig& precision() const { return model_->precision(); }
+  bool batch_invariant() const { return model_->precision().batch_invariant(); }
+  EngineOptions options;
+  const EngineStats& stats() const { return stats_; }
+
+ private:
+  std::unique_ptr<model::Weights> weights_;
+  std::unique_ptr<model::Model> model_;
+  EngineStats stats_;
+};
+
+// G requests per prompt (group sampling, as GRPO needs): request i*G + g gets seed
+// base_seed + i*G + g and otherwise `proto`'s settings. With share_prefill the G members of a
+// group prefill once.
+std::vector<Request> group_requests(const std::vector<std::vector<int32_t>>& prompts, int G, uint64_t base_seed,
+                                    const Request& proto);
+
+}  // namespace quads::rollout

@@ -1,0 +1,157 @@
+#include "rollout/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "common/error.h"
+
+namespace quads::rollout {
+
+Philox4x32 philox4x32_10(const uint32_t counter[4], const uint32_t key[2]) {
+  constexpr uint32_t M0 = 0xD2511F53u, M1 = 0xCD9E8D57u;  // round multipliers
+  constexpr uint32_t W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;  // Weyl key increments
+  uint32_t c0 = counter[0], c1 = counter[1], c2 = counter[2], c3 = counter[3];
+  uint32_t k0 = key[0], k1 = key[1];
+  for (int r = 0; r < 10; ++r) {
+    const uint64_t p0 = uint64_t(M0) * c0, p1 = uint64_t(M1) * c2;
+    const uint32_t hi0 = uint32_t(p0 >> 32), lo0 = uint32_t(p0);
+    const uint32_t hi1 = uint32_t(p1 >> 32), lo1 = uint32_t(p1);
+    c0 = hi1 ^ c1 ^ k0;
+    c1 = lo1;
+    c2 = hi0 ^ c3 ^ k1;
+    c3 = lo0;
+    k0 += W0;
+    k1 += W1;
+  }
+  return {{c0, c1, c2, c3}};
+}
+
+double uniform_draw(uint64_t seed, uint64_t pos) {
+  const uint32_t ctr[4] = {uint32_t(pos), uint32_t(pos >> 32), 0u, 0u};
+  const uint32_t key[2] = {uint32_t(seed), uint32_t(seed >> 32)};
+  const Philox4x32 r = philox4x32_10(ctr, key);
+  const uint64_t bits = (uint64_t(r.v[0]) << 21) ^ (uint64_t(r.v[1]) >> 11);  // 53 bits
+  return double(bits & ((uint64_t(1) << 53) - 1)) * 0x1.0p-53;
+}
+
+void SamplingParams::validate(const std::string& what) const {
+  QUADS_CHECK(std::isfinite(temperature) && temperature >= 0, "{}: temperature must be >= 0 (got {})", what,
+              temperature);
+  QUADS_CHECK(top_k >= 0, "{}: top_k must be >= 0 (0 = off; got {})", what, top_k);
+  QUADS_CHECK(top_p > 0 && top_p <= 1, "{}: top_p must be in (0, 1] (got {})", what, top_p);
+}
+
+std::string SamplingParams::describe() const {
+  if (is_greedy()) return "greedy";
+  std::string s = fmt::format("temperature {}", temperature);
+  if (top_k > 0) s += fmt::format(", top-k {}", top_k);
+  if (top_p < 1) s += fmt::format(", top-p {}", top_p);
+  return s;
+}
+
+Draw sample(const float* logits, int64_t V, const SamplingParams& p, uint64_t seed, uint64_t pos) {
+  QUADS_CHECK(V > 0, "sample: empty vocabulary");
+  const bool greedy = p.is_greedy();
+  const double T = greedy ? 1.0 : p.temperature;
+  // Per-thread scratch: the row's exponentials and the candidate order (vocabulary-sized).
+  thread_local std::vector<double> z, e;
+  thread_local std::vector<int32_t> order;
+  z.resize(V);
+  e.resize(V);
+
+  float fmax = logits[0];
+  int32_t arg = 0;
+  for (int64_t v = 1; v < V; ++v)
+    if (logits[v] > fmax) fmax = logits[v], arg = int32_t(v);
+  // T == 1 keeps z == logit exactly, which makes the log-prob the trainer's formula bit for bit.
+  const double m = T == 1.0 ? double(fmax) : double(fmax) / T;
+  double sum = 0;
+  for (int64_t v = 0; v < V; ++v) {
+    z[v] = T == 1.0 ? double(logits[v]) : double(logits[v]) / T;
+    e[v] = std::exp(z[v] - m);
+    sum += e[v];
+  }
+  const double lse = m + std::log(sum);
+  QUADS_CHECK(std::isfinite(lse) && std::isfinite(m),
+              "sample: the logits at position {} are not finite (max {}, sum of exponentials {})", pos, fmax, sum);
+
+  Draw d;
+  if (greedy) {
+    d.token = arg;
+    d.logprob = static_cast<float>(z[arg] - lse);
+    return d;
+  }
+
+  const int64_t K = (p.top_k > 0 && p.top_k < V) ? p.top_k : V;
+  const double u = uniform_draw(seed, pos);
+  if (K == V && p.top_p >= 1.0) {
+    // Full distribution: walk it in vocabulary order.
+    const double target = u * sum;
+    double cum = 0;
+    int32_t pick = -1;
+    for (int64_t v = 0; v < V; ++v) {
+      if (e[v] <= 0) continue;
+      cum += e[v];
+      pick = int32_t(v);
+      if (cum > target) break;
+    }
+    d.token = pick;
+    d.logprob = static_cast<float>(z[pick] - lse);
+    return d;
+  }
+
+  // Candidates in a strict total order: larger logit first, lower id on ties. Every prefix of
+  // this order is unique, so selecting and sorting blocks gives the same answer as a full sort.
+  order.resize(V);
+  for (int64_t v = 0; v < V; ++v) order[v] = int32_t(v);
+  auto before = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+  double mass = sum;  // mass of the top-k set
+  int64_t sorted = 0;
+  if (K < V) {
+    std::nth_element(order.begin(), order.begin() + (K - 1), order.end(), before);
+    std::sort(order.begin(), order.begin() + K, before);
+    sorted = K;
+    mass = 0;
+    for (int64_t i = 0; i < K; ++i) mass += e[order[i]];
+  }
+  // Nucleus: the shortest prefix whose mass reaches top_p of the (top-k) mass.
+  int64_t n = K;
+  double kept = mass;
+  if (p.top_p < 1.0) {
+    const double need = p.top_p * mass;
+    double cum = 0;
+    n = 0;
+    while (true) {
+      if (n == sorted) {  // extend the sorted prefix (doubling) when the nucleus needs more
+        // Linear-time selection of the next block, then a sort of that block only.
+        const int64_t upto = std::min<int64_t>(K, std::max<int64_t>(64, 2 * sorted));
+        if (upto < V) std::nth_element(order.begin() + sorted, order.begin() + upto, order.end(), before);
+        std::sort(order.begin() + sorted, order.begin() + upto, before);
+        sorted = upto;
+      }
+      cum += e[order[n]];
+      ++n;
+      if (cum >= need || n == K) break;
+    }
+    kept = cum;
+  }
+  const double target = u * kept;
+  double cum = 0;
+  int32_t pick = order[0];
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t v = order[i];
+    if (e[v] <= 0) continue;
+    cum += e[v];
+    pick = v;
+    if (cum > target) break;
+  }
+  d.token = pick;
+  d.logprob = static_cast<float>(z[pick] - lse);
+  d.log_kept_mass = std::log(kept / sum);
+  return d;
+}
+
+}  // namespace quads::rollout

@@ -1,0 +1,55 @@
+#pragma once
+// Token sampling for the rollout engine: greedy, temperature, top-k, top-p, with a counter-based
+// random number generator so that a sequence's draws are a pure function of (seed, position).
+//
+// The draw for the token at position `pos` of a sequence with seed `seed` (pos = the index the
+// new token will have in the sequence, prompt included) is
+//   u = uniform53(philox4x32_10(counter = {pos lo, pos hi, 0, 0}, key = {seed lo, seed hi}))
+// so it never depends on other sequences, on the batch, on threads or on how many tokens were
+// drawn before. Together with the model's row-invariant forward this makes generation
+// batch-invariant.
+//
+// Log-probabilities. With z_v = double(logit_v) / T and m = max_v z_v (T = the temperature, 1
+// for greedy), the returned log-prob of the chosen token is
+//   logp = z_tok - (m + log(sum_v exp(z_v - m)))      (float64, vocabulary order, then float)
+// i.e. the log-softmax of the TEMPERATURE-SCALED logits the sampler saw: the log-prob of the
+// policy the sample came from. For T = 1 this is bitwise train::token_logprobs (the trainer's
+// formula), so a trainer in the same numerics reproduces it exactly. Top-k / top-p truncation is
+// NOT reflected: the value is under the full tempered distribution, which is what a trainer can
+// recompute from its own logits. For the truncated policy use logp - Draw::log_kept_mass.
+#include <cstdint>
+#include <string>
+
+namespace quads::rollout {
+
+// Philox4x32 with 10 rounds (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11).
+struct Philox4x32 {
+  uint32_t v[4];
+};
+Philox4x32 philox4x32_10(const uint32_t counter[4], const uint32_t key[2]);
+
+// Uniform double in [0, 1) with 53 random bits: the draw for (seed, pos).
+double uniform_draw(uint64_t seed, uint64_t pos);
+
+struct SamplingParams {
+  bool greedy = false;       // argmax (lowest id on ties); same as temperature == 0
+  double temperature = 1.0;  // > 0 for sampling
+  int top_k = 0;             // keep the k largest logits (ties: lower id first); 0 = off
+  double top_p = 1.0;        // nucleus over the (top-k) renormalized probabilities; 1 = off
+
+  bool is_greedy() const { return greedy || temperature == 0.0; }
+  void validate(const std::string& what = "sampling") const;  // throws quads::Error naming the field
+  std::string describe() const;
+};
+
+struct Draw {
+  int32_t token = -1;
+  float logprob = 0;          // see the top of this file
+  double log_kept_mass = 0;   // log of the tempered probability mass top-k/top-p kept (0: all)
+};
+
+// Samples one token from a row of V float32 logits. Throws quads::Error (naming `pos`) if the
+// logits are not finite. A pure function of (logits, params, seed, pos); thread-safe.
+Draw sample(const float* logits, int64_t V, const SamplingParams& p, uint64_t seed, uint64_t pos);
+
+}  // namespace quads::rollout
