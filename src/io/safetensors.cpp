@@ -481,7 +481,9 @@ SafeTensorsWriter::SafeTensorsWriter(const std::string& path, std::vector<Tensor
       first = false;
       append_json_string(js, k);
       js += ':';
+      size_t at = js.size();
       append_json_string(js, v);
+      meta_pos_[k] = {8 + at, js.size() - at};
     }
     js += '}';
   }
@@ -544,6 +546,18 @@ void SafeTensorsWriter::write(const std::string& name, const void* data, size_t 
   QUADS_CHECK(!s.written || nbytes == 0, "{}: tensor '{}' written twice", path_, name);
   write_all(fd_, data, nbytes, data_start_ + s.begin, tmp_path_);
   s.written = true;
+}
+
+void SafeTensorsWriter::set_metadata(const std::string& key, const std::string& value) {
+  QUADS_CHECK(fd_ >= 0, "{}: metadata '{}' set after commit", path_, key);
+  auto it = meta_pos_.find(key);
+  QUADS_CHECK(it != meta_pos_.end(), "{}: metadata '{}' was not reserved", path_, key);
+  QUADS_CHECK(valid_utf8(value), "{}: metadata '{}' is not valid UTF-8", path_, key);
+  std::string js;
+  append_json_string(js, value);
+  QUADS_CHECK(js.size() == it->second.second, "{}: metadata '{}': new value takes {} bytes, the reserved one {}", path_,
+              key, js.size(), it->second.second);
+  write_all(fd_, js.data(), js.size(), it->second.first, tmp_path_);
 }
 
 void SafeTensorsWriter::commit() {

@@ -112,6 +112,9 @@ class SafeTensorsWriter {
   SafeTensorsWriter& operator=(const SafeTensorsWriter&) = delete;
 
   void write(const std::string& name, const void* data, size_t nbytes);
+  // Replaces a metadata value given to the constructor by one of the same JSON-escaped length
+  // (for values known only after the data is written: reserve them with a placeholder).
+  void set_metadata(const std::string& key, const std::string& value);
   void commit();
   size_t file_size() const { return file_size_; }
 
@@ -122,6 +125,7 @@ class SafeTensorsWriter {
   size_t data_start_ = 0, file_size_ = 0;
   std::vector<Slot> slots_;  // in file order
   std::map<std::string, size_t> index_;
+  std::map<std::string, std::pair<size_t, size_t>> meta_pos_;  // key -> (file offset, length) of the value
 };
 
 // "[512, 64]"; "[]" for a scalar.

@@ -311,6 +311,33 @@ TEST(SafeTensorsWriter, RejectsBadInput) {
   EXPECT_TRUE(fs::is_empty(tmp.dir));
 }
 
+TEST(SafeTensorsWriter, MetadataFilledInLater) {
+  TempDir tmp;
+  std::string p = tmp / "m.safetensors";
+  float x[2] = {1, 2};
+  {
+    SafeTensorsWriter w(p, {{"a", DType::F32, {2}}}, {{"amax", "0.00000000e+00"}, {"other", "x"}});
+    w.write("a", x, 8);
+    EXPECT_THROW(w.set_metadata("amax", "1.5"), Error);        // different length
+    EXPECT_THROW(w.set_metadata("missing", "x"), Error);       // not reserved
+    w.set_metadata("amax", "1.50000000e+00");
+    EXPECT_THROW(w.set_metadata("other", "\n"), Error);  // escapes to two bytes: too long
+  }
+  EXPECT_FALSE(fs::exists(p));
+  SafeTensorsWriter w(p, {{"a", DType::F32, {2}}}, {{"amax", "0.00000000e+00"}, {"other", "x"}});
+  w.write("a", x, 8);
+  w.set_metadata("amax", "1.50000000e+00");
+  w.set_metadata("other", "y");
+  w.commit();
+  auto f = SafeTensorsFile::open(p);
+  EXPECT_EQ(f->metadata().at("amax"), "1.50000000e+00");
+  EXPECT_EQ(f->metadata().at("other"), "y");
+  // identical to writing the final values directly
+  std::string q = tmp / "q.safetensors";
+  write_safetensors(q, {TensorData::from_f32("a", {2}, x)}, {{"amax", "1.50000000e+00"}, {"other", "y"}});
+  EXPECT_EQ(read_bytes(p), read_bytes(q));
+}
+
 TEST(SafeTensorsWriter, StreamingOutOfOrderAndAtomic) {
   TempDir tmp;
   std::string p = tmp / "s.safetensors";
