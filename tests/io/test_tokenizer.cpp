@@ -447,3 +447,15 @@ TEST(Tokenizer, CliEncodesAndDecodes) {
   EXPECT_EQ(run("--decode 74,71,78,345,264,280,78,70"), "hello world\n");
   EXPECT_EQ(run("--skip-special --decode 1,87,85,262,2"), "user\n");
 }
+
+// A GPT-2 style ByteLevel pre-tokenizer (its own regex, a prefix space) over the fixture's model:
+// for words and single spaces it cuts where Qwen's regex does, after a space is put in front.
+TEST(Tokenizer, ByteLevelWithRegexAndPrefixSpace) {
+  json j = read_json(fixture_tokenizer());
+  j["pre_tokenizer"] = {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}};
+  Tokenizer gpt2 = Tokenizer::from_json_text(j.dump(), "gpt2-style");
+  for (const char* s : {"hello world", "answer the scale is router", "naïve café"})
+    EXPECT_EQ(gpt2.encode(s), fixture().encode(std::string(" ") + s)) << s;
+  EXPECT_EQ(gpt2.encode(" x"), fixture().encode(" x"));  // no second space when one is there
+  EXPECT_EQ(gpt2.decode(gpt2.encode("hello world")), " hello world");
+}
