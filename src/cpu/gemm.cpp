@@ -161,7 +161,7 @@ void gemm_nt_rowinv(int64_t M, int64_t N, int64_t K, const float* X, int64_t ldx
   const int64_t npanels = (N + panel - 1) / panel, nrblk = (M + rblk - 1) / rblk;
   const int64_t ntasks = npanels * nrblk;
   const double flops = 2.0 * double(M) * double(N) * double(K);
-#pragma omp parallel for schedule(static) if (ntasks > 1 && flops > 2e5)
+#pragma omp parallel for schedule(static) if (ntasks > 1 && flops > 2e6)
   for (int64_t task = 0; task < ntasks; ++task) {
     const int64_t p = task / nrblk, rb = task % nrblk;
     const int64_t n0 = p * panel, n1 = std::min(N, n0 + panel);

@@ -15,13 +15,16 @@ namespace {
 // Column blocks for reductions over rows that are parallel over columns (deterministic: each
 // column is summed by one thread, rows in order).
 constexpr int64_t kColBlock = 64;
+// Below this many elements an op runs on one thread: a parallel region costs more than it saves
+// (and far more when the machine is oversubscribed).
+constexpr int64_t kParallelMin = int64_t(1) << 15;
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
 // RMSNorm
 
 void rmsnorm_forward(const float* x, const float* w, int64_t rows, int64_t D, float eps, float* y, float* inv_rms) {
-#pragma omp parallel for schedule(static) if (rows * D > 4096)
+#pragma omp parallel for schedule(static) if (rows * D > kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * D;
     double ss = 0;
@@ -37,7 +40,7 @@ void rmsnorm_backward(const float* dy, const float* x, const float* w, const flo
                       float* dx, float* dw) {
   // y_i = w_i x_i r with r = (mean(x^2) + eps)^-1/2:
   // dx_j = r w_j dy_j - x_j r^3 / D * sum_i dy_i w_i x_i
-#pragma omp parallel for schedule(static) if (rows * D > 4096)
+#pragma omp parallel for schedule(static) if (rows * D > kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * D;
     const float* dyr = dy + r * D;
@@ -50,7 +53,7 @@ void rmsnorm_backward(const float* dy, const float* x, const float* w, const flo
   }
   if (!dw) return;
   const int64_t nblk = (D + kColBlock - 1) / kColBlock;
-#pragma omp parallel for schedule(static) if (rows * D > 4096)
+#pragma omp parallel for schedule(static) if (rows * D > kParallelMin)
   for (int64_t b = 0; b < nblk; ++b) {
     const int64_t c0 = b * kColBlock, c1 = std::min(D, c0 + kColBlock);
     double acc[kColBlock] = {};
@@ -74,7 +77,7 @@ void rope_tables(const int64_t* pos, int64_t n, int hd, double theta, float* cos
     const float e = static_cast<float>(2 * i) / static_cast<float>(hd);
     inv_freq[i] = 1.0f / static_cast<float>(std::pow(double(base), double(e)));
   }
-#pragma omp parallel for schedule(static) if (n * half > 4096)
+#pragma omp parallel for schedule(static) if (n * half > kParallelMin)
   for (int64_t t = 0; t < n; ++t) {
     const float p = static_cast<float>(pos[t]);
     for (int i = 0; i < half; ++i) {
@@ -87,7 +90,7 @@ void rope_tables(const int64_t* pos, int64_t n, int hd, double theta, float* cos
 
 void rope_forward(float* x, int64_t n, int heads, int hd, const float* cos, const float* sin) {
   const int half = hd / 2;
-#pragma omp parallel for schedule(static) if (n * heads * hd > 8192)
+#pragma omp parallel for schedule(static) if (n * heads * hd > kParallelMin)
   for (int64_t t = 0; t < n; ++t) {
     const float* c = cos + t * half;
     const float* s = sin + t * half;
@@ -105,7 +108,7 @@ void rope_forward(float* x, int64_t n, int heads, int hd, const float* cos, cons
 
 void rope_backward(float* dx, int64_t n, int heads, int hd, const float* cos, const float* sin) {
   const int half = hd / 2;
-#pragma omp parallel for schedule(static) if (n * heads * hd > 8192)
+#pragma omp parallel for schedule(static) if (n * heads * hd > kParallelMin)
   for (int64_t t = 0; t < n; ++t) {
     const float* c = cos + t * half;
     const float* s = sin + t * half;
@@ -128,7 +131,7 @@ void attention_forward(const float* q, const float* k, const float* v, int64_t n
   const int group = nh / nkv;
   const int64_t start = L - n;
   const int64_t work = n * nh;
-#pragma omp parallel if (work * L * hd > 32768)
+#pragma omp parallel if (work * L * hd > 8 * kParallelMin)
   {
     std::vector<float> s(L);
 #pragma omp for schedule(static)
@@ -169,7 +172,7 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
   // Per query head: dq directly, dk/dv into a private [L, hd] buffer; the heads of one kv group are
   // then added in head order.
   std::vector<float> dkh(static_cast<size_t>(nh) * L * hd), dvh(static_cast<size_t>(nh) * L * hd);
-#pragma omp parallel if (n * L * hd * nh > 32768)
+#pragma omp parallel if (n * L * hd * nh > 8 * kParallelMin)
   {
     std::vector<float> P(L), dP(L);
 #pragma omp for schedule(static)
@@ -209,7 +212,7 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
       }
     }
   }
-#pragma omp parallel for schedule(static) if (L * nkv * hd > 8192)
+#pragma omp parallel for schedule(static) if (L * nkv * hd > kParallelMin)
   for (int64_t j = 0; j < L; ++j)
     for (int g = 0; g < nkv; ++g) {
       float* dkj = dk + (j * nkv + g) * hd;
@@ -229,7 +232,7 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
 // Softmax
 
 void softmax_forward(const float* x, int64_t rows, int64_t cols, float* y) {
-#pragma omp parallel for schedule(static) if (rows * cols > 8192)
+#pragma omp parallel for schedule(static) if (rows * cols > kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * cols;
     float* yr = y + r * cols;
@@ -246,7 +249,7 @@ void softmax_forward(const float* x, int64_t rows, int64_t cols, float* y) {
 }
 
 void softmax_backward(const float* y, const float* dy, int64_t rows, int64_t cols, float* dx) {
-#pragma omp parallel for schedule(static) if (rows * cols > 8192)
+#pragma omp parallel for schedule(static) if (rows * cols > kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
     const float* yr = y + r * cols;
     const float* dyr = dy + r * cols;
@@ -262,7 +265,7 @@ void softmax_backward(const float* y, const float* dy, int64_t rows, int64_t col
 void router_topk_forward(const float* logits, int64_t T, int E, int k, bool norm_topk, float* probs, int32_t* idx,
                          float* w, const int32_t* forced) {
   softmax_forward(logits, T, E, probs);
-#pragma omp parallel for schedule(static) if (T * E > 8192)
+#pragma omp parallel for schedule(static) if (T * E > kParallelMin)
   for (int64_t t = 0; t < T; ++t) {
     const float* p = probs + t * E;
     int32_t* it = idx + t * k;
@@ -293,7 +296,7 @@ void router_topk_forward(const float* logits, int64_t T, int E, int k, bool norm
 
 void router_topk_backward(const float* probs, const int32_t* idx, const float* w, const float* dw,
                           const float* dprobs_extra, int64_t T, int E, int k, bool norm_topk, float* dlogits) {
-#pragma omp parallel for schedule(static) if (T * E > 8192)
+#pragma omp parallel for schedule(static) if (T * E > kParallelMin)
   for (int64_t t = 0; t < T; ++t) {
     std::vector<double> dp(E, 0.0);
     if (dprobs_extra)
@@ -332,12 +335,12 @@ void moe_permute(const int32_t* idx, int64_t T, int k, int E, int64_t* offsets, 
 }
 
 void moe_gather(const float* x, const int32_t* perm, int64_t n, int k, int64_t D, float* xe) {
-#pragma omp parallel for schedule(static) if (n * D > 16384)
+#pragma omp parallel for schedule(static) if (n * D > kParallelMin)
   for (int64_t r = 0; r < n; ++r) std::memcpy(xe + r * D, x + (perm[r] / k) * D, sizeof(float) * D);
 }
 
 void moe_scatter_add(const float* dxe, const int32_t* inv, int64_t T, int k, int64_t D, float* dx, bool accumulate) {
-#pragma omp parallel for schedule(static) if (T * D > 16384)
+#pragma omp parallel for schedule(static) if (T * D > kParallelMin)
   for (int64_t t = 0; t < T; ++t) {
     float* d = dx + t * D;
     if (!accumulate) std::fill(d, d + D, 0.f);
@@ -349,7 +352,7 @@ void moe_scatter_add(const float* dxe, const int32_t* inv, int64_t T, int k, int
 }
 
 void moe_combine_forward(const float* ye, const int32_t* inv, const float* w, int64_t T, int k, int64_t D, float* y) {
-#pragma omp parallel for schedule(static) if (T * D > 16384)
+#pragma omp parallel for schedule(static) if (T * D > kParallelMin)
   for (int64_t t = 0; t < T; ++t) {
     float* yt = y + t * D;
     std::fill(yt, yt + D, 0.f);
@@ -363,7 +366,7 @@ void moe_combine_forward(const float* ye, const int32_t* inv, const float* w, in
 
 void moe_combine_backward(const float* dy, const float* ye, const int32_t* inv, const float* w, int64_t T, int k,
                           int64_t D, float* dye, float* dw) {
-#pragma omp parallel for schedule(static) if (T * D > 16384)
+#pragma omp parallel for schedule(static) if (T * D > kParallelMin)
   for (int64_t t = 0; t < T; ++t) {
     const float* dyt = dy + t * D;
     for (int s = 0; s < k; ++s) {
@@ -385,7 +388,7 @@ void moe_combine_backward(const float* dy, const float* ye, const int32_t* inv, 
 // SwiGLU
 
 void swiglu_forward(const float* gu, int64_t n, int64_t I, float* h) {
-#pragma omp parallel for schedule(static) if (n * I > 16384)
+#pragma omp parallel for schedule(static) if (n * I > kParallelMin)
   for (int64_t r = 0; r < n; ++r) {
     const float* g = gu + r * 2 * I;
     const float* u = g + I;
@@ -395,7 +398,7 @@ void swiglu_forward(const float* gu, int64_t n, int64_t I, float* h) {
 }
 
 void swiglu_backward(const float* gu, const float* dh, int64_t n, int64_t I, float* dgu) {
-#pragma omp parallel for schedule(static) if (n * I > 16384)
+#pragma omp parallel for schedule(static) if (n * I > kParallelMin)
   for (int64_t r = 0; r < n; ++r) {
     const float* g = gu + r * 2 * I;
     const float* u = g + I;
@@ -415,13 +418,13 @@ void swiglu_backward(const float* gu, const float* dh, int64_t n, int64_t I, flo
 // Embedding
 
 void embedding_forward(const float* table, const int32_t* tokens, int64_t T, int64_t H, float* out) {
-#pragma omp parallel for schedule(static) if (T * H > 16384)
+#pragma omp parallel for schedule(static) if (T * H > kParallelMin)
   for (int64_t t = 0; t < T; ++t) std::memcpy(out + t * H, table + int64_t(tokens[t]) * H, sizeof(float) * H);
 }
 
 void embedding_backward(const float* dout, const int32_t* tokens, int64_t T, int64_t H, float* dtable) {
   const int64_t nblk = (H + kColBlock - 1) / kColBlock;
-#pragma omp parallel for schedule(static) if (T * H > 16384)
+#pragma omp parallel for schedule(static) if (T * H > kParallelMin)
   for (int64_t b = 0; b < nblk; ++b) {
     const int64_t c0 = b * kColBlock, c1 = std::min(H, c0 + kColBlock);
     for (int64_t t = 0; t < T; ++t) {

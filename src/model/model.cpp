@@ -227,7 +227,7 @@ void Model::sync() {
   }
   const int n = static_cast<int>(linears_.size());
   // Each linear is independent; the quantizers are deterministic whatever the thread.
-#pragma omp parallel for schedule(dynamic) if (n > 1)
+#pragma omp parallel for schedule(dynamic) if (n > 1 && w_->data.size() > (size_t(1) << 20))
   for (int i = 0; i < n; ++i) {
     LinearQ& q = linears_[i];
     quantize_weight(q, w_->data.data() + q.offset, weff_.data() + q.offset);
@@ -461,7 +461,8 @@ struct ModelImpl {
       mlp_rows(lin(b), lin(b + 1), lin(b + 2), a.xe.data() + r0 * H, n, og[e], ou[e], od[e], a.gu.data() + r0 * 2 * I,
                a.h.data() + r0 * I, a.ye.data() + r0 * H, opt);
     };
-    const bool parallel_experts = m.forward_gemm == GemmMode::RowInvariant && !(opt && opt->probe);
+    const bool parallel_experts =
+        m.forward_gemm == GemmMode::RowInvariant && !(opt && opt->probe) && R * H * I > (int64_t(1) << 18);
     if (parallel_experts) {
       // Rows of an expert are computed the same way whichever thread runs it (row-invariant GEMMs).
 #pragma omp parallel for schedule(dynamic)
