@@ -1,0 +1,134 @@
+#pragma once
+// The run configuration of `quads sft`, `quads rl` and `quads compare`: a TOML file, then
+// `--set key=value` overrides with dotted keys (`--set rl.lr=1e-3`). Every key is type-checked;
+// an unknown key is an error naming the key and the file. The member initializers below ARE the
+// built-in default, and configs/default.toml spells out the same values (a test checks they agree).
+// docs/rl.md describes every key.
+//
+// Typical use:
+//   RunConfig cfg = load_config(path_or_empty, overrides);   // "" = built-in default
+//   save_resolved_config(cfg, run_dir);                      // config.toml + config.json
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "rl/grpo.h"
+#include "rl/tasks.h"
+
+namespace quads::rl {
+
+struct ModelSection {
+  int64_t hidden = 128;
+  int64_t layers = 2;
+  int64_t heads = 4;
+  int64_t kv_heads = 2;
+  int64_t head_dim = 32;
+  int64_t experts = 8;
+  int64_t experts_per_token = 2;
+  int64_t moe_intermediate = 128;
+  int64_t max_seq_len = 128;  // prompt + response tokens, <bos> included
+  double rope_theta = 10000.0;
+  double rms_eps = 1e-6;
+  double init_std = 0.02;
+  bool operator==(const ModelSection&) const = default;
+};
+
+struct SftSection {
+  int64_t steps = 600;
+  double lr = 3e-3;
+  int64_t batch = 32;
+  int64_t warmup_steps = 30;
+  double weight_decay = 0.0;
+  double grad_clip = 1.0;
+  bool operator==(const SftSection&) const = default;
+};
+
+struct RlSection {
+  int64_t steps = 200;
+  int64_t group_size = 8;        // G samples per prompt
+  int64_t prompts_per_step = 16;
+  double lr = 2e-4;
+  double clip_eps_low = 0.2;     // ratio clipped to [1 - low, 1 + high]
+  double clip_eps_high = 0.28;
+  double kl_coef = 0.0;          // > 0: k3 penalty to the SFT model
+  int64_t max_new_tokens = 64;
+  double temperature = 1.0;      // rollouts for training
+  double eval_temperature = 0.0; // 0: greedy pass@1
+  int64_t eval_every = 10;       // steps; step 0 (the SFT model) is always evaluated
+  int64_t eval_size = 256;
+  double collapse_margin = 0.1;  // collapsed: final pass@1 < best pass@1 - margin
+  int64_t checkpoint_every = 50;
+  int64_t seed = 1;              // first seed; seed i of a comparison is seed + i
+  int64_t seeds = 1;             // how many seeds per mode
+  std::string aggregation = "token_mean";  // token_mean | seq_mean | seq_sum_norm
+  bool scale_adv_by_std = true;  // false: Dr. GRPO advantages
+  bool tis = true;               // truncated importance sampling against rollout log-probs
+  double tis_cap = 2.0;
+  int64_t minibatches = 1;       // optimizer steps per RL step
+  double grad_clip = 1.0;
+  bool operator==(const RlSection&) const = default;
+};
+
+struct QuadsSection {
+  double rac_ratio = 0.05;              // share of channels (or 16-blocks) given a residual
+  std::string granularity = "block16";  // block16 | channel
+  std::string activation_scale = "dynamic";  // dynamic | static (calibrated global amax)
+  std::string residual_format = "nvfp4";     // nvfp4 | fp8 | bf16
+  bool asymmetric_qat = true;           // trainer sees the rollout's quantized weights
+  bool operator==(const QuadsSection&) const = default;
+};
+
+struct TasksSection {
+  std::vector<std::string> families{"add", "mul", "countdown", "sort"};
+  std::vector<int64_t> add_digits{2, 3, 4};
+  std::vector<int64_t> mul_digits{2};
+  std::vector<int64_t> countdown_numbers{3, 4};
+  std::vector<int64_t> sort_length{3, 4, 5};
+  int64_t seed = 1234;  // task seed: the same evaluation set for every mode and run seed
+  bool operator==(const TasksSection&) const = default;
+};
+
+// Modes the comparison knows. bf16: BF16 rollouts; fp8: FP8 W8A8 rollouts; nvfp4: naive NVFP4
+// W4A4 rollouts; quads: NVFP4 rollouts with RAC and asymmetric QAT (the [quads] section).
+inline const std::vector<std::string>& known_modes() {
+  static const std::vector<std::string> m{"bf16", "fp8", "nvfp4", "quads"};
+  return m;
+}
+
+struct RunConfig {
+  std::vector<std::string> modes{"bf16", "fp8", "nvfp4", "quads"};
+  ModelSection model;
+  SftSection sft;
+  RlSection rl;
+  QuadsSection quads;
+  TasksSection tasks;
+  bool operator==(const RunConfig&) const = default;
+
+  // Conversions for the other modules.
+  TaskMix task_mix() const;
+  PgConfig pg_config() const;
+  AdvantageConfig advantage_config() const;
+};
+
+// Parses TOML text on top of `base` (keys absent from the text keep base's values). `origin` (a file
+// name) is named in every error, with the line of the offending key.
+RunConfig parse_config(std::string_view toml_text, const std::string& origin, const RunConfig& base = {});
+// "key=value": value is read as a TOML value (1e-3, true, "x", ["a", "b"]); for string keys a bare
+// word is taken as the string, and for list keys a bare comma-separated list is accepted
+// (modes=bf16,quads; tasks.add_digits=2,3).
+void apply_override(RunConfig& cfg, std::string_view assignment);
+// Range and enum checks; throws naming the key and `origin`.
+void validate(const RunConfig& cfg, const std::string& origin);
+// File (or the built-in default when path is empty), then overrides in order, then validate.
+RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+
+std::string to_toml(const RunConfig& cfg);  // parse_config(to_toml(c)) == c
+nlohmann::json to_json(const RunConfig& cfg);
+// Writes dir/config.toml and dir/config.json atomically (dir must exist).
+void save_resolved_config(const RunConfig& cfg, const std::string& dir);
+// Every dotted key in file order, e.g. "modes", "model.hidden", ..., "tasks.seed".
+std::vector<std::string> config_keys();
+
+}  // namespace quads::rl
