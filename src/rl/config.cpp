@@ -66,9 +66,11 @@ std::vector<Field> fields(RunConfig& c) {
       {"rl.tis_cap", &c.rl.tis_cap},
       {"rl.minibatches", &c.rl.minibatches},
       {"rl.grad_clip", &c.rl.grad_clip},
+      {"rl.routing_replay", &c.rl.routing_replay},
+      {"rl.diagnostics", &c.rl.diagnostics},
       {"quads.rac_ratio", &c.quads.rac_ratio},
       {"quads.granularity", &c.quads.granularity},
-      {"quads.activation_scale", &c.quads.activation_scale},
+      {"quads.rac_selection", &c.quads.rac_selection},
       {"quads.residual_format", &c.quads.residual_format},
       {"quads.asymmetric_qat", &c.quads.asymmetric_qat},
       {"tasks.families", &c.tasks.families},
@@ -382,7 +384,7 @@ void validate(const RunConfig& c, const std::string& origin) {
   check(c.quads.rac_ratio >= 0 && c.quads.rac_ratio <= 1, "quads.rac_ratio", fmt::format("{}", c.quads.rac_ratio),
         "must be in [0, 1]");
   one_of(c.quads.granularity, "quads.granularity", {"block16", "channel"});
-  one_of(c.quads.activation_scale, "quads.activation_scale", {"dynamic", "static"});
+  one_of(c.quads.rac_selection, "quads.rac_selection", {"static", "dynamic"});
   one_of(c.quads.residual_format, "quads.residual_format", {"nvfp4", "fp8", "bf16"});
 
   const auto& t = c.tasks;

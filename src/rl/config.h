@@ -36,7 +36,7 @@ struct ModelSection {
 };
 
 struct SftSection {
-  int64_t steps = 600;
+  int64_t steps = 400;
   double lr = 3e-3;
   int64_t batch = 32;
   int64_t warmup_steps = 30;
@@ -46,9 +46,9 @@ struct SftSection {
 };
 
 struct RlSection {
-  int64_t steps = 200;
+  int64_t steps = 40;
   int64_t group_size = 8;        // G samples per prompt
-  int64_t prompts_per_step = 16;
+  int64_t prompts_per_step = 8;
   double lr = 2e-4;
   double clip_eps_low = 0.2;     // ratio clipped to [1 - low, 1 + high]
   double clip_eps_high = 0.28;
@@ -57,24 +57,27 @@ struct RlSection {
   double temperature = 1.0;      // rollouts for training
   double eval_temperature = 0.0; // 0: greedy pass@1
   int64_t eval_every = 10;       // steps; step 0 (the SFT model) is always evaluated
-  int64_t eval_size = 256;
+  int64_t eval_size = 128;
   double collapse_margin = 0.1;  // collapsed: final pass@1 < best pass@1 - margin
-  int64_t checkpoint_every = 50;
+  int64_t checkpoint_every = 20;
   int64_t seed = 1;              // first seed; seed i of a comparison is seed + i
   int64_t seeds = 1;             // how many seeds per mode
   std::string aggregation = "token_mean";  // token_mean | seq_mean | seq_sum_norm
   bool scale_adv_by_std = true;  // false: Dr. GRPO advantages
-  bool tis = true;               // truncated importance sampling against rollout log-probs
+  bool tis = false;              // TIS in every mode (the nvfp4-tis mode has it regardless)
   double tis_cap = 2.0;
   int64_t minibatches = 1;       // optimizer steps per RL step
   double grad_clip = 1.0;
+  bool routing_replay = false;   // trainer routes each token to the experts the rollout chose
+  bool diagnostics = true;       // routing mismatch and per-layer activation error (extra forward)
   bool operator==(const RlSection&) const = default;
 };
 
 struct QuadsSection {
-  double rac_ratio = 0.05;              // share of channels (or 16-blocks) given a residual
-  std::string granularity = "block16";  // block16 | channel
-  std::string activation_scale = "dynamic";  // dynamic | static (calibrated global amax)
+  double rac_ratio = 0.5;               // share of input channels given a residual correction
+  std::string granularity = "block16";  // block16 (whole 16-channel blocks) | channel
+  std::string rac_selection = "static"; // static (ranked on a calibration batch at each sync,
+                                        // batch-invariant) | dynamic (per forward call, not)
   std::string residual_format = "nvfp4";     // nvfp4 | fp8 | bf16
   bool asymmetric_qat = true;           // trainer sees the rollout's quantized weights
   bool operator==(const QuadsSection&) const = default;
@@ -90,15 +93,15 @@ struct TasksSection {
   bool operator==(const TasksSection&) const = default;
 };
 
-// Modes the comparison knows. bf16: BF16 rollouts; fp8: FP8 W8A8 rollouts; nvfp4: naive NVFP4
-// W4A4 rollouts; quads: NVFP4 rollouts with RAC and asymmetric QAT (the [quads] section).
+// Mode names the config accepts (their meaning: src/rl/modes.h). Keep in step with all_modes().
 inline const std::vector<std::string>& known_modes() {
-  static const std::vector<std::string> m{"bf16", "fp8", "nvfp4", "quads"};
+  static const std::vector<std::string> m{"bf16",     "fp8",      "nvfp4",   "nvfp4-tis", "quads",
+                                          "qat-only", "rac-only", "qat-sym", "fp32"};
   return m;
 }
 
 struct RunConfig {
-  std::vector<std::string> modes{"bf16", "fp8", "nvfp4", "quads"};
+  std::vector<std::string> modes{"bf16", "fp8", "nvfp4", "nvfp4-tis", "quads", "qat-only", "rac-only"};
   ModelSection model;
   SftSection sft;
   RlSection rl;

@@ -151,8 +151,8 @@ bool get_number(const json& r, const char* key, double* out) {
 RunResult summarize_run(const std::vector<json>& rows, const std::string& mode, int64_t seed, double collapse_margin) {
   std::vector<std::pair<int64_t, double>> evals;
   RunResult res;
-  double gap_sum = 0;
-  int64_t gap_n = 0;
+  double gap_sum = 0, gap_max_sum = 0;
+  int64_t gap_n = 0, gap_max_n = 0;
   for (const auto& r : rows) {
     double v;
     if (r.is_object() && r.value(metric::kMode, "") == mode && r.contains(metric::kSeed) &&
@@ -163,7 +163,7 @@ RunResult summarize_run(const std::vector<json>& rows, const std::string& mode, 
       evals.emplace_back(r.value(metric::kStep, int64_t{0}), v);
     if (row_matches(r, "train", mode, seed)) {
       if (get_number(r, metric::kGapMeanAbs, &v)) gap_sum += v, ++gap_n;
-      if (get_number(r, metric::kGapMaxAbs, &v)) res.max_abs_logp_gap = std::max(res.max_abs_logp_gap, v);
+      if (get_number(r, metric::kGapMaxAbs, &v)) gap_max_sum += v, ++gap_max_n;
     }
   }
   QUADS_CHECK(!evals.empty(), "metrics: mode {} seed {} has no eval row with a pass1 value", mode, seed);
@@ -173,6 +173,7 @@ RunResult summarize_run(const std::vector<json>& rows, const std::string& mode, 
   res.best_pass1 = evals.front().second;
   for (const auto& e : evals) res.best_pass1 = std::max(res.best_pass1, e.second);
   res.mean_abs_logp_gap = gap_n ? gap_sum / static_cast<double>(gap_n) : 0;
+  res.max_abs_logp_gap = gap_max_n ? gap_max_sum / static_cast<double>(gap_max_n) : 0;
   res.collapsed = res.final_pass1 < res.best_pass1 - collapse_margin;
   return res;
 }
@@ -266,7 +267,7 @@ std::string report_markdown(const ojson& summary, const std::string& config_toml
   *final* the last evaluation, *best* the highest one, step 0 included.
 - **logp gap** is, for each sampled token, log p(trainer) - log p(rollout): how differently the
   rollout engine (BF16, FP8 or NVFP4 numerics) and the trainer score what the rollout sampled.
-  *mean abs* averages the per-step mean |gap| over RL steps; *max abs* is the largest |gap| seen.
+  *mean abs* averages the per-step mean |gap| over RL steps, *max abs* the per-step maximum |gap|.
   With exact agreement both are 0; a large gap makes the policy gradient off-policy.
 - **collapsed** marks a run whose final pass@1 fell more than `rl.collapse_margin` below its best.
 - **seconds** is the wall time of the run (SFT excluded when it is shared).

@@ -72,7 +72,7 @@ struct RunResult {
   double final_pass1 = 0;        // eval at the last evaluated step
   double best_pass1 = 0;         // max over evaluations, step 0 included
   double mean_abs_logp_gap = 0;  // mean over train steps of gap_mean_abs
-  double max_abs_logp_gap = 0;   // max over train steps of gap_max_abs
+  double max_abs_logp_gap = 0;   // mean over train steps of gap_max_abs (the per-step max)
   bool collapsed = false;        // final_pass1 < best_pass1 - collapse_margin
   double seconds = 0;            // largest elapsed_s of the run's rows
 };
