@@ -1,0 +1,283 @@
+// GPU benchmark table for docs/cuda.md: device copy bandwidth, NVFP4 quantize / fake-quantize
+// bandwidth, W4A4 GEMM (emulated) against cuBLAS BF16 and cuBLASLt FP8 at the peer model's shapes
+// (Qwen3-30B-A3B: hidden 2048, moe_intermediate 768), and the decode GEMV's weight-stream rate.
+// Times are CUDA-event medians over repeated batches after a warm-up; inputs are random.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/device.h"
+#include "cuda/gemm.h"
+#include "cuda/quant.h"
+
+using namespace quads;
+using namespace quads::cuda;
+
+namespace {
+
+// Median time of one call in microseconds: batches of `inner` calls, timed by events.
+double time_us(const std::function<void()>& fn, int reps = 9) {
+  fn();
+  QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+  cudaEvent_t a, b;
+  QUADS_CUDA_CHECK(cudaEventCreate(&a));
+  QUADS_CUDA_CHECK(cudaEventCreate(&b));
+  // size the batch to about 2 ms
+  QUADS_CUDA_CHECK(cudaEventRecord(a));
+  fn();
+  QUADS_CUDA_CHECK(cudaEventRecord(b));
+  QUADS_CUDA_CHECK(cudaEventSynchronize(b));
+  float ms = 0;
+  QUADS_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+  const int inner = std::clamp(static_cast<int>(2.0 / std::max(ms, 1e-4f)), 1, 2000);
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    QUADS_CUDA_CHECK(cudaEventRecord(a));
+    for (int i = 0; i < inner; ++i) fn();
+    QUADS_CUDA_CHECK(cudaEventRecord(b));
+    QUADS_CUDA_CHECK(cudaEventSynchronize(b));
+    QUADS_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(1e3 * ms / inner);
+  }
+  QUADS_CUDA_CHECK(cudaGetLastError());
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+std::vector<float> randn(int64_t n, uint64_t seed, float scale = 1.f) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = nd(rng);
+  return v;
+}
+uint16_t bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// Random device data without a host round trip of the large tensors: upload a 16M-element block
+// and tile it.
+template <typename T>
+void fill_device(DeviceArray<T>& d, const std::vector<T>& block) {
+  for (size_t off = 0; off < d.size(); off += block.size()) {
+    const size_t n = std::min(block.size(), d.size() - off);
+    QUADS_CUDA_CHECK(cudaMemcpy(d.data() + off, block.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+  }
+}
+
+const char* tile_name(W4A4Tile t) {
+  switch (t) {
+    case W4A4Tile::M16: return "16x128";
+    case W4A4Tile::M64: return "64x128";
+    case W4A4Tile::M128: return "128x128";
+    case W4A4Tile::M16W4: return "16x128 4 warps";
+    case W4A4Tile::M128Lr: return "128x128 low-reg";
+    default: return "auto";
+  }
+}
+
+// One decode and one large W4A4 GEMM, for a profiler (ncu --kernel-name regex:w4a4).
+int profile() {
+  const int64_t N = 128 * 1536, K = 2048;
+  for (int64_t M : {16, 8192}) {
+    const int64_t n = M == 16 ? N : 8192;
+    DeviceArray<float> w(n * K), x(M * K), y(M * n);
+    fill_device(w, randn(1 << 22, 1, 0.02f));
+    fill_device(x, randn(1 << 22, 2));
+    num::QConfig xc = num::QConfig::nvfp4_act();
+    xc.global = num::Global::PerRow;
+    DeviceQTensor xq = make_qtensor(M, K, xc), wq = make_qtensor(n, K, num::QConfig::nvfp4_weight(true));
+    quantize(x.data(), xq);
+    quantize(w.data(), wq);
+    for (int r = 0; r < 2; ++r) w4a4_gemm_emulated(nvfp4_view(xq), nvfp4_view(wq), y.data());
+  }
+  QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (device_count() == 0) {
+    std::printf("no CUDA device\n");
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "--profile") return profile();
+  cudaDeviceProp prop{};
+  QUADS_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs, L2 %d MB\n\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
+
+  // ---- bandwidth ----
+  int64_t R = 16384, C = 8192;  // 134M elements: 512 MB float32
+  DeviceArray<float> src(R * C), dst(R * C);
+  const std::vector<float> blk = randn(1 << 24, 1);
+  fill_device(src, blk);
+  const double copy_us = time_us([&] { QUADS_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.bytes(), cudaMemcpyDeviceToDevice)); });
+  const double copy_gbs = 2.0 * src.bytes() / copy_us / 1e3;
+  std::printf("| kernel | shape | us | GB/s | %% of copy |\n|---|---|---|---|---|\n");
+  std::printf("| device copy (read+write) | %lld MB | %.1f | %.0f | 100 |\n", static_cast<long long>(src.bytes() >> 20), copy_us, copy_gbs);
+
+  DeviceArray<uint16_t> srcb(R * C), dstb(R * C);
+  {
+    std::vector<uint16_t> bb(blk.size());
+    for (size_t i = 0; i < blk.size(); ++i) bb[i] = bf16(blk[i]);
+    fill_device(srcb, bb);
+  }
+  auto row = [&](const std::string& name, double us, double bytes) {
+    const double gbs = bytes / us / 1e3;
+    std::printf("| %s | %lldx%lld | %.1f | %.0f | %.0f |\n", name.c_str(), static_cast<long long>(R),
+                static_cast<long long>(C), us, gbs, 100.0 * gbs / copy_gbs);
+  };
+  // activations [tokens, hidden 2048] first (the rollout's case), then long rows (two passes per row)
+  for (int64_t cols : {2048, 8192}) {
+    C = cols;
+    R = 16384 * 8192 / cols;
+    const double codes_b = R * C / 2.0, scales_b = R * C / 16.0;
+    for (num::Global g : {num::Global::PerRow, num::Global::PerTensor}) {
+      num::QConfig cfg = num::QConfig::nvfp4_act();
+      cfg.global = g;
+      const std::string gname = g == num::Global::PerRow ? "per-row" : "per-tensor";
+      DeviceQTensor q = make_qtensor(R, C, cfg);
+      row("nvfp4 quantize f32, " + gname, time_us([&] { quantize(src.data(), q); }), 4.0 * R * C + codes_b + scales_b);
+      row("nvfp4 quantize bf16, " + gname, time_us([&] { quantize_bf16(srcb.data(), q); }), 2.0 * R * C + codes_b + scales_b);
+      row("nvfp4 fake-quant f32, " + gname,
+          time_us([&] { fake_quantize(src.data(), dst.data(), R, C, cfg, nullptr, q.amax.data()); }), 8.0 * R * C);
+      row("nvfp4 fake-quant bf16, " + gname,
+          time_us([&] { fake_quantize_bf16(srcb.data(), dstb.data(), R, C, cfg, nullptr, q.amax.data()); }), 4.0 * R * C);
+    }
+    if (cols != 2048) continue;
+    DeviceQTensor q = make_qtensor(R, C, num::QConfig::nvfp4_weight(true));
+    row("nvfp4 quantize f32, 16x16 (weights)", time_us([&] { quantize(src.data(), q); }), 4.0 * R * C + codes_b + scales_b);
+    row("nvfp4 dequantize -> f32", time_us([&] { dequantize(q, dst.data()); }), 4.0 * R * C + codes_b + scales_b);
+    DeviceQTensor m = make_qtensor(R, C, num::QConfig::mxfp4());
+    row("mxfp4 quantize f32", time_us([&] { quantize(src.data(), m); }), 4.0 * R * C + codes_b + scales_b / 2);
+    DeviceQTensor f8 = make_qtensor(R, C, num::QConfig::fp8(num::Block::PerRow));
+    row("fp8 quantize f32, per-row", time_us([&] { quantize(src.data(), f8); }), 5.0 * R * C);
+  }
+  src.reset();
+  dst.reset();
+  srcb.reset();
+  dstb.reset();
+
+  // ---- GEMMs at the peer model's shapes ----
+  Blas blas;
+  std::printf("\n| GEMM Y=X.W^T | M | N | K | W4A4 emul us | TFLOP/s | BF16 cuBLAS us | TFLOP/s | FP8 cuBLASLt us | TFLOP/s | W4A4/BF16 |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+  struct G {
+    const char* name;
+    int64_t n, k;
+  };
+  for (const G& g : {G{"expert gate/up", 1536, 2048}, G{"expert down", 2048, 768}}) {
+    for (int64_t M : {1, 16, 64, 1024, 8192}) {
+      const int64_t N = g.n, K = g.k;
+      DeviceArray<float> x(M * K), w(N * K), y(M * N);
+      fill_device(x, randn(std::min<int64_t>(M * K, 1 << 22), 3));
+      fill_device(w, randn(std::min<int64_t>(N * K, 1 << 22), 4, 0.02f));
+      num::QConfig xc = num::QConfig::nvfp4_act();
+      xc.global = num::Global::PerRow;
+      DeviceQTensor xq = make_qtensor(M, K, xc), wq = make_qtensor(N, K, num::QConfig::nvfp4_weight(true));
+      quantize(x.data(), xq);
+      quantize(w.data(), wq);
+      const double flop = 2.0 * M * N * K;
+      const double t4 = time_us([&] { w4a4_gemm_emulated(nvfp4_view(xq), nvfp4_view(wq), y.data()); });
+      DeviceArray<uint16_t> xb(M * K), wb(N * K);
+      {
+        std::vector<float> hx = randn(M * K, 5), hw = randn(N * K, 6, 0.02f);
+        std::vector<uint16_t> bx(hx.size()), bw(hw.size());
+        for (size_t i = 0; i < hx.size(); ++i) bx[i] = bf16(hx[i]);
+        for (size_t i = 0; i < hw.size(); ++i) bw[i] = bf16(hw[i]);
+        xb.upload(bx);
+        wb.upload(bw);
+      }
+      const double tb = time_us([&] { gemm_bf16(blas, xb.data(), wb.data(), y.data(), M, N, K); });
+      DeviceQTensor x8 = make_qtensor(M, K, num::QConfig::fp8(num::Block::PerTensor));
+      DeviceQTensor w8 = make_qtensor(N, K, num::QConfig::fp8(num::Block::PerTensor));
+      quantize(x.data(), x8);
+      quantize(w.data(), w8);
+      double t8 = -1;
+      try {
+        t8 = time_us([&] { gemm_fp8(blas, x8.codes.data(), x8.fscales.data(), w8.codes.data(), w8.fscales.data(), y.data(), M, N, K); });
+      } catch (const Error& e) {
+        std::fprintf(stderr, "fp8: %s\n", e.what());
+      }
+      std::printf("| %s | %lld | %lld | %lld | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f |\n", g.name,
+                  static_cast<long long>(M), static_cast<long long>(N), static_cast<long long>(K), t4, flop / t4 / 1e6,
+                  tb, flop / tb / 1e6, t8, t8 > 0 ? flop / t8 / 1e6 : 0.0, tb / t4);
+    }
+  }
+
+  // large square-ish GEMM: the emulation's compute ceiling
+  {
+    const int64_t M = 8192, N = 8192, K = 8192;
+    DeviceArray<float> x(M * K), y(M * N);
+    fill_device(x, randn(1 << 22, 7));
+    num::QConfig xc = num::QConfig::nvfp4_act();
+    xc.global = num::Global::PerRow;
+    DeviceQTensor xq = make_qtensor(M, K, xc), wq = make_qtensor(N, K, num::QConfig::nvfp4_weight(true));
+    quantize(x.data(), xq);
+    quantize(x.data(), wq);
+    x.reset();
+    const double flop = 2.0 * M * N * K;
+    for (W4A4Tile t : {W4A4Tile::M128, W4A4Tile::M128Lr, W4A4Tile::M64}) {
+      W4A4Options o;
+      o.tile = t;
+      const double us = time_us([&] { w4a4_gemm_emulated(nvfp4_view(xq), nvfp4_view(wq), y.data(), false, nullptr, o); }, 5);
+      std::printf("| square, tile %s | %lld | %lld | %lld | %.1f | %.1f | | | | | |\n", tile_name(t),
+                  static_cast<long long>(M), static_cast<long long>(N), static_cast<long long>(K), us, flop / us / 1e6);
+    }
+    DeviceArray<uint16_t> xb(M * K);
+    std::vector<uint16_t> bb(1 << 22);
+    const std::vector<float> r = randn(1 << 22, 8);
+    for (size_t i = 0; i < bb.size(); ++i) bb[i] = bf16(r[i]);
+    fill_device(xb, bb);
+    const double tb = time_us([&] { gemm_bf16(blas, xb.data(), xb.data(), y.data(), M, N, K); }, 5);
+    std::printf("| square, cuBLAS BF16 | %lld | %lld | %lld | | | %.1f | %.1f | | | |\n", static_cast<long long>(M),
+                static_cast<long long>(N), static_cast<long long>(K), tb, flop / tb / 1e6);
+  }
+
+  // ---- decode: weight streaming ----
+  // All 128 experts' gate/up weights stacked (N = 128 * 1536, K = 2048: 201 MB of codes + 25 MB of
+  // scales, over three times the L2), M tokens against all of them.
+  std::printf("\n| decode GEMV (weight stream) | M | N | K | us | weight GB/s | %% of copy |\n|---|---|---|---|---|---|---|\n");
+  {
+    const int64_t N = 128 * 1536, K = 2048;
+    DeviceArray<float> w(N * K);
+    fill_device(w, randn(1 << 24, 9, 0.02f));
+    DeviceQTensor wq = make_qtensor(N, K, num::QConfig::nvfp4_weight(true));
+    quantize(w.data(), wq);
+    w.reset();
+    const double wbytes = N * K / 2.0 + N * K / 16.0;
+    for (int64_t M : {1, 4, 16, 32, 64}) {
+      DeviceArray<float> x(M * K), y(M * N);
+      fill_device(x, randn(M * K, 10));
+      num::QConfig xc = num::QConfig::nvfp4_act();
+      xc.global = num::Global::PerRow;
+      DeviceQTensor xq = make_qtensor(M, K, xc);
+      quantize(x.data(), xq);
+      std::vector<W4A4Tile> tiles = {W4A4Tile::Auto};
+      if (M <= 16) tiles.push_back(W4A4Tile::M16W4);
+      if (M > 16) tiles.push_back(W4A4Tile::M16);
+      for (W4A4Tile t : tiles) {
+        W4A4Options o;
+        o.tile = t;
+        const double us = time_us([&] { w4a4_gemm_emulated(nvfp4_view(xq), nvfp4_view(wq), y.data(), false, nullptr, o); }, 7);
+        const double gbs = wbytes / us / 1e3;
+        std::printf("| W4A4 emulated, tile %s | %lld | %lld | %lld | %.1f | %.0f | %.0f |\n", tile_name(t),
+                    static_cast<long long>(M), static_cast<long long>(N), static_cast<long long>(K), us, gbs,
+                    100.0 * gbs / copy_gbs);
+      }
+    }
+  }
+  return 0;
+}

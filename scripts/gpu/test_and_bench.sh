@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# On the GPU machine (an H200 with CUDA 13, cmake 4, g++ 13, no network): builds the CUDA backend
+# from the Debian packages carried in .debs/ (see /work/shared/GPU.md; unpacked into a prefix of our
+# own, never into /), runs the CUDA tests, then prints the benchmark table of docs/cuda.md.
+#
+#   bash scripts/gpu/test_and_bench.sh            # from the repository root, carry: .debs .gpufix
+#
+# Environment:
+#   QUADS_GPU_BUILD   build folder (default build-gpu)
+#   QUADS_GPU_BIN     folder holding already-built quads_cuda_tests and bench_cuda (skip the build;
+#                     they must have been built for sm_90 against the same .debs)
+#   QUADS_GPU_FILTER  gtest filter for the tests (default: all)
+#   QUADS_GPU_BENCH   0 to skip the benchmark
+#   OUT               when set, logs are copied there
+# Fixtures: the GPU machine has no ../shared, so the golden vectors travel in .gpufix/ (a copy of
+# /work/shared/fixtures/nvfp4): mkdir -p .gpufix/nvfp4 && cp /work/shared/fixtures/nvfp4/* .gpufix/nvfp4/
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+root=$PWD
+prefix=/tmp/quads-deps
+build=${QUADS_GPU_BUILD:-build-gpu}
+logdir=${OUT:-/tmp/quads-gpu-logs}
+mkdir -p "$prefix" "$logdir"
+
+for f in .debs/*.deb; do dpkg -x "$f" "$prefix"; done
+L=$prefix/usr/lib/x86_64-linux-gnu
+export PKG_CONFIG_ALLOW_SYSTEM_CFLAGS=1 PKG_CONFIG_SYSROOT_DIR=$prefix
+export PKG_CONFIG_PATH=$L/pkgconfig:$L/openblas-pthread/pkgconfig
+export LD_LIBRARY_PATH=$L:$L/openblas-pthread:${LD_LIBRARY_PATH:-}
+export PATH=/usr/local/cuda/bin:$PATH
+[ -d .gpufix ] && export QUADS_FIXTURES=$root/.gpufix
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader || true
+
+if [ -n "${QUADS_GPU_BIN:-}" ]; then
+  bin=$QUADS_GPU_BIN
+else
+  start=$(date +%s)
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix/usr" \
+    -DQUADS_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DQUADS_BUILD_BENCH=OFF \
+    -DCMAKE_PROJECT_INCLUDE="$root/scripts/gpu/add_gpu_bench.cmake" >"$logdir/configure.log" 2>&1 \
+    || { tail -40 "$logdir/configure.log"; exit 1; }
+  cmake --build "$build" -j "$(nproc)" --target quads_cuda_tests bench_cuda >"$logdir/build.log" 2>&1 \
+    || { grep -E "error|Error" "$logdir/build.log" | head -40; tail -20 "$logdir/build.log"; exit 1; }
+  echo "build: $(($(date +%s) - start)) s"
+  bin=$build
+  [ -x "$bin/tests/quads_cuda_tests" ] && bin_tests=$bin/tests/quads_cuda_tests
+fi
+tests=${bin_tests:-$bin/quads_cuda_tests}
+[ -x "$tests" ] || tests=$bin/tests/quads_cuda_tests
+
+rc=0
+"$tests" --gtest_filter="${QUADS_GPU_FILTER:-*}" >"$logdir/tests.log" 2>&1 || rc=$?
+grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[==========\]|Failure|error|Expected|Which is|expected|actual" "$logdir/tests.log" | head -80
+echo "tests exit code: $rc"
+
+if [ "${QUADS_GPU_BENCH:-1}" != 0 ]; then
+  "$bin/bench_cuda" 2>&1 | tee "$logdir/bench.log"
+fi
+exit $rc

@@ -1,0 +1,101 @@
+#pragma once
+// GEMMs of the CUDA backend. Every GEMM computes Y[M, N] = X[M, K] . W[N, K]^T (activations times
+// the transpose of a weight stored [out, in], as a Linear layer), row-major, float32 output.
+//
+// W4A4 (NVFP4 activations and weights, E2M1 elements):
+//  - Hopper and older: exact emulation. code * E4M3 block scale is exact in FP16 (at most 5
+//    significant bits, magnitudes 2^-10 .. 2688), so the kernel dequantizes the packed 4-bit tiles in
+//    registers (never a BF16/FP16 copy of the weights in memory), multiplies on FP16 tensor cores
+//    (mma.sync m16n8k16) with FP32 accumulation, and applies the global scales in the epilogue.
+//    Its only rounding is the FP32 accumulation. For M <= 16 (decode) the tiles are 16 x 128 and
+//    stream the packed weights; small grids split K (partials summed in a fixed order, so results
+//    are deterministic).
+//  - Blackwell (sm_100, checked at run time): cuBLASLt's native block-scaled FP4 GEMM
+//    (CUDA_R_4F_E2M1, VEC16_UE4M3 scales in the 128x4 swizzled layout).
+// RAC's residual GEMM: the same kernel over a subset of W's 16-blocks given as a list.
+//
+// Baselines: BF16 through cuBLAS, FP8 (E4M3, per-tensor scales) through cuBLASLt.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "cuda/quant.h"
+
+namespace quads::cuda {
+
+// An NVFP4 (E2M1) operand in device memory: codes [rows, k/2], row-major E4M3 scales [rows, k/16]
+// (16x16 weights repeat a tile's scale on its rows, so they read the same way), global amax.
+struct Nvfp4View {
+  const uint8_t* codes = nullptr;
+  const uint8_t* scales = nullptr;
+  const float* amax = nullptr;  // 1 value, or one per row when amax_per_row
+  bool amax_per_row = false;
+  int64_t rows = 0, k = 0;
+};
+// Checks that q is NVFP4 with E2M1 elements and row-major scales (throws naming `what`).
+Nvfp4View nvfp4_view(const DeviceQTensor& q, const char* what = "operand");
+
+// Kernel choice, for tests and benchmarks; Auto picks by M. Tiles are M x 128 outputs per CTA.
+// Variants (not for the gather GEMM): M16W4 has 4 warps of 16 x 32 and 3 stages, M128Lr is M128
+// with a rolled inner loop; both use fewer registers, so more warps fit on an SM.
+enum class W4A4Tile : uint8_t { Auto, M16, M64, M128, M16W4, M128Lr };
+struct W4A4Options {
+  W4A4Tile tile = W4A4Tile::Auto;
+  int splits = 0;  // K splits; 0 = choose (enough CTAs to fill the GPU)
+};
+
+// Y (+)= X . W^T, emulated (any GPU from sm_80; tests and benchmarks use it on Hopper). K must be a
+// multiple of 64. `accumulate` adds into y instead of overwriting it.
+void w4a4_gemm_emulated(const Nvfp4View& x, const Nvfp4View& w, float* y, bool accumulate = false,
+                        cudaStream_t stream = nullptr, const W4A4Options& opt = {});
+
+// RAC residual: Y (+)= Xr . W[:, S]^T where S is the list of W's 16-element blocks `blocks`
+// (int32 device array, xr.k / 16 entries: block i of Xr multiplies W's block blocks[i]). Xr is the
+// quantized residual of the selected blocks, compact [M, xr.k]; xr.k a multiple of 64 (pad the
+// selection with zero blocks; their entries in `blocks` may be any valid index). W's k must be a
+// multiple of 64.
+void w4a4_gemm_gather(const Nvfp4View& xr, const Nvfp4View& w, const int32_t* blocks, float* y,
+                      bool accumulate = true, cudaStream_t stream = nullptr, const W4A4Options& opt = {});
+
+// out[m, 16 i + j] = x[m, 16 blocks[i] + j] for i < nsel, zeros up to out_cols (a multiple of 16):
+// the compact input of w4a4_gemm_gather's quantizer.
+void gather_blocks(const float* x, int64_t m, int64_t k, const int32_t* blocks, int64_t nsel, float* out,
+                   int64_t out_cols, cudaStream_t stream = nullptr);
+
+// cuBLAS / cuBLASLt handles and workspace, one per stream user. Not thread-safe.
+class Blas {
+ public:
+  Blas();
+  ~Blas();
+  Blas(const Blas&) = delete;
+  Blas& operator=(const Blas&) = delete;
+  struct Impl;
+  Impl& impl() { return *impl_; }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// BF16 (raw bits) operands, FP32 accumulation and output, cuBLAS (tensor cores).
+void gemm_bf16(Blas& blas, const uint16_t* x, const uint16_t* w, float* y, int64_t m, int64_t n, int64_t k,
+               cudaStream_t stream = nullptr);
+
+// FP8 E4M3 operands (codes [m, k] and [n, k]) with per-tensor dequantization scales (device
+// float, as fscales of a per-tensor FP8 DeviceQTensor), FP32 output, cuBLASLt. k % 16 == 0.
+void gemm_fp8(Blas& blas, const uint8_t* x, const float* x_scale, const uint8_t* w, const float* w_scale, float* y,
+              int64_t m, int64_t n, int64_t k, cudaStream_t stream = nullptr);
+
+// True on devices with native FP4 tensor cores that cuBLASLt drives (compute capability 10.x).
+bool nvfp4_native_available();
+// Native W4A4 through cuBLASLt: x and w NVFP4 E2M1 with scales in the Swizzled128x4 layout,
+// per-tensor or per-row amax for x, per-tensor for w. Throws quads::Error where unavailable.
+void w4a4_gemm_native(Blas& blas, const DeviceQTensor& x, const DeviceQTensor& w, float* y,
+                      cudaStream_t stream = nullptr);
+
+// The W4A4 GEMM a model should call: native where available (x and w swizzled), else emulated
+// (x and w row-major).
+void w4a4_gemm(Blas& blas, const DeviceQTensor& x, const DeviceQTensor& w, float* y, bool accumulate = false,
+               cudaStream_t stream = nullptr);
+
+}  // namespace quads::cuda

@@ -1,0 +1,709 @@
+// NVFP4 / MXFP4 / FP8 quantizers on the GPU (see quant.h). The formulas are those at the top of
+// numerics/quantize.h, step by step, with the codecs of codecs.cuh.
+//
+// The hot path (NVFP4 1x16, MXFP4) is one warp per row: lane l loads the 16-byte vectors
+// l, l+32, ... of the row (coalesced), so a 16-element block sits in 4 consecutive lanes (float)
+// or 2 (bf16) and its amax is two or one shuffles away. A row of up to 2048 elements stays in
+// registers, so a per-row (per-token) global amax costs no second read.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cfloat>
+
+#include "cuda/codecs.cuh"
+#include "cuda/quant.h"
+
+namespace quads::cuda {
+
+using num::Block;
+using num::Format;
+using num::Global;
+using num::QConfig;
+using num::Scheme;
+
+namespace {
+
+using namespace dev;
+
+// ---- 16-byte vectors of float32 (4) or bf16 bits (8) ----------------------------------------
+template <typename T>
+struct Vec {
+  static constexpr int N = 16 / sizeof(T);
+};
+
+template <typename T>
+__device__ __forceinline__ float vget(const uint4& r, int i) {
+  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+  if constexpr (sizeof(T) == 4) {
+    return u2f(w[i]);
+  } else {
+    return u2f((i & 1) ? (w[i >> 1] & 0xFFFF0000u) : (w[i >> 1] << 16));
+  }
+}
+// max |x| of the vector as float bits (NaN largest)
+template <typename T>
+__device__ __forceinline__ uint32_t vabsmax(const uint4& r) {
+  if constexpr (sizeof(T) == 4) {
+    return max(max(r.x & 0x7FFFFFFFu, r.y & 0x7FFFFFFFu), max(r.z & 0x7FFFFFFFu, r.w & 0x7FFFFFFFu));
+  } else {
+    const uint32_t a = max(max((r.x << 16) & 0x7FFF0000u, (r.y << 16) & 0x7FFF0000u),
+                           max((r.z << 16) & 0x7FFF0000u, (r.w << 16) & 0x7FFF0000u));
+    const uint32_t b = max(max(r.x & 0x7FFF0000u, r.y & 0x7FFF0000u), max(r.z & 0x7FFF0000u, r.w & 0x7FFF0000u));
+    return max(a, b);
+  }
+}
+// bf16 round to nearest even, NaN quieted: num::bf16_from_f32.
+__device__ __forceinline__ uint32_t bf16_bits(float x) {
+  uint32_t u = f2u(x);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u >> 16) | 0x40u;
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return u >> 16;
+}
+template <typename T>
+__device__ __forceinline__ uint4 vpack(const float* v) {
+  if constexpr (sizeof(T) == 4) {
+    return make_uint4(f2u(v[0]), f2u(v[1]), f2u(v[2]), f2u(v[3]));
+  } else {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = bf16_bits(v[2 * i]) | (bf16_bits(v[2 * i + 1]) << 16);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+template <typename T>
+__device__ __forceinline__ float to_f32(T v) {
+  if constexpr (sizeof(T) == 4) return v;
+  else return u2f(static_cast<uint32_t>(v) << 16);
+}
+
+__device__ __forceinline__ uint32_t warp_max(uint32_t m) {
+#pragma unroll
+  for (int s = 16; s > 0; s >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, s));
+  return m;
+}
+
+enum Kind { kNvE2M1, kNvE1M2, kMx };
+
+// Where an NVFP4 kernel gets its global amax.
+enum AmaxMode : int {
+  kAmaxTensor = 0,  // amax[0], computed beforehand
+  kAmaxRowCompute,  // per row, computed by the row kernel and written to amax[row]
+  kAmaxStatic,      // the static value, written to amax[0] by the first warp
+};
+
+template <typename T>
+struct RowArgs {
+  const T* x;
+  int64_t rows, cols;
+  uint8_t* codes;   // quantize: codes and scales
+  uint8_t* scales;
+  int64_t kt;       // > 0: scales in the 128x4 swizzled layout with this many 4-block columns
+  T* out;           // fake quantize: dequantized values
+  float* amax;
+  int amax_mode;
+  float static_amax;
+  bool mx_te_ceil;
+  bool sr;
+  uint64_t seed;
+};
+
+__device__ __forceinline__ uint32_t encode4(Kind k, float v) {
+  return k == kNvE1M2 ? e1m2_encode(v) : e2m1_encode(v);
+}
+__device__ __forceinline__ float decode4(Kind k, uint32_t c) {
+  return k == kNvE1M2 ? e1m2_decode(c) : e2m1_decode(c);
+}
+
+constexpr int kRowWarps = 4;
+
+// Stochastic rounding of one element, out of line: it is rare (gradients) and long, and inlining it
+// at every element of the unrolled hot loop would bloat the kernel.
+__device__ __noinline__ uint32_t encode4_sr(float t, bool e1m2, uint64_t seed, uint64_t index) {
+  const float u = sr_uniform(seed, index);
+  return e1m2 ? grid4_encode_sr<true>(t, u) : grid4_encode_sr<false>(t, u);
+}
+
+// One warp per row; NVFP4 1x16 (E2M1 or E1M2) or MXFP4 1x32; quantize or fake-quantize.
+// Lane l owns the whole blocks l, l+32, ... of a chunk, so a block's scale is computed once, by
+// one lane, with no shuffles; a chunk is 16 vectors of 16 bytes per lane (2048 float32 or 4096
+// bf16 elements per warp) and rows up to a chunk long stay in registers.
+template <typename T, Kind K, bool FAKE>
+__global__ void __launch_bounds__(32 * kRowWarps) row_block_kernel(const RowArgs<T> a) {
+  constexpr int VEC = Vec<T>::N;
+  constexpr int BLK = K == kMx ? 32 : 16;
+  constexpr int VPB = BLK / VEC;  // vectors per block
+  constexpr int NB = 16 / VPB;    // blocks per lane per chunk
+  constexpr int CHUNK = 32 * NB;  // blocks per chunk
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
+  if (row >= a.rows) return;
+  const int64_t nblk = a.cols / BLK;
+  const uint4* xr = reinterpret_cast<const uint4*>(a.x + row * a.cols);
+  uint4 buf[NB][VPB];
+  auto load_chunk = [&](int64_t b0) {
+#pragma unroll
+    for (int i = 0; i < NB; ++i) {
+      const int64_t b = b0 + i * 32 + lane;
+#pragma unroll
+      for (int q = 0; q < VPB; ++q) buf[i][q] = b < nblk ? xr[b * VPB + q] : make_uint4(0, 0, 0, 0);
+    }
+  };
+
+  const bool row_in_regs = a.amax_mode == kAmaxRowCompute && nblk <= CHUNK;
+  NvGlobal g{};
+  if constexpr (K != kMx) {
+    float amax;
+    if (a.amax_mode == kAmaxRowCompute) {
+      uint32_t m = 0;
+      if (row_in_regs) {
+        load_chunk(0);
+#pragma unroll
+        for (int i = 0; i < NB; ++i)
+#pragma unroll
+          for (int q = 0; q < VPB; ++q) m = max(m, vabsmax<T>(buf[i][q]));
+      } else {
+        const int64_t nvec = nblk * VPB;
+        for (int64_t v = lane; v < nvec; v += 4 * 32) {  // four loads in flight
+          uint4 r[4];
+#pragma unroll
+          for (int u = 0; u < 4; ++u) r[u] = v + u * 32 < nvec ? xr[v + u * 32] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+          for (int u = 0; u < 4; ++u) m = max(m, vabsmax<T>(r[u]));
+        }
+      }
+      amax = u2f(warp_max(m));
+      if (lane == 0 && a.amax) a.amax[row] = amax;
+    } else if (a.amax_mode == kAmaxStatic) {
+      amax = a.static_amax;
+      if (row == 0 && lane == 0 && a.amax) a.amax[0] = amax;
+    } else {
+      amax = a.amax[0];
+    }
+    g = nv_global<K == kNvE1M2>(amax);
+  }
+
+  for (int64_t b0 = 0; b0 < nblk; b0 += CHUNK) {
+    if (!row_in_regs) load_chunk(b0);
+#pragma unroll
+    for (int i = 0; i < NB; ++i) {
+      if (b0 + i * 32 >= nblk) break;  // warp-uniform
+      const int64_t b = b0 + i * 32 + lane;
+      if (b >= nblk) continue;
+      uint32_t m = 0;
+#pragma unroll
+      for (int q = 0; q < VPB; ++q) m = max(m, vabsmax<T>(buf[i][q]));
+      uint32_t sf;
+      float enc, dq;
+      if constexpr (K == kMx) {
+        sf = mx_scale_code(u2f(m), a.mx_te_ceil);
+        dq = ue8m0_decode(sf);
+        enc = __fdiv_rn(1.f, dq);  // exact: a power of two (or NaN), so x*enc == x/X
+      } else {
+        sf = nv_scale_code(u2f(m), g);
+        enc = nv_encode_factor(sf, g);
+        dq = nv_decode_factor<K == kNvE1M2>(sf, g.amax);
+      }
+      uint32_t packed[BLK / 8];
+#pragma unroll
+      for (int w = 0; w < BLK / 8; ++w) packed[w] = 0;
+#pragma unroll
+      for (int q = 0; q < VPB; ++q) {
+        float y[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const int e = q * VEC + j;  // element of the block
+          const float t = __fmul_rn(vget<T>(buf[i][q], j), enc);
+          const uint32_t c = a.sr ? encode4_sr(t, K == kNvE1M2, a.seed, static_cast<uint64_t>((row * nblk + b) * BLK + e))
+                                  : encode4(K, t);
+          packed[e / 8] |= c << (4 * (e % 8));
+          if constexpr (FAKE) y[j] = __fmul_rn(decode4(K, c), dq);
+        }
+        if constexpr (FAKE) reinterpret_cast<uint4*>(a.out + row * a.cols)[b * VPB + q] = vpack<T>(y);
+      }
+      if constexpr (!FAKE) {
+        uint8_t* dst = a.codes + row * a.cols / 2 + b * (BLK / 2);
+        if constexpr (BLK == 16) *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
+        else *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        a.scales[a.kt > 0 ? swizzle_offset(row, b, a.kt) : row * nblk + b] = static_cast<uint8_t>(sf);
+      }
+    }
+  }
+}
+
+// NVFP4 16x16 tiles (per-tensor or static global): a warp covers 16 rows and 32 vectors; each
+// lane holds its vector of all 16 rows, a tile is LPB lanes wide.
+template <typename T, Kind K, bool FAKE>
+__global__ void __launch_bounds__(128) tile16_kernel(const RowArgs<T> a) {
+  constexpr int VEC = Vec<T>::N;
+  constexpr int LPB = 16 / VEC;
+  const int lane = threadIdx.x & 31;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * 16;
+  const int64_t nvec = a.cols / VEC;
+  const int64_t vbase = (static_cast<int64_t>(blockIdx.y) * 4 + (threadIdx.x >> 5)) * 32;
+  if (vbase >= nvec) return;
+  const int64_t v = vbase + lane;
+  const bool valid = v < nvec;
+  uint4 buf[16];
+  uint32_t m = 0;
+#pragma unroll
+  for (int r = 0; r < 16; ++r) {
+    buf[r] = valid ? reinterpret_cast<const uint4*>(a.x + (r0 + r) * a.cols)[v] : make_uint4(0, 0, 0, 0);
+    m = max(m, vabsmax<T>(buf[r]));
+  }
+#pragma unroll
+  for (int s = 1; s < LPB; s <<= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, s));
+  float amax;
+  if (a.amax_mode == kAmaxStatic) {
+    amax = a.static_amax;
+    if (r0 == 0 && vbase == 0 && lane == 0 && a.amax) a.amax[0] = amax;
+  } else {
+    amax = a.amax[0];
+  }
+  if (!valid) return;
+  const NvGlobal g = nv_global<K == kNvE1M2>(amax);
+  const uint32_t sf = nv_scale_code(u2f(m), g);
+  const float enc = nv_encode_factor(sf, g);
+  const float dq = nv_decode_factor<K == kNvE1M2>(sf, g.amax);
+  const int64_t nblk = a.cols / 16;
+#pragma unroll
+  for (int r = 0; r < 16; ++r) {
+    const int64_t row = r0 + r;
+    uint32_t packed = 0;
+    float y[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float t = __fmul_rn(vget<T>(buf[r], j), enc);
+      const uint32_t c = a.sr ? encode4_sr(t, K == kNvE1M2, a.seed, static_cast<uint64_t>(row * a.cols + v * VEC + j))
+                              : encode4(K, t);
+      packed |= c << (4 * j);
+      y[j] = __fmul_rn(decode4(K, c), dq);
+    }
+    if constexpr (FAKE) {
+      reinterpret_cast<uint4*>(a.out + row * a.cols)[v] = vpack<T>(y);
+    } else {
+      if constexpr (VEC == 4) reinterpret_cast<uint16_t*>(a.codes + row * a.cols / 2)[v] = static_cast<uint16_t>(packed);
+      else reinterpret_cast<uint32_t*>(a.codes + row * a.cols / 2)[v] = packed;
+      if (lane % LPB == 0) {
+        const int64_t b = v / LPB;
+        a.scales[a.kt > 0 ? swizzle_offset(row, b, a.kt) : row * nblk + b] = static_cast<uint8_t>(sf);
+      }
+    }
+  }
+}
+
+// max |x| over a whole tensor into *out (zeroed beforehand) as float bits.
+template <typename T>
+__global__ void absmax_kernel(const T* x, int64_t n, uint32_t* out) {
+  constexpr int VEC = Vec<T>::N;
+  const int64_t nvec = n / VEC;
+  uint32_t m = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  for (int64_t i = t0; i < nvec; i += 4 * stride) {
+    uint4 r[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) r[u] = i + u * stride < nvec ? xv[i + u * stride] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) m = max(m, vabsmax<T>(r[u]));
+  }
+  for (int64_t i = nvec * VEC + t0; i < n; i += stride) m = max(m, f2u(to_f32(x[i])) & 0x7FFFFFFFu);
+  m = warp_max(m);
+  __shared__ uint32_t sm[32];
+  if ((threadIdx.x & 31) == 0) sm[threadIdx.x >> 5] = m;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    m = threadIdx.x < blockDim.x / 32 ? sm[threadIdx.x] : 0u;
+    m = warp_max(m);
+    if (threadIdx.x == 0) atomicMax(out, m);  // max is order-free: deterministic
+  }
+}
+
+// ---- FP8 ---------------------------------------------------------------------------------
+struct Fp8Geom {
+  int64_t rows, cols, bh, bw, ncb;  // scale groups are bh x bw rectangles, ncb per group row
+};
+__host__ __device__ inline Fp8Geom fp8_geom(const QConfig& cfg, int64_t rows, int64_t cols) {
+  int64_t bh = rows, bw = cols;
+  if (cfg.block == Block::PerRow) { bh = 1; bw = cols; }
+  if (cfg.block == Block::B1x128) { bh = 1; bw = 128; }
+  if (cfg.block == Block::B128x128) { bh = 128; bw = 128; }
+  if (bh == 0) bh = 1;
+  if (bw == 0) bw = 1;
+  return {rows, cols, bh, bw, (cols + bw - 1) / bw};
+}
+
+__device__ __forceinline__ float fp8_scale(float amax, float fmax) {
+  float scale = __fdiv_rn(amax, fmax);
+  if (amax == 0.f || scale == 0.f) scale = 1.f;
+  return scale;
+}
+
+// One warp per scale group (not per-tensor): its amax, then its scale.
+template <typename T>
+__global__ void fp8_group_scale_kernel(const T* x, Fp8Geom gm, int64_t ngroups, float fmax, float* fscales) {
+  const int lane = threadIdx.x & 31;
+  const int64_t gi = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
+  if (gi >= ngroups) return;
+  const int64_t rb = gi / gm.ncb, cb = gi % gm.ncb;
+  const int64_t r0 = rb * gm.bh, r1 = min(gm.rows, r0 + gm.bh), c0 = cb * gm.bw, c1 = min(gm.cols, c0 + gm.bw);
+  uint32_t m = 0;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t c = c0 + lane; c < c1; c += 32) m = max(m, f2u(to_f32(x[r * gm.cols + c])) & 0x7FFFFFFFu);
+  m = warp_max(m);
+  if (lane == 0) fscales[gi] = fp8_scale(u2f(m), fmax);
+}
+__global__ void fp8_tensor_scale_kernel(float* fscales, float fmax) {
+  fscales[0] = fp8_scale(fscales[0], fmax);  // fscales[0] held the amax bits
+}
+
+// Scale index of element (r, c) for a non-per-tensor FP8 layout (bw is 128 or the whole row).
+__device__ __forceinline__ int64_t fp8_group(const Fp8Geom& gm, int64_t r, int64_t c) {
+  const int64_t rb = gm.bh == 1 ? r : r >> 7;
+  const int64_t cb = gm.bw == 128 ? c >> 7 : 0;
+  return rb * gm.ncb + cb;
+}
+
+// FP8 quantize / fake-quantize: rows along y (grid-stride), columns along x.
+template <typename T, bool E5M2, bool FAKE>
+__global__ void fp8_encode_kernel(const T* x, Fp8Geom gm, bool per_tensor, const float* fscales, uint8_t* codes, T* out) {
+  for (int64_t r = blockIdx.y; r < gm.rows; r += gridDim.y)
+    for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < gm.cols;
+         c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      const int64_t i = r * gm.cols + c;
+      const float s = per_tensor ? fscales[0] : fscales[fp8_group(gm, r, c)];
+      const float v = __fdiv_rn(to_f32(x[i]), s);
+      const uint32_t code = E5M2 ? e5m2_encode_sat(v) : e4m3_encode(v);
+      if constexpr (FAKE) {
+        const float y = __fmul_rn(E5M2 ? e5m2_decode(code) : e4m3_decode(code), s);
+        if constexpr (sizeof(T) == 4) out[i] = y;
+        else out[i] = static_cast<T>(bf16_bits(y));
+      } else {
+        codes[i] = static_cast<uint8_t>(code);
+      }
+    }
+}
+
+// ---- dequantize ---------------------------------------------------------------------------
+// NVFP4 / MXFP4: one thread per 8 elements (one 32-bit word of codes, always inside one block).
+template <typename T, Kind K>
+__global__ void dequant4_kernel(const uint8_t* codes, const uint8_t* scales, const float* amax, bool amax_per_row,
+                                int64_t rows, int64_t cols, int64_t kt, T* out) {
+  constexpr int BLK = K == kMx ? 32 : 16;
+  const int64_t nw = rows * cols / 8;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t nblk = cols / BLK;
+  for (int64_t w = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; w < nw; w += stride) {
+    const int64_t e0 = w * 8, r = e0 / cols, c = e0 % cols, b = c / BLK;
+    const uint32_t sf = scales[kt > 0 ? swizzle_offset(r, b, kt) : r * nblk + b];
+    float dq;
+    if constexpr (K == kMx) dq = ue8m0_decode(sf);
+    else dq = nv_decode_factor<K == kNvE1M2>(sf, amax[amax_per_row ? r : 0]);
+    const uint32_t q = reinterpret_cast<const uint32_t*>(codes)[w];
+    float y[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) y[j] = __fmul_rn(decode4(K, (q >> (4 * j)) & 0xFu), dq);
+    if constexpr (sizeof(T) == 4) {
+      reinterpret_cast<uint4*>(out + e0)[0] = vpack<float>(y);
+      reinterpret_cast<uint4*>(out + e0)[1] = vpack<float>(y + 4);
+    } else {
+      reinterpret_cast<uint4*>(out + e0)[0] = vpack<T>(y);
+    }
+  }
+}
+template <typename T, bool E5M2>
+__global__ void dequant_fp8_kernel(const uint8_t* codes, const float* fscales, Fp8Geom gm, bool per_tensor, T* out) {
+  for (int64_t r = blockIdx.y; r < gm.rows; r += gridDim.y)
+    for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < gm.cols;
+         c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      const int64_t i = r * gm.cols + c;
+      const float s = per_tensor ? fscales[0] : fscales[fp8_group(gm, r, c)];
+      const float y = __fmul_rn(E5M2 ? e5m2_decode(codes[i]) : e4m3_decode(codes[i]), s);
+      if constexpr (sizeof(T) == 4) out[i] = y;
+      else out[i] = static_cast<T>(bf16_bits(y));
+    }
+}
+
+__global__ void swizzle_kernel(const uint8_t* in, uint8_t* out, int64_t rows, int64_t nblocks, int64_t kt,
+                               int64_t total, bool forward) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t kpad = kt * 4;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
+    // i runs over the padded [rows128, kpad] grid in forward mode, over [rows, nblocks] otherwise
+    if (forward) {
+      const int64_t r = i / kpad, b = i % kpad;
+      out[swizzle_offset(r, b, kt)] = (r < rows && b < nblocks) ? in[r * nblocks + b] : 0;
+    } else {
+      const int64_t r = i / nblocks, b = i % nblocks;
+      out[i] = in[swizzle_offset(r, b, kt)];
+    }
+  }
+}
+
+// ---- host side ----------------------------------------------------------------------------
+int grid_for(int64_t work, int threads) {
+  int dev = 0, sms = 132;
+  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const int64_t want = (work + threads - 1) / threads;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, static_cast<int64_t>(sms) * 16)));
+}
+
+dim3 fp8_grid(int64_t rows, int64_t cols) {
+  const int64_t gx = std::min<int64_t>((cols + 255) / 256, 64);
+  const int64_t gy = std::max<int64_t>(1, std::min<int64_t>(rows, 16 * 132 * 8 / gx));
+  return dim3(static_cast<unsigned>(gx), static_cast<unsigned>(std::min<int64_t>(gy, 65535)));
+}
+
+Kind kind_of(const QConfig& cfg) {
+  if (cfg.scheme == Scheme::MXFP4) return kMx;
+  return cfg.element == Format::E1M2 ? kNvE1M2 : kNvE2M1;
+}
+
+int64_t kt_of(int64_t nblocks) { return (nblocks + 3) / 4; }
+
+int64_t fp8_nscales(const QConfig& cfg, int64_t rows, int64_t cols) {
+  if (cfg.block == Block::PerTensor) return 1;
+  const Fp8Geom g = fp8_geom(cfg, rows, cols);
+  return ((rows + g.bh - 1) / g.bh) * g.ncb;
+}
+
+template <typename T>
+void launch_absmax(const T* x, int64_t n, float* amax, cudaStream_t s) {
+  QUADS_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), s));
+  if (n == 0) return;
+  absmax_kernel<T><<<grid_for(n / Vec<T>::N + 1, 256), 256, 0, s>>>(x, n, reinterpret_cast<uint32_t*>(amax));
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+template <typename T, bool FAKE, Kind K>
+void launch_row(const RowArgs<T>& a, cudaStream_t s) {
+  const unsigned blocks = static_cast<unsigned>((a.rows + kRowWarps - 1) / kRowWarps);
+  row_block_kernel<T, K, FAKE><<<blocks, 32 * kRowWarps, 0, s>>>(a);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+template <typename T, bool FAKE, Kind K>
+void launch_tile16(const RowArgs<T>& a, cudaStream_t s) {
+  const int64_t nvec = a.cols / Vec<T>::N;
+  const dim3 grid(static_cast<unsigned>(a.rows / 16), static_cast<unsigned>((nvec + 127) / 128));
+  tile16_kernel<T, K, FAKE><<<grid, 128, 0, s>>>(a);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+// NVFP4 / MXFP4 quantize or fake-quantize of a [rows, cols] T tensor.
+template <typename T, bool FAKE>
+void run_4bit(const T* x, int64_t rows, int64_t cols, const QConfig& cfg, uint8_t* codes, uint8_t* scales,
+              int64_t kt, T* out, float* amax, cudaStream_t s) {
+  RowArgs<T> a{};
+  a.x = x;
+  a.rows = rows;
+  a.cols = cols;
+  a.codes = codes;
+  a.scales = scales;
+  a.kt = kt;
+  a.out = out;
+  a.amax = amax;
+  a.static_amax = cfg.static_amax;
+  a.mx_te_ceil = cfg.mx_rule == num::MxRule::TeCeil;
+  a.sr = cfg.stochastic;
+  a.seed = cfg.seed;
+  if (cfg.scheme == Scheme::NVFP4) {
+    if (cfg.global == Global::PerTensor) {
+      launch_absmax(x, rows * cols, amax, s);
+      a.amax_mode = kAmaxTensor;
+    } else if (cfg.global == Global::Static) {
+      a.amax_mode = kAmaxStatic;
+    } else {
+      a.amax_mode = kAmaxRowCompute;
+    }
+  }
+  const Kind k = kind_of(cfg);
+  if (cfg.scheme == Scheme::NVFP4 && cfg.block == Block::B16x16) {
+    if (k == kNvE1M2) launch_tile16<T, FAKE, kNvE1M2>(a, s);
+    else launch_tile16<T, FAKE, kNvE2M1>(a, s);
+  } else if (k == kMx) {
+    launch_row<T, FAKE, kMx>(a, s);
+  } else if (k == kNvE1M2) {
+    launch_row<T, FAKE, kNvE1M2>(a, s);
+  } else {
+    launch_row<T, FAKE, kNvE2M1>(a, s);
+  }
+}
+
+template <typename T, bool FAKE>
+void run_fp8(const T* x, int64_t rows, int64_t cols, const QConfig& cfg, uint8_t* codes, float* fscales, T* out,
+             cudaStream_t s) {
+  const Fp8Geom gm = fp8_geom(cfg, rows, cols);
+  const float fmax = cfg.element == Format::E4M3 ? 448.f : 57344.f;
+  const bool per_tensor = cfg.block == Block::PerTensor;
+  if (per_tensor) {
+    launch_absmax(x, rows * cols, fscales, s);
+    fp8_tensor_scale_kernel<<<1, 1, 0, s>>>(fscales, fmax);
+  } else {
+    const int64_t ng = fp8_nscales(cfg, rows, cols);
+    fp8_group_scale_kernel<T><<<static_cast<unsigned>((ng + 7) / 8), 256, 0, s>>>(x, gm, ng, fmax, fscales);
+  }
+  QUADS_CUDA_LAUNCH_CHECK();
+  const dim3 g = fp8_grid(rows, cols);
+  if (cfg.element == Format::E5M2) fp8_encode_kernel<T, true, FAKE><<<g, 256, 0, s>>>(x, gm, per_tensor, fscales, codes, out);
+  else fp8_encode_kernel<T, false, FAKE><<<g, 256, 0, s>>>(x, gm, per_tensor, fscales, codes, out);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void check_shape(const DeviceQTensor& q, const char* what) { num::check_config(q.cfg, q.rows, q.cols, what); }
+
+template <typename T>
+void quantize_any(const T* x, DeviceQTensor& q, cudaStream_t s) {
+  check_shape(q, "cuda::quantize");
+  if (q.rows == 0 || q.cols == 0) return;
+  if (q.cfg.scheme == Scheme::FP8) {
+    run_fp8<T, false>(x, q.rows, q.cols, q.cfg, q.codes.data(), q.fscales.data(), nullptr, s);
+    return;
+  }
+  int64_t kt = 0;
+  if (q.layout == ScaleLayout::Swizzled128x4) {
+    kt = kt_of(q.nblocks());
+    // the padding rows/blocks of the swizzled layout are zeros
+    QUADS_CUDA_CHECK(cudaMemsetAsync(q.scales.data(), 0, q.scales.bytes(), s));
+  }
+  run_4bit<T, false>(x, q.rows, q.cols, q.cfg, q.codes.data(), q.scales.data(), kt, nullptr, q.amax.data(), s);
+}
+
+template <typename T>
+void dequantize_any(const DeviceQTensor& q, T* out, cudaStream_t s) {
+  check_shape(q, "cuda::dequantize");
+  if (q.rows == 0 || q.cols == 0) return;
+  if (q.cfg.scheme == Scheme::FP8) {
+    const Fp8Geom gm = fp8_geom(q.cfg, q.rows, q.cols);
+    const bool pt = q.cfg.block == Block::PerTensor;
+    const dim3 g = fp8_grid(q.rows, q.cols);
+    if (q.cfg.element == Format::E5M2) dequant_fp8_kernel<T, true><<<g, 256, 0, s>>>(q.codes.data(), q.fscales.data(), gm, pt, out);
+    else dequant_fp8_kernel<T, false><<<g, 256, 0, s>>>(q.codes.data(), q.fscales.data(), gm, pt, out);
+    QUADS_CUDA_LAUNCH_CHECK();
+    return;
+  }
+  const int64_t kt = q.layout == ScaleLayout::Swizzled128x4 ? kt_of(q.nblocks()) : 0;
+  const bool per_row = q.cfg.scheme == Scheme::NVFP4 && q.cfg.global == Global::PerRow;
+  const int g = grid_for(q.rows * q.cols / 8, 256);
+  switch (kind_of(q.cfg)) {
+    case kMx: dequant4_kernel<T, kMx><<<g, 256, 0, s>>>(q.codes.data(), q.scales.data(), nullptr, false, q.rows, q.cols, kt, out); break;
+    case kNvE1M2: dequant4_kernel<T, kNvE1M2><<<g, 256, 0, s>>>(q.codes.data(), q.scales.data(), q.amax.data(), per_row, q.rows, q.cols, kt, out); break;
+    default: dequant4_kernel<T, kNvE2M1><<<g, 256, 0, s>>>(q.codes.data(), q.scales.data(), q.amax.data(), per_row, q.rows, q.cols, kt, out); break;
+  }
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+template <typename T>
+void fake_quantize_any(const T* x, T* out, int64_t rows, int64_t cols, const QConfig& cfg, cudaStream_t s,
+                       float* amax) {
+  num::check_config(cfg, rows, cols, "cuda::fake_quantize");
+  if (rows == 0 || cols == 0) return;
+  if (cfg.scheme == Scheme::FP8) {
+    uint8_t* codes = nullptr;  // unused by the fused FP8 path
+    float* fs = nullptr;
+    QUADS_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&fs), sizeof(float) * fp8_nscales(cfg, rows, cols), s));
+    run_fp8<T, true>(x, rows, cols, cfg, codes, fs, out, s);
+    QUADS_CUDA_CHECK(cudaFreeAsync(fs, s));
+    return;
+  }
+  float* tmp = nullptr;
+  if (!amax && cfg.scheme == Scheme::NVFP4) {
+    const int64_t n = cfg.global == Global::PerRow ? rows : 1;
+    QUADS_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&tmp), sizeof(float) * n, s));
+    amax = tmp;
+  }
+  run_4bit<T, true>(x, rows, cols, cfg, nullptr, nullptr, 0, out, amax, s);
+  if (tmp) QUADS_CUDA_CHECK(cudaFreeAsync(tmp, s));
+}
+
+}  // namespace
+
+int64_t DeviceQTensor::nblocks() const {
+  if (cfg.scheme == Scheme::NVFP4) return cols / 16;
+  if (cfg.scheme == Scheme::MXFP4) return cols / 32;
+  return 0;
+}
+
+int64_t swizzled_scales_size(int64_t rows, int64_t nblocks) {
+  return (rows + 127) / 128 * 128 * kt_of(nblocks) * 4;
+}
+
+DeviceQTensor make_qtensor(int64_t rows, int64_t cols, const QConfig& cfg, ScaleLayout layout) {
+  num::check_config(cfg, rows, cols, "cuda::make_qtensor");
+  DeviceQTensor q;
+  q.cfg = cfg;
+  q.rows = rows;
+  q.cols = cols;
+  q.layout = cfg.scheme == Scheme::FP8 ? ScaleLayout::RowMajor : layout;
+  if (cfg.scheme == Scheme::FP8) {
+    q.codes.resize(rows * cols);
+    q.fscales.resize(fp8_nscales(cfg, rows, cols));
+  } else {
+    q.codes.resize(rows * cols / 2);
+    const int64_t nb = q.nblocks();
+    q.scales.resize(q.layout == ScaleLayout::Swizzled128x4 ? swizzled_scales_size(rows, nb) : rows * nb);
+    if (cfg.scheme == Scheme::NVFP4) q.amax.resize(cfg.global == Global::PerRow ? rows : 1);
+  }
+  return q;
+}
+
+void quantize(const float* x, DeviceQTensor& q, cudaStream_t s) { quantize_any(x, q, s); }
+void quantize_bf16(const uint16_t* x, DeviceQTensor& q, cudaStream_t s) { quantize_any(x, q, s); }
+void dequantize(const DeviceQTensor& q, float* out, cudaStream_t s) { dequantize_any(q, out, s); }
+void dequantize_bf16(const DeviceQTensor& q, uint16_t* out, cudaStream_t s) { dequantize_any(q, out, s); }
+
+void fake_quantize(const float* x, float* out, int64_t rows, int64_t cols, const QConfig& cfg, cudaStream_t s,
+                   float* amax) {
+  fake_quantize_any(x, out, rows, cols, cfg, s, amax);
+}
+void fake_quantize_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t cols, const QConfig& cfg,
+                        cudaStream_t s, float* amax) {
+  fake_quantize_any(x, out, rows, cols, cfg, s, amax);
+}
+
+void absmax(const float* x, int64_t n, float* amax, cudaStream_t s) { launch_absmax(x, n, amax, s); }
+
+num::QTensor to_host(const DeviceQTensor& q) {
+  num::QTensor h;
+  h.cfg = q.cfg;
+  h.rows = q.rows;
+  h.cols = q.cols;
+  h.codes = q.codes.download();
+  h.fscales = q.fscales.download();
+  h.amax = q.amax.download();
+  if (q.layout == ScaleLayout::Swizzled128x4) {
+    const std::vector<uint8_t> sw = q.scales.download();
+    h.scales = num::unswizzle_scales_128x4(sw.data(), q.rows, q.nblocks());
+  } else {
+    h.scales = q.scales.download();
+  }
+  return h;
+}
+
+DeviceQTensor to_device(const num::QTensor& h, ScaleLayout layout) {
+  DeviceQTensor q = make_qtensor(h.rows, h.cols, h.cfg, layout);
+  QUADS_CHECK(h.codes.size() == q.codes.size() && h.fscales.size() == q.fscales.size() &&
+                  h.amax.size() == q.amax.size() && h.scales.size() == static_cast<size_t>(h.rows * q.nblocks()),
+              "cuda::to_device: QTensor [{}, {}] ({}) has inconsistent buffer sizes", h.rows, h.cols, h.cfg.describe());
+  q.codes.upload(h.codes);
+  q.fscales.upload(h.fscales);
+  q.amax.upload(h.amax);
+  if (q.layout == ScaleLayout::Swizzled128x4) q.scales.upload(num::swizzle_scales_128x4(h.scales.data(), h.rows, q.nblocks()));
+  else q.scales.upload(h.scales);
+  return q;
+}
+
+void swizzle_scales(const uint8_t* in, uint8_t* out, int64_t rows, int64_t nblocks, cudaStream_t s) {
+  const int64_t kt = kt_of(nblocks), total = (rows + 127) / 128 * 128 * kt * 4;
+  if (total == 0) return;
+  swizzle_kernel<<<grid_for(total, 256), 256, 0, s>>>(in, out, rows, nblocks, kt, total, true);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+void unswizzle_scales(const uint8_t* in, uint8_t* out, int64_t rows, int64_t nblocks, cudaStream_t s) {
+  const int64_t kt = kt_of(nblocks), total = rows * nblocks;
+  if (total == 0) return;
+  swizzle_kernel<<<grid_for(total, 256), 256, 0, s>>>(in, out, rows, nblocks, kt, total, false);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace quads::cuda

@@ -1,0 +1,72 @@
+#pragma once
+// NVFP4 / MXFP4 / FP8 quantization on the GPU: the device twins of numerics/quantize.h, bit for
+// bit (tests/cuda/test_quant.cpp holds them to num::quantize and to the TransformerEngine golden
+// vectors). Same configurations (QConfig), same layouts (QTensor), with two additions:
+//  - input may be float32 or bfloat16 (given as its raw bits); bf16 input quantizes exactly as its
+//    float32 value does on the CPU;
+//  - NVFP4/MXFP4 block scales may be written directly in the cuBLASLt/CUTLASS 128x4 swizzled layout
+//    (rows padded to 128, blocks to 4, zero fill) that the Blackwell block-scaled GEMM reads.
+// Not supported on the GPU (quads::Error at the call): NVFP4 with a ragged shape (cols % 16, or
+// rows % 16 for 16x16 tiles), MXFP4 with cols % 32 (the CPU has the same rules).
+// All functions are asynchronous on `stream` unless said otherwise; pointers are device pointers.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "cuda/check.h"
+#include "numerics/quantize.h"
+
+namespace quads::cuda {
+
+enum class ScaleLayout : uint8_t {
+  RowMajor,       // [rows, cols/block], as num::QTensor
+  Swizzled128x4,  // off = ((r/128)*Kt + b/4)*512 + (r%32)*16 + ((r%128)/32)*4 + b%4, Kt = ceil(nb/4)
+};
+
+// A quantized tensor in device memory: num::QTensor's layout, device-owned.
+struct DeviceQTensor {
+  num::QConfig cfg;
+  int64_t rows = 0, cols = 0;
+  ScaleLayout layout = ScaleLayout::RowMajor;
+  DeviceArray<uint8_t> codes;   // 4-bit packed [rows, cols/2] or FP8 [rows, cols]
+  DeviceArray<uint8_t> scales;  // NVFP4 E4M3 / MXFP4 UE8M0 block scales (layout above)
+  DeviceArray<float> fscales;   // FP8 dequantization scales (count as in num::QTensor)
+  DeviceArray<float> amax;      // NVFP4 global amax: 1, or `rows` with Global::PerRow
+  int64_t nblocks() const;      // block scales per row (NVFP4 cols/16, MXFP4 cols/32; 0 for FP8)
+};
+
+// Allocates a tensor for quantize(); checks the shape against the configuration.
+DeviceQTensor make_qtensor(int64_t rows, int64_t cols, const num::QConfig& cfg,
+                           ScaleLayout layout = ScaleLayout::RowMajor);
+
+// x: [q.rows, q.cols] row-major on the device; q from make_qtensor (its cfg, shape and layout).
+void quantize(const float* x, DeviceQTensor& q, cudaStream_t stream = nullptr);
+void quantize_bf16(const uint16_t* x, DeviceQTensor& q, cudaStream_t stream = nullptr);
+
+// Dequantized values, [rows, cols] float32 (or bf16 bits, rounded to nearest even).
+void dequantize(const DeviceQTensor& q, float* out, cudaStream_t stream = nullptr);
+void dequantize_bf16(const DeviceQTensor& q, uint16_t* out, cudaStream_t stream = nullptr);
+
+// dequantize(quantize(x)) in one pass where the scheme allows it (NVFP4 1x16 and 16x16, MXFP4);
+// otherwise (FP8) through a temporary. Bit-identical to the two-step path; out may alias x.
+// amax (optional, device): receives the NVFP4 global amax (1 value, or rows with PerRow); when
+// null, a stream-ordered temporary is used.
+void fake_quantize(const float* x, float* out, int64_t rows, int64_t cols, const num::QConfig& cfg,
+                   cudaStream_t stream = nullptr, float* amax = nullptr);
+void fake_quantize_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t cols,
+                        const num::QConfig& cfg, cudaStream_t stream = nullptr, float* amax = nullptr);
+
+// Copies between host and device (synchronous). to_host always returns row-major scales.
+num::QTensor to_host(const DeviceQTensor& q);
+DeviceQTensor to_device(const num::QTensor& q, ScaleLayout layout = ScaleLayout::RowMajor);
+
+// 128x4 scale swizzle on the device. `out` holds swizzled_scales_size(rows, nblocks) bytes; the
+// padding is written as zeros.
+int64_t swizzled_scales_size(int64_t rows, int64_t nblocks);
+void swizzle_scales(const uint8_t* in, uint8_t* out, int64_t rows, int64_t nblocks, cudaStream_t stream = nullptr);
+void unswizzle_scales(const uint8_t* in, uint8_t* out, int64_t rows, int64_t nblocks, cudaStream_t stream = nullptr);
+
+// max |x| over n elements into *amax (device), NaN largest (as the CPU quantizer).
+void absmax(const float* x, int64_t n, float* amax, cudaStream_t stream = nullptr);
+
+}  // namespace quads::cuda

@@ -1,0 +1,482 @@
+// Emulated W4A4 NVFP4 GEMM on FP16 tensor cores (see gemm.h for the numerics).
+//
+// Tiles: a CTA computes BM x BN outputs, warps WM x WN each; K advances 128 elements (8 scale
+// blocks, 64 bytes of codes per row) per pipeline stage, copied global -> shared with cp.async,
+// STAGES deep. Each thread of a quad (t = lane % 4) owns the two blocks 2t, 2t+1 of a stage for its
+// rows: a 32-bit word of codes is 8 elements. The MMA's K slots are filled from those words in an
+// order of our choosing (the sum over K does not care), the same for both operands:
+//   slot pair (2t, 2t+1)   <- nibbles (0, 4) of word >> 8j,   slot pair (2t+8, 2t+9) <- (1, 5) ...
+// so a thread never needs data of another thread. Nibble -> FP16: sign to bit 15, magnitude bits
+// to 9..11 gives value * 2^-14 (the E2M1 subnormal 0.5 lands on the FP16 subnormal 2^-15); one
+// FP16 multiply by (E4M3 scale * 2^7) then gives code * scale * 2^-7 exactly: magnitudes
+// 2^-17 .. 21, multiples of 2^-17, all exact in FP16. The epilogue multiplies by 2^14 and the
+// global decode scales amax/2688 of both operands.
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "cuda/gemm.h"
+
+namespace quads::cuda {
+
+namespace {
+
+constexpr int kBK = 128;  // K elements per stage
+
+struct Params {
+  const uint8_t* xq;
+  const uint8_t* xs;
+  const float* xamax;
+  int xamax_row;
+  const uint8_t* wq;
+  const uint8_t* ws;
+  const float* wamax;
+  int wamax_row;
+  const int32_t* blk;  // gather: W block per K block of X
+  int64_t M, N, K;     // K: X's columns
+  int64_t Kw;          // W's columns
+  float* y;
+  int accumulate;
+  float* partial;      // split K: [splits, M, N] raw sums
+  int kb_per_split;    // stages per split
+};
+
+// The kernels need sm_80 (cp.async, mma.sync m16n8k16); a build for an older target compiles them
+// as traps, and the host refuses to launch them (check_kernel_arch).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#define QUADS_W4A4_SM80 1
+#endif
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+#ifdef QUADS_W4A4_SM80
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+#endif
+}
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem, int src_bytes) {
+#ifdef QUADS_W4A4_SM80
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+#endif
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, int src_bytes) {
+#ifdef QUADS_W4A4_SM80
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef QUADS_W4A4_SM80
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#ifdef QUADS_W4A4_SM80
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+// Nibbles 0 and 4 of x as FP16 (value * 2^-14) in the low and high halves.
+__device__ __forceinline__ uint32_t fp4x2_raw(uint32_t x) {
+  const uint32_t y = x & 0x1E001E00u;  // x is pre-shifted: nibble bits at 9..12 and 25..28
+  return y + (y & 0x10001000u) * 7u;   // sign bit 12 -> 15 (0x1000 + 0x7000 = 0x8000)
+}
+// Two E4M3 scales (low byte: block 2t) as FP16 * 2^7.
+__device__ __forceinline__ uint32_t scales_f16x2(uint32_t two_bytes) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_bytes), __NV_E4M3);
+  const uint32_t v = static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+  return hmul2(v, 0x58005800u);  // * 128
+}
+__device__ __forceinline__ uint32_t lo2(uint32_t v) { return __byte_perm(v, 0, 0x1010); }
+__device__ __forceinline__ uint32_t hi2(uint32_t v) { return __byte_perm(v, 0, 0x3232); }
+
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#ifdef QUADS_W4A4_SM80
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// Dequantized pair from word w at nibble shift s (0, 4, 8, 12), times the scale pair.
+template <int S>
+__device__ __forceinline__ uint32_t deq(uint32_t w, uint32_t sc) {
+  const uint32_t x = S <= 9 ? (w << (9 - S)) : (w >> (S - 9));
+  return hmul2(fp4x2_raw(x), sc);
+}
+
+template <int BM, int BN, bool GATHER>
+struct Smem {
+  static constexpr int A = BM * 64, B = BN * 64, AS = BM * 8, BS = GATHER ? BN * 32 : BN * 8;
+  static constexpr int STAGE = A + B + AS + BS;
+};
+
+// LOWREG keeps the four 32-bit words of a stage in a rolled loop: fewer registers (more warps per
+// SM, the limit of these latency-bound kernels) for a little loop overhead.
+template <int BM, int BN, int WM, int WN, int STAGES, int MINB, bool LOWREG, bool GATHER>
+__global__ void __launch_bounds__(32 * (BM / WM) * (BN / WN), MINB)
+w4a4_kernel(const Params p) {
+  constexpr int NWN = BN / WN;
+  constexpr int NT = 32 * (BM / WM) * NWN;
+  constexpr int MT = WM / 16, NTL = WN / 8;
+  using SM = Smem<BM, BN, GATHER>;
+  extern __shared__ __align__(16) uint8_t smem[];
+#ifndef QUADS_W4A4_SM80
+  __trap();
+#endif
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wm = warp / NWN, wn = warp % NWN;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * BM, n0 = static_cast<int64_t>(blockIdx.x) * BN;
+  const int64_t kb_total = (p.K + kBK - 1) / kBK;
+  const int64_t kb0 = static_cast<int64_t>(blockIdx.z) * p.kb_per_split;
+  const int64_t kb1 = min(kb_total, kb0 + p.kb_per_split);
+  const int nkb = kb1 > kb0 ? static_cast<int>(kb1 - kb0) : 0;
+  const int64_t xrow = p.K / 2, xsrow = p.K / 16, wrow = p.Kw / 2, wsrow = p.Kw / 16;
+  const int64_t kblocks = p.K / 16;
+
+  auto load_stage = [&](int slot, int64_t kb) {
+    uint8_t* sa = smem + slot * SM::STAGE;
+    uint8_t* sb = sa + SM::A;
+    uint8_t* sas = sb + SM::B;
+    uint8_t* sbs = sas + SM::AS;
+    const int64_t k0 = kb * kBK;
+    for (int c = tid; c < BM * 4; c += NT) {
+      const int r = c >> 2, part = c & 3;
+      const int64_t gr = m0 + r, kc = k0 + part * 32;
+      const bool ok = gr < p.M && kc < p.K;
+      cp_async16(sa + r * 64 + part * 16, p.xq + (ok ? gr * xrow + kc / 2 : 0), ok ? 16 : 0);
+    }
+    for (int c = tid; c < BM * 2; c += NT) {
+      const int r = c >> 1, h = c & 1;
+      const int64_t gr = m0 + r, kc = k0 + h * 64;
+      const bool ok = gr < p.M && kc < p.K;
+      cp_async4(sas + r * 8 + h * 4, p.xs + (ok ? gr * xsrow + kc / 16 : 0), ok ? 4 : 0);
+    }
+    if constexpr (!GATHER) {
+      for (int c = tid; c < BN * 4; c += NT) {
+        const int r = c >> 2, part = c & 3;
+        const int64_t gn = n0 + r, kc = k0 + part * 32;
+        const bool ok = gn < p.N && kc < p.K;
+        cp_async16(sb + r * 64 + part * 16, p.wq + (ok ? gn * wrow + kc / 2 : 0), ok ? 16 : 0);
+      }
+      for (int c = tid; c < BN * 2; c += NT) {
+        const int r = c >> 1, h = c & 1;
+        const int64_t gn = n0 + r, kc = k0 + h * 64;
+        const bool ok = gn < p.N && kc < p.K;
+        cp_async4(sbs + r * 8 + h * 4, p.ws + (ok ? gn * wsrow + kc / 16 : 0), ok ? 4 : 0);
+      }
+    } else {
+      for (int c = tid; c < BN * 8; c += NT) {
+        const int r = c >> 3, b = c & 7;
+        const int64_t gn = n0 + r, kblk = kb * 8 + b;
+        const bool ok = gn < p.N && kblk < kblocks;
+        const int64_t src = ok ? p.blk[kblk] : 0;
+        cp_async8(sb + r * 64 + b * 8, p.wq + (ok ? gn * wrow + src * 8 : 0), ok ? 8 : 0);
+        cp_async4(sbs + (r * 8 + b) * 4, p.ws + (ok ? gn * wsrow + (src & ~int64_t(3)) : 0), ok ? 4 : 0);
+      }
+    }
+  };
+
+  float acc[MT][NTL][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NTL; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < nkb) load_stage(s, kb0 + s);
+    cp_async_commit();
+  }
+
+  for (int it = 0; it < nkb; ++it) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    {
+      const int nx = it + STAGES - 1;
+      if (nx < nkb) load_stage(nx % STAGES, kb0 + nx);
+      cp_async_commit();
+    }
+    const uint8_t* sa = smem + (it % STAGES) * SM::STAGE;
+    const uint8_t* sb = sa + SM::A;
+    const uint8_t* sas = sb + SM::B;
+    const uint8_t* sbs = sas + SM::AS;
+
+    // scale pairs (blocks 2t, 2t+1) of this thread's rows, FP16 * 2^7
+    uint32_t asc[MT][2], bsc[NTL];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = wm * WM + i * 16 + g + 8 * h;
+        asc[i][h] = scales_f16x2(*reinterpret_cast<const uint16_t*>(sas + r * 8 + 2 * t));
+      }
+    int sh0 = 0, sh1 = 0;  // gather: the scale byte sits at (block index & 3) in its 4-byte word
+    if constexpr (GATHER) {
+      const int64_t kblk = (kb0 + it) * 8 + 2 * t;
+      sh0 = kblk < kblocks ? 8 * (__ldg(p.blk + kblk) & 3) : 0;
+      sh1 = kblk + 1 < kblocks ? 8 * (__ldg(p.blk + kblk + 1) & 3) : 0;
+    }
+#pragma unroll
+    for (int j = 0; j < NTL; ++j) {
+      const int r = wn * WN + j * 8 + g;
+      uint32_t two;
+      if constexpr (!GATHER) {
+        two = *reinterpret_cast<const uint16_t*>(sbs + r * 8 + 2 * t);
+      } else {
+        const uint32_t w0 = *reinterpret_cast<const uint32_t*>(sbs + (r * 8 + 2 * t) * 4);
+        const uint32_t w1 = *reinterpret_cast<const uint32_t*>(sbs + (r * 8 + 2 * t + 1) * 4);
+        two = ((w0 >> sh0) & 0xFFu) | (((w1 >> sh1) & 0xFFu) << 8);
+      }
+      bsc[j] = scales_f16x2(two);
+    }
+
+#pragma unroll(LOWREG ? 1 : 4)
+    for (int hw = 0; hw < 4; ++hw) {  // block 2t + h, its word wd (elements 8wd .. 8wd+7)
+      {
+        const int h = hw >> 1;
+        const int off = t * 16 + hw * 4;
+        uint32_t aw[MT][2], bw[NTL];
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr)
+            aw[i][hr] = *reinterpret_cast<const uint32_t*>(sa + (wm * WM + i * 16 + g + 8 * hr) * 64 + off);
+#pragma unroll
+        for (int j = 0; j < NTL; ++j)
+          bw[j] = *reinterpret_cast<const uint32_t*>(sb + (wn * WN + j * 8 + g) * 64 + off);
+
+#pragma unroll
+        for (int ks = 0; ks < 2; ++ks) {  // two MMA k-steps per word
+          uint32_t af[MT][4];
+#pragma unroll
+          for (int i = 0; i < MT; ++i) {
+            const uint32_t s0 = h ? hi2(asc[i][0]) : lo2(asc[i][0]);
+            const uint32_t s1 = h ? hi2(asc[i][1]) : lo2(asc[i][1]);
+            if (ks == 0) {
+              af[i][0] = deq<0>(aw[i][0], s0);
+              af[i][1] = deq<0>(aw[i][1], s1);
+              af[i][2] = deq<4>(aw[i][0], s0);
+              af[i][3] = deq<4>(aw[i][1], s1);
+            } else {
+              af[i][0] = deq<8>(aw[i][0], s0);
+              af[i][1] = deq<8>(aw[i][1], s1);
+              af[i][2] = deq<12>(aw[i][0], s0);
+              af[i][3] = deq<12>(aw[i][1], s1);
+            }
+          }
+#pragma unroll
+          for (int j = 0; j < NTL; ++j) {
+            const uint32_t sc = h ? hi2(bsc[j]) : lo2(bsc[j]);
+            const uint32_t b0 = ks == 0 ? deq<0>(bw[j], sc) : deq<8>(bw[j], sc);
+            const uint32_t b1 = ks == 0 ? deq<4>(bw[j], sc) : deq<12>(bw[j], sc);
+#pragma unroll
+            for (int i = 0; i < MT; ++i) mma16816(acc[i][j], af[i], b0, b1);
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // epilogue
+  const float kInv = 1.f / 2688.f;
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int64_t row = m0 + wm * WM + i * 16 + g + 8 * hr;
+      if (row >= p.M) continue;
+      const float rf = p.partial ? 0.f : p.xamax[p.xamax_row ? row : 0] * kInv * 16384.f;
+#pragma unroll
+      for (int j = 0; j < NTL; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int64_t col = n0 + wn * WN + j * 8 + 2 * t + c;
+          if (col >= p.N) continue;
+          const float v = acc[i][j][2 * hr + c];
+          if (p.partial) {
+            p.partial[(static_cast<int64_t>(blockIdx.z) * p.M + row) * p.N + col] = v;
+          } else {
+            const float out = v * rf * (p.wamax[p.wamax_row ? col : 0] * kInv);
+            float* dst = p.y + row * p.N + col;
+            *dst = p.accumulate ? *dst + out : out;
+          }
+        }
+    }
+}
+
+// Sums the split-K partials in split order and applies the epilogue.
+__global__ void splitk_reduce_kernel(const Params p, int splits) {
+  const int64_t n = p.M * p.N;
+  const float kInv = 1.f / 2688.f;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float s = 0.f;
+    for (int z = 0; z < splits; ++z) s += p.partial[z * n + i];
+    const int64_t row = i / p.N, col = i % p.N;
+    const float out = s * (p.xamax[p.xamax_row ? row : 0] * kInv * 16384.f) * (p.wamax[p.wamax_row ? col : 0] * kInv);
+    p.y[i] = p.accumulate ? p.y[i] + out : out;
+  }
+}
+
+__global__ void gather_blocks_kernel(const float* x, int64_t m, int64_t k, const int32_t* blocks, int64_t nsel,
+                                     float* out, int64_t out_cols) {
+  const int64_t n = m * out_cols;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / out_cols, c = i % out_cols, b = c / 16;
+    out[i] = b < nsel ? x[r * k + static_cast<int64_t>(blocks[b]) * 16 + c % 16] : 0.f;
+  }
+}
+
+int sm_count() {
+  static int sms = [] {
+    int dev = 0, n = 132;
+    if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    return n;
+  }();
+  return sms;
+}
+
+template <int BM, int BN, int WM, int WN, int STAGES, int MINB, bool LOWREG, bool GATHER>
+void launch(Params p, int splits_req, cudaStream_t s) {
+  constexpr int threads = 32 * (BM / WM) * (BN / WN);
+  const int smem = Smem<BM, BN, GATHER>::STAGE * STAGES;
+  auto kern = w4a4_kernel<BM, BN, WM, WN, STAGES, MINB, LOWREG, GATHER>;
+  static bool checked = false;  // per instantiation
+  if (!checked) {
+    // The code the driver picked for this GPU must be sm_80 or newer (else the kernel is a trap).
+    cudaFuncAttributes fa{};
+    QUADS_CUDA_CHECK(cudaFuncGetAttributes(&fa, kern));
+    QUADS_CHECK(fa.binaryVersion >= 80 && fa.ptxVersion >= 80,
+                "w4a4_gemm: quads_cuda holds code for sm_{} only; the W4A4 kernels need sm_80 or newer "
+                "(configure with -DCMAKE_CUDA_ARCHITECTURES=90)", fa.ptxVersion);
+    QUADS_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    checked = true;
+  }
+  const int64_t tiles_n = (p.N + BN - 1) / BN, tiles_m = (p.M + BM - 1) / BM;
+  const int64_t kb_total = (p.K + kBK - 1) / kBK;
+  int splits = splits_req;
+  if (splits <= 0) {
+    // enough CTAs for about two waves, at least 2 stages of K per split
+    const int64_t tiles = tiles_n * tiles_m, want = 2 * sm_count();
+    splits = tiles >= want ? 1 : static_cast<int>(std::min<int64_t>((want + tiles - 1) / tiles, kb_total / 2));
+    splits = std::max(splits, 1);
+  }
+  splits = static_cast<int>(std::min<int64_t>(std::max(splits, 1), std::max<int64_t>(kb_total, 1)));
+  p.kb_per_split = static_cast<int>((kb_total + splits - 1) / splits);
+  splits = static_cast<int>(std::max<int64_t>(1, (kb_total + p.kb_per_split - 1) / p.kb_per_split));
+  float* partial = nullptr;
+  if (splits > 1) {
+    QUADS_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&partial), sizeof(float) * splits * p.M * p.N, s));
+    p.partial = partial;
+  }
+  const dim3 grid(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_m), static_cast<unsigned>(splits));
+  kern<<<grid, threads, smem, s>>>(p);
+  QUADS_CUDA_LAUNCH_CHECK();
+  if (splits > 1) {
+    const int64_t n = p.M * p.N;
+    const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 16LL * sm_count()));
+    splitk_reduce_kernel<<<blocks, 256, 0, s>>>(p, splits);
+    QUADS_CUDA_LAUNCH_CHECK();
+    QUADS_CUDA_CHECK(cudaFreeAsync(partial, s));
+  }
+}
+
+template <bool GATHER>
+void dispatch(const Params& p, const W4A4Options& opt, cudaStream_t s) {
+  W4A4Tile tile = opt.tile;
+  if (tile == W4A4Tile::Auto) tile = p.M <= 16 ? W4A4Tile::M16 : p.M <= 64 ? W4A4Tile::M64 : W4A4Tile::M128;
+  if constexpr (!GATHER) {  // variants for benchmarks, not instantiated for the gather kernel
+    if (tile == W4A4Tile::M16W4) return launch<16, 128, 16, 32, 3, 4, true, GATHER>(p, opt.splits, s);
+    if (tile == W4A4Tile::M128Lr) return launch<128, 128, 64, 32, 3, 2, true, GATHER>(p, opt.splits, s);
+  }
+  switch (tile) {
+    case W4A4Tile::M16: launch<16, 128, 16, 64, 4, 1, false, GATHER>(p, opt.splits, s); break;
+    case W4A4Tile::M64: launch<64, 128, 32, 64, 4, 1, false, GATHER>(p, opt.splits, s); break;
+    default: launch<128, 128, 64, 64, 3, 1, false, GATHER>(p, opt.splits, s); break;
+  }
+}
+
+Params make_params(const Nvfp4View& x, const Nvfp4View& w, float* y, bool accumulate) {
+  Params p{};
+  p.xq = x.codes;
+  p.xs = x.scales;
+  p.xamax = x.amax;
+  p.xamax_row = x.amax_per_row;
+  p.wq = w.codes;
+  p.ws = w.scales;
+  p.wamax = w.amax;
+  p.wamax_row = w.amax_per_row;
+  p.M = x.rows;
+  p.N = w.rows;
+  p.K = x.k;
+  p.Kw = w.k;
+  p.y = y;
+  p.accumulate = accumulate;
+  return p;
+}
+
+}  // namespace
+
+Nvfp4View nvfp4_view(const DeviceQTensor& q, const char* what) {
+  QUADS_CHECK(q.cfg.scheme == num::Scheme::NVFP4 && q.cfg.element == num::Format::E2M1,
+              "{}: the W4A4 GEMM needs NVFP4 with E2M1 elements, got {}", what, q.cfg.describe());
+  QUADS_CHECK(q.layout == ScaleLayout::RowMajor, "{}: the emulated W4A4 GEMM reads row-major scales", what);
+  Nvfp4View v;
+  v.codes = q.codes.data();
+  v.scales = q.scales.data();
+  v.amax = q.amax.data();
+  v.amax_per_row = q.cfg.global == num::Global::PerRow;
+  v.rows = q.rows;
+  v.k = q.cols;
+  return v;
+}
+
+void w4a4_gemm_emulated(const Nvfp4View& x, const Nvfp4View& w, float* y, bool accumulate, cudaStream_t s,
+                        const W4A4Options& opt) {
+  QUADS_CHECK(x.k == w.k, "w4a4_gemm: X is [{}, {}] but W is [{}, {}]: inner dimensions differ", x.rows, x.k, w.rows, w.k);
+  QUADS_CHECK(x.k % 64 == 0, "w4a4_gemm: K = {} must be a multiple of 64", x.k);
+  if (x.rows == 0 || w.rows == 0) return;
+  dispatch<false>(make_params(x, w, y, accumulate), opt, s);
+}
+
+void w4a4_gemm_gather(const Nvfp4View& xr, const Nvfp4View& w, const int32_t* blocks, float* y, bool accumulate,
+                      cudaStream_t s, const W4A4Options& opt) {
+  QUADS_CHECK(xr.k % 64 == 0, "w4a4_gemm_gather: the residual's K = {} must be a multiple of 64 (pad with zero blocks)", xr.k);
+  QUADS_CHECK(w.k % 64 == 0, "w4a4_gemm_gather: W's K = {} must be a multiple of 64", w.k);
+  if (xr.rows == 0 || w.rows == 0 || xr.k == 0) {
+    if (!accumulate && xr.rows && w.rows) QUADS_CUDA_CHECK(cudaMemsetAsync(y, 0, sizeof(float) * xr.rows * w.rows, s));
+    return;
+  }
+  Params p = make_params(xr, w, y, accumulate);
+  p.blk = blocks;
+  dispatch<true>(p, opt, s);
+}
+
+void gather_blocks(const float* x, int64_t m, int64_t k, const int32_t* blocks, int64_t nsel, float* out,
+                   int64_t out_cols, cudaStream_t s) {
+  QUADS_CHECK(out_cols % 16 == 0 && out_cols >= 16 * nsel, "gather_blocks: out_cols = {} cannot hold {} blocks", out_cols, nsel);
+  const int64_t n = m * out_cols;
+  if (n == 0) return;
+  const int blocks_n = static_cast<int>(std::min<int64_t>((n + 255) / 256, 16LL * sm_count()));
+  gather_blocks_kernel<<<blocks_n, 256, 0, s>>>(x, m, k, blocks, nsel, out, out_cols);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace quads::cuda

@@ -1,0 +1,244 @@
+// GPU GEMMs against CPU GEMMs of the dequantized operands (double accumulation). The GPU
+// accumulates in float32 in another order, so results agree to ~1e-5 relative, not bitwise.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_test_util.h"
+#include "cuda/gemm.h"
+
+using namespace quads;
+using namespace quads::cuda;
+using namespace quads::cuda::testing;
+using num::Block;
+using num::Global;
+using num::QConfig;
+
+namespace {
+
+// ref[m, n] = sum_k x[m, k] w[n, k] in double, and the sum of |products| (the scale of the
+// rounding error an fp32 accumulation can make).
+void ref_gemm(const std::vector<float>& x, const std::vector<float>& w, int64_t M, int64_t N, int64_t K,
+              std::vector<double>& ref, std::vector<double>& absref) {
+  ref.assign(M * N, 0.0);
+  absref.assign(M * N, 0.0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double s = 0, a = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const double p = static_cast<double>(x[m * K + k]) * w[n * K + k];
+        s += p;
+        a += std::fabs(p);
+      }
+      ref[m * N + n] = s;
+      absref[m * N + n] = a;
+    }
+}
+
+// ||y - ref|| / ||ref|| <= rel, and every element within elem_rel of its |product| sum.
+void expect_close(const std::vector<float>& y, const std::vector<double>& ref, const std::vector<double>& absref,
+                  double rel, double elem_rel, const std::string& what) {
+  ASSERT_EQ(y.size(), ref.size()) << what;
+  double num = 0, den = 0;
+  int64_t bad = -1;
+  for (size_t i = 0; i < y.size(); ++i) {
+    ASSERT_FALSE(std::isnan(y[i])) << what << " at " << i;
+    const double d = y[i] - ref[i];
+    num += d * d;
+    den += ref[i] * ref[i];
+    if (bad < 0 && std::fabs(d) > elem_rel * absref[i] + 1e-30) bad = static_cast<int64_t>(i);
+  }
+  EXPECT_LE(std::sqrt(num / std::max(den, 1e-300)), rel) << what;
+  EXPECT_EQ(bad, -1) << what << ": y=" << (bad >= 0 ? y[bad] : 0.f) << " ref=" << (bad >= 0 ? ref[bad] : 0.0);
+}
+
+std::vector<float> dequant_cpu(const num::QTensor& q) {
+  std::vector<float> v(q.rows * q.cols);
+  num::dequantize(q, v.data());
+  return v;
+}
+
+struct Shape {
+  int64_t m, n, k;
+};
+
+}  // namespace
+
+// The emulated W4A4 GEMM against float64 GEMM of the CPU-dequantized operands, for each tile
+// configuration, split-K choice, global-scale mode and 1-D / 2-D weight blocks.
+TEST(CudaGemm, W4A4MatchesDequantizedCpuGemm) {
+  QUADS_REQUIRE_GPU();
+  const std::vector<Shape> shapes = {{1, 8, 64}, {5, 200, 192}, {16, 768, 2048}, {17, 96, 320},
+                                     {64, 136, 768}, {100, 256, 1024}, {300, 130, 576}};
+  uint64_t seed = 100;
+  for (const Shape& s : shapes) {
+    for (bool x_row : {false, true})
+      for (bool w2d : {false, true}) {
+        if (w2d && s.n % 16) continue;
+        QConfig xc = QConfig::nvfp4_act();
+        if (x_row) xc.global = Global::PerRow;
+        const QConfig wc = QConfig::nvfp4_weight(w2d);
+        const std::vector<float> x = random_matrix(s.m, s.k, seed++), w = random_matrix(s.n, s.k, seed++);
+        const num::QTensor xq = num::quantize(x.data(), s.m, s.k, xc), wq = num::quantize(w.data(), s.n, s.k, wc);
+        std::vector<double> ref, absref;
+        ref_gemm(dequant_cpu(xq), dequant_cpu(wq), s.m, s.n, s.k, ref, absref);
+        DeviceQTensor dxq = to_device(xq), dwq = to_device(wq);
+        DeviceArray<float> y(s.m * s.n);
+        for (W4A4Tile tile : {W4A4Tile::M16, W4A4Tile::M64, W4A4Tile::M128, W4A4Tile::M16W4, W4A4Tile::M128Lr})
+          for (int splits : {1, 0, 3}) {
+            const std::string what = "M=" + std::to_string(s.m) + " N=" + std::to_string(s.n) + " K=" +
+                                     std::to_string(s.k) + " tile=" + std::to_string(static_cast<int>(tile)) +
+                                     " splits=" + std::to_string(splits) + (x_row ? " x per-row" : "") +
+                                     (w2d ? " w 16x16" : "");
+            y.fill_bytes(0xFF);  // NaN poison: every output must be written
+            W4A4Options opt;
+            opt.tile = tile;
+            opt.splits = splits;
+            w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), y.data(), false, nullptr, opt);
+            expect_close(y.download(), ref, absref, 1e-5, 1e-4, what);
+          }
+      }
+  }
+}
+
+TEST(CudaGemm, W4A4AccumulatesAndIsDeterministic) {
+  QUADS_REQUIRE_GPU();
+  const int64_t M = 40, N = 264, K = 1536;
+  const std::vector<float> x = random_matrix(M, K, 1), w = random_matrix(N, K, 2), y0 = random_matrix(M, N, 3);
+  QConfig xc = QConfig::nvfp4_act();
+  xc.global = Global::PerRow;
+  const num::QTensor xq = num::quantize(x.data(), M, K, xc), wq = num::quantize(w.data(), N, K, QConfig::nvfp4_weight(false));
+  std::vector<double> ref, absref;
+  ref_gemm(dequant_cpu(xq), dequant_cpu(wq), M, N, K, ref, absref);
+  for (size_t i = 0; i < ref.size(); ++i) {
+    ref[i] += y0[i];
+    absref[i] += std::fabs(y0[i]);
+  }
+  DeviceQTensor dxq = to_device(xq), dwq = to_device(wq);
+  for (int splits : {1, 4}) {
+    DeviceArray<float> y;
+    y.upload(y0);
+    W4A4Options opt;
+    opt.splits = splits;
+    w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), y.data(), true, nullptr, opt);
+    const std::vector<float> first = y.download();
+    expect_close(first, ref, absref, 1e-5, 1e-4, "accumulate splits=" + std::to_string(splits));
+    y.upload(y0);
+    w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), y.data(), true, nullptr, opt);
+    EXPECT_EQ(first_float_mismatch(first, y.download()), -1) << "repeat run differs, splits=" << splits;
+  }
+}
+
+// RAC: the residual GEMM over a list of W's 16-blocks equals the CPU GEMM of the dequantized
+// compact residual with the gathered dequantized weight columns; gather_blocks is exact.
+TEST(CudaGemm, RacGatherGemm) {
+  QUADS_REQUIRE_GPU();
+  std::mt19937_64 rng(9);
+  for (const Shape& s : std::vector<Shape>{{3, 80, 512}, {16, 768, 2048}, {77, 144, 768}}) {
+    const int64_t nb = s.k / 16;
+    for (int64_t nsel : {int64_t(1), int64_t(5), nb / 8 + 3}) {
+      std::vector<int32_t> all(nb);
+      std::iota(all.begin(), all.end(), 0);
+      std::shuffle(all.begin(), all.end(), rng);
+      std::vector<int32_t> sel(all.begin(), all.begin() + nsel);
+      const int64_t kp = (nsel * 16 + 63) / 64 * 64;  // padded to 4 blocks
+      std::vector<int32_t> blocks(kp / 16, 0);
+      std::copy(sel.begin(), sel.end(), blocks.begin());
+
+      const std::vector<float> x = random_matrix(s.m, s.k, 50 + nsel), w = random_matrix(s.n, s.k, 60 + nsel);
+      DeviceArray<float> dx, dg(s.m * kp);
+      DeviceArray<int32_t> dblocks;
+      dx.upload(x);
+      dblocks.upload(blocks);
+      gather_blocks(dx.data(), s.m, s.k, dblocks.data(), nsel, dg.data(), kp);
+      std::vector<float> g(s.m * kp, 0.f);
+      for (int64_t r = 0; r < s.m; ++r)
+        for (int64_t i = 0; i < nsel; ++i)
+          for (int j = 0; j < 16; ++j) g[r * kp + i * 16 + j] = x[r * s.k + sel[i] * 16 + j];
+      ASSERT_EQ(first_float_mismatch(g, dg.download()), -1) << "gather_blocks";
+
+      QConfig xc = QConfig::nvfp4_act();
+      xc.global = Global::PerRow;
+      const num::QTensor rq = num::quantize(g.data(), s.m, kp, xc);
+      const num::QTensor wq = num::quantize(w.data(), s.n, s.k, QConfig::nvfp4_weight(true));
+      const std::vector<float> wd = dequant_cpu(wq);
+      std::vector<float> wsel(s.n * kp, 0.f);
+      for (int64_t n = 0; n < s.n; ++n)
+        for (int64_t i = 0; i < nsel; ++i)
+          for (int j = 0; j < 16; ++j) wsel[n * kp + i * 16 + j] = wd[n * s.k + sel[i] * 16 + j];
+      std::vector<double> ref, absref;
+      ref_gemm(dequant_cpu(rq), wsel, s.m, s.n, kp, ref, absref);
+
+      DeviceQTensor drq = to_device(rq), dwq = to_device(wq);
+      DeviceArray<float> y(s.m * s.n);
+      for (W4A4Tile tile : {W4A4Tile::Auto, W4A4Tile::M128}) {
+        y.fill_bytes(0xFF);
+        W4A4Options opt;
+        opt.tile = tile;
+        w4a4_gemm_gather(nvfp4_view(drq), nvfp4_view(dwq), dblocks.data(), y.data(), false, nullptr, opt);
+        expect_close(y.download(), ref, absref, 1e-5, 1e-4, "gather nsel=" + std::to_string(nsel) + " M=" + std::to_string(s.m));
+      }
+    }
+  }
+}
+
+TEST(CudaGemm, Bf16CublasMatchesCpu) {
+  QUADS_REQUIRE_GPU();
+  Blas blas;
+  for (const Shape& s : std::vector<Shape>{{1, 768, 2048}, {33, 100, 96}, {256, 512, 768}}) {
+    std::vector<float> x = random_matrix(s.m, s.k, 21), w = random_matrix(s.n, s.k, 22);
+    std::vector<uint16_t> xb(x.size()), wb(w.size());
+    for (size_t i = 0; i < x.size(); ++i) x[i] = from_bf16(xb[i] = to_bf16(x[i]));
+    for (size_t i = 0; i < w.size(); ++i) w[i] = from_bf16(wb[i] = to_bf16(w[i]));
+    std::vector<double> ref, absref;
+    ref_gemm(x, w, s.m, s.n, s.k, ref, absref);
+    DeviceArray<uint16_t> dx, dw;
+    dx.upload(xb);
+    dw.upload(wb);
+    DeviceArray<float> y(s.m * s.n);
+    gemm_bf16(blas, dx.data(), dw.data(), y.data(), s.m, s.n, s.k);
+    expect_close(y.download(), ref, absref, 1e-5, 1e-4, "bf16 M=" + std::to_string(s.m));
+  }
+}
+
+TEST(CudaGemm, Fp8CublasLtMatchesCpu) {
+  QUADS_REQUIRE_GPU();
+  Blas blas;
+  for (const Shape& s : std::vector<Shape>{{16, 768, 2048}, {64, 96, 128}, {512, 256, 768}}) {
+    const std::vector<float> x = random_matrix(s.m, s.k, 31), w = random_matrix(s.n, s.k, 32);
+    const QConfig c = QConfig::fp8(Block::PerTensor);
+    const num::QTensor xq = num::quantize(x.data(), s.m, s.k, c), wq = num::quantize(w.data(), s.n, s.k, c);
+    std::vector<double> ref, absref;
+    ref_gemm(dequant_cpu(xq), dequant_cpu(wq), s.m, s.n, s.k, ref, absref);
+    DeviceQTensor dxq = to_device(xq), dwq = to_device(wq);
+    DeviceArray<float> y(s.m * s.n);
+    gemm_fp8(blas, dxq.codes.data(), dxq.fscales.data(), dwq.codes.data(), dwq.fscales.data(), y.data(), s.m, s.n, s.k);
+    // Hopper's FP8 tensor cores accumulate with a narrower significand than FP32 (about 2^-13
+    // relative per addition, measured here: ~3e-4 relative error over K = 2048), so FP8 gets a
+    // wider tolerance than the FP16/BF16 paths.
+    expect_close(y.download(), ref, absref, 2e-3, 2e-3, "fp8 M=" + std::to_string(s.m));
+  }
+}
+
+// Blackwell only: cuBLASLt's native FP4 GEMM agrees with the emulation.
+TEST(CudaGemm, NativeNvfp4MatchesEmulation) {
+  QUADS_REQUIRE_GPU();
+  if (!nvfp4_native_available()) GTEST_SKIP() << "no native FP4 GEMM on " << device_name(0);
+  Blas blas;
+  const int64_t M = 64, N = 256, K = 1024;
+  const std::vector<float> x = random_matrix(M, K, 41), w = random_matrix(N, K, 42);
+  QConfig xc = QConfig::nvfp4_act();
+  xc.global = Global::PerRow;
+  const num::QTensor xq = num::quantize(x.data(), M, K, xc), wq = num::quantize(w.data(), N, K, QConfig::nvfp4_weight(true));
+  std::vector<double> ref, absref;
+  ref_gemm(dequant_cpu(xq), dequant_cpu(wq), M, N, K, ref, absref);
+  DeviceQTensor xs = to_device(xq, ScaleLayout::Swizzled128x4), ws = to_device(wq, ScaleLayout::Swizzled128x4);
+  DeviceArray<float> y(M * N);
+  w4a4_gemm_native(blas, xs, ws, y.data());
+  expect_close(y.download(), ref, absref, 1e-5, 1e-4, "native nvfp4");
+}
