@@ -57,49 +57,69 @@ inline void e4m3_encode8(__m256 v, __m256i* code, __m256* value) {
   *value = val;
 }
 
-struct GridV {
-  __m256 thr[7];
-  __m256 values;
-};
-inline GridV make_grid(const Grid4& g) {
-  GridV v;
-  for (int k = 0; k < 7; ++k) v.thr[k] = _mm256_set1_ps(g.thr[k]);
-  v.values = _mm256_loadu_ps(g.values);
-  return v;
+inline __m256 abs8(__m256 v) { return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
+inline __m256 sign8(__m256 v) { return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)))); }
+
+// |v| rounded to the element grid, as a float (grid4_encode's rounding: nearest, ties to the
+// even code, saturating, NaN -> max). Adding M = 1.5 * 2^(22 + e) to a value a < 2^(e+1) rounds
+// it to a multiple of ulp(M) = 2^(e-1) with the FPU's ties-to-even, and (a + M) - M is exact.
+// For E2M1 in binade e >= 0 that multiple is its grid step (1 mantissa bit); below 2 the step
+// is 0.5, so M is at least 1.5 * 2^22. Even multiples of the step are exactly the even codes.
+// E1M2's step is 0.5 throughout. min(a, max) saturates and maps NaN to max (MINPS returns its
+// second operand when the first is NaN).
+template <bool kUniform>
+inline __m256 grid_round8(__m256 a0) {
+  const __m256 m0 = _mm256_set1_ps(6291456.f);  // 1.5 * 2^22
+  if (kUniform) {
+    const __m256 a = _mm256_min_ps(a0, _mm256_set1_ps(3.5f));
+    return _mm256_sub_ps(_mm256_add_ps(a, m0), m0);
+  }
+  const __m256 a = _mm256_min_ps(a0, _mm256_set1_ps(6.f));
+  const __m256i e = _mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7F800000));
+  const __m256 m = _mm256_castsi256_ps(_mm256_max_epi32(_mm256_add_epi32(e, _mm256_set1_epi32((22 << 23) | 0x400000)),
+                                                        _mm256_castps_si256(m0)));
+  return _mm256_sub_ps(_mm256_add_ps(a, m), m);
 }
 
-// Codes (sign in bit 3) of eight elements v, rounding as grid4_encode does.
-inline __m256i grid_encode8(__m256 v, const GridV& g) {
-  const __m256 a = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
-  const __m256i m0 = _mm256_castps_si256(_mm256_cmp_ps(a, g.thr[0], _CMP_NLE_UQ));
-  const __m256i m1 = _mm256_castps_si256(_mm256_cmp_ps(a, g.thr[1], _CMP_NLT_UQ));
-  const __m256i m2 = _mm256_castps_si256(_mm256_cmp_ps(a, g.thr[2], _CMP_NLE_UQ));
-  const __m256i m3 = _mm256_castps_si256(_mm256_cmp_ps(a, g.thr[3], _CMP_NLT_UQ));
-  const __m256i m4 = _mm256_castps_si256(_mm256_cmp_ps(a, g.thr[4], _CMP_NLE_UQ));
-  const __m256i m5 = _mm256_castps_si256(_mm256_cmp_ps(a, g.thr[5], _CMP_NLT_UQ));
-  const __m256i m6 = _mm256_castps_si256(_mm256_cmp_ps(a, g.thr[6], _CMP_NLE_UQ));
-  // Each mask is -1 where passed: the code is minus their sum.
-  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(m0, m1), _mm256_add_epi32(m2, m3)),
-                                     _mm256_add_epi32(_mm256_add_epi32(m4, m5), m6));
-  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(v), 28), _mm256_set1_epi32(8));
-  return _mm256_or_si256(_mm256_sub_epi32(_mm256_setzero_si256(), s), sign);
-}
-
-// Values of eight codes (sign in bit 3) times d, as grid4_decode(c) * d.
-inline __m256 grid_decode8(__m256i c, const GridV& g, __m256 d) {
-  const __m256 mag = _mm256_permutevar8x32_ps(g.values, c);  // uses the low 3 bits
-  const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(c, 28), _mm256_set1_epi32(static_cast<int>(0x80000000u)));
-  return _mm256_mul_ps(_mm256_xor_ps(mag, _mm256_castsi256_ps(sign)), d);
-}
-
-// 32 codes (4 vectors of 8, in element order) -> 16 packed bytes, element 2i in the low nibble.
-inline void pack32(__m256i c0, __m256i c1, __m256i c2, __m256i c3, uint8_t* out) {
-  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(c0, c1), _mm256_packs_epi32(c2, c3));
-  // packs interleave the 128-bit lanes: 4-byte groups come out as c0lo c1lo c2lo c3lo | c0hi ...
+// 32 rounded magnitudes (4 vectors of 8, in element order, from grid_round8) and their 32 sign
+// bits (bit i for element i) -> 16 packed bytes, element 2i in the low nibble, sign in bit 3 of
+// each nibble. A grid value's bits >> 21, minus 503 with unsigned saturation, is a distinct
+// number below 16 for each of the 8 values of either grid; one byte shuffle maps it to the code.
+template <bool kUniform>
+inline void pack32(__m256 r0, __m256 r1, __m256 r2, __m256 r3, uint32_t signs, uint8_t* out) {
+  auto key = [](__m256 r) { return _mm256_srli_epi32(_mm256_castps_si256(r), 21); };
+  const __m256i bias = _mm256_set1_epi16(503);
+  const __m256i w01 = _mm256_subs_epu16(_mm256_packs_epi32(key(r0), key(r1)), bias);
+  const __m256i w23 = _mm256_subs_epu16(_mm256_packs_epi32(key(r2), key(r3)), bias);
+  // E2M1 keys 0 1 5 7 9 11 13 15, E1M2 keys 0 1 5 7 9 10 11 12 -> codes 0..7.
+  const __m256i lut = kUniform ? _mm256_setr_epi8(0, 1, 0, 0, 0, 2, 0, 3, 0, 4, 5, 6, 7, 0, 0, 0,
+                                                  0, 1, 0, 0, 0, 2, 0, 3, 0, 4, 5, 6, 7, 0, 0, 0)
+                               : _mm256_setr_epi8(0, 1, 0, 0, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7,
+                                                  0, 1, 0, 0, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7);
+  const __m256i b = _mm256_shuffle_epi8(lut, _mm256_packs_epi16(w01, w23));
+  // packs interleave the 128-bit lanes: 4-byte groups come out as r0lo r1lo r2lo r3lo | r0hi ...
   const __m256i ordered = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   const __m256i pairs = _mm256_maddubs_epi16(ordered, _mm256_set1_epi16(0x1001));  // lo + 16 * hi
   const __m128i bytes = _mm_packus_epi16(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), bytes);
+  // Sign bit i goes to bit 4i + 3.
+  const __m128i sb = _mm_set_epi64x(static_cast<int64_t>(_pdep_u64(signs >> 16, 0x8888888888888888ull)),
+                                    static_cast<int64_t>(_pdep_u64(signs & 0xFFFF, 0x8888888888888888ull)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_or_si128(bytes, sb));
+}
+
+inline uint32_t signs32(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
+  return static_cast<uint32_t>(_mm256_movemask_ps(v0)) | (static_cast<uint32_t>(_mm256_movemask_ps(v1)) << 8) |
+         (static_cast<uint32_t>(_mm256_movemask_ps(v2)) << 16) | (static_cast<uint32_t>(_mm256_movemask_ps(v3)) << 24);
+}
+
+// A rounded magnitude with the sign of v, times d: grid4_decode(code) * d (negation is a flip
+// of the sign bit).
+inline __m256 signed_times(__m256 r, __m256 v, __m256 d) { return _mm256_mul_ps(_mm256_xor_ps(r, sign8(v)), d); }
+
+// Values of eight codes (sign in bit 3) times d, as grid4_decode(c) * d.
+inline __m256 grid_decode8(__m256i c, __m256 values, __m256 d) {
+  const __m256 sign = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(c, 28), _mm256_set1_epi32(static_cast<int>(0x80000000u))));
+  return _mm256_mul_ps(_mm256_xor_ps(_mm256_permutevar8x32_ps(values, c), sign), d);
 }
 
 // Low bytes of eight int32 lanes -> 8 bytes.
@@ -118,15 +138,14 @@ inline void unpack16(const uint8_t* p, __m256i* c0, __m256i* c1) {
   *c0 = _mm256_cvtepu8_epi32(il);
   *c1 = _mm256_cvtepu8_epi32(_mm_srli_si128(il, 8));
 }
-
-template <bool kCodes, bool kFake>
+template <bool kCodes, bool kFake, bool kUniform>
 void blocks8(const float* x, int64_t n8, const Nvfp4Group& g, const uint8_t* sf_in, uint8_t* codes,
              uint8_t* scales, float* fake) {
-  const GridV grid = make_grid(*g.grid);
   const __m256 s_enc_g = _mm256_set1_ps(g.s_enc_g), s_dec = _mm256_set1_ps(g.s_dec);
   const __m256 amax = _mm256_set1_ps(g.amax), dq = _mm256_set1_ps(g.dq);
   const __m256 fmax = _mm256_set1_ps(FLT_MAX), one = _mm256_set1_ps(1.f);
   const float* e4m3 = tables().e4m3;
+  alignas(32) float enc_a[8], d_a[8];  // per-block factors, broadcast from memory below
   for (int64_t s = 0; s < n8; ++s) {
     const float* xs = x + 128 * s;
     __m256i sf;
@@ -137,29 +156,39 @@ void blocks8(const float* x, int64_t n8, const Nvfp4Group& g, const uint8_t* sf_
     } else {
       e4m3_encode8(_mm256_mul_ps(_mm256_castsi256_ps(block_amax8(xs)), s_enc_g), &sf, &sfv);
     }
-    __m256 enc = _mm256_div_ps(one, _mm256_mul_ps(sfv, s_dec));
-    enc = _mm256_min_ps(fmax, enc);  // fmax < enc ? fmax : enc, so NaN stays NaN
-    __m256 d = _mm256_setzero_ps();
-    if (kFake) d = _mm256_mul_ps(_mm256_mul_ps(sfv, amax), dq);
+    // fmax < enc ? fmax : enc, so NaN stays NaN, as the scalar kernel's comparison.
+    _mm256_store_ps(enc_a, _mm256_min_ps(fmax, _mm256_div_ps(one, _mm256_mul_ps(sfv, s_dec))));
+    if (kFake) _mm256_store_ps(d_a, _mm256_mul_ps(_mm256_mul_ps(sfv, amax), dq));
     if (kCodes) store_bytes8(sf, scales + 8 * s);
+    // Two blocks per step, kept in registers for packing.
     for (int j = 0; j < 8; j += 2) {
-      __m256i c[4];
-      for (int h = 0; h < 2; ++h) {
-        const __m256i lane = _mm256_set1_epi32(j + h);
-        const __m256 e = _mm256_permutevar8x32_ps(enc, lane);
-        const float* xb = xs + 16 * (j + h);
-        c[2 * h] = grid_encode8(_mm256_mul_ps(_mm256_loadu_ps(xb), e), grid);
-        c[2 * h + 1] = grid_encode8(_mm256_mul_ps(_mm256_loadu_ps(xb + 8), e), grid);
-        if (kFake) {
-          const __m256 dj = _mm256_permutevar8x32_ps(d, lane);
-          float* ob = fake + 128 * s + 16 * (j + h);
-          _mm256_storeu_ps(ob, grid_decode8(c[2 * h], grid, dj));
-          _mm256_storeu_ps(ob + 8, grid_decode8(c[2 * h + 1], grid, dj));
-        }
+      const __m256 e0 = _mm256_broadcast_ss(enc_a + j), e1 = _mm256_broadcast_ss(enc_a + j + 1);
+      const float* xb = xs + 16 * j;
+      const __m256 v0 = _mm256_mul_ps(_mm256_loadu_ps(xb), e0);
+      const __m256 v1 = _mm256_mul_ps(_mm256_loadu_ps(xb + 8), e0);
+      const __m256 v2 = _mm256_mul_ps(_mm256_loadu_ps(xb + 16), e1);
+      const __m256 v3 = _mm256_mul_ps(_mm256_loadu_ps(xb + 24), e1);
+      const __m256 r0 = grid_round8<kUniform>(abs8(v0)), r1 = grid_round8<kUniform>(abs8(v1));
+      const __m256 r2 = grid_round8<kUniform>(abs8(v2)), r3 = grid_round8<kUniform>(abs8(v3));
+      if (kFake) {
+        const __m256 d0 = _mm256_broadcast_ss(d_a + j), d1 = _mm256_broadcast_ss(d_a + j + 1);
+        float* ob = fake + 128 * s + 16 * j;
+        _mm256_storeu_ps(ob, signed_times(r0, v0, d0));
+        _mm256_storeu_ps(ob + 8, signed_times(r1, v1, d0));
+        _mm256_storeu_ps(ob + 16, signed_times(r2, v2, d1));
+        _mm256_storeu_ps(ob + 24, signed_times(r3, v3, d1));
       }
-      if (kCodes) pack32(c[0], c[1], c[2], c[3], codes + 64 * s + 8 * j);
+      if (kCodes) pack32<kUniform>(r0, r1, r2, r3, signs32(v0, v1, v2, v3), codes + 64 * s + 8 * j);
     }
   }
+}
+
+template <bool kUniform>
+void blocks8_any(const float* x, int64_t n8, const Nvfp4Group& g, const uint8_t* sf_in, uint8_t* codes,
+                 uint8_t* scales, float* fake) {
+  if (codes && fake) blocks8<true, true, kUniform>(x, n8, g, sf_in, codes, scales, fake);
+  else if (codes) blocks8<true, false, kUniform>(x, n8, g, sf_in, codes, scales, nullptr);
+  else blocks8<false, true, kUniform>(x, n8, g, sf_in, nullptr, nullptr, fake);
 }
 
 }  // namespace
@@ -167,9 +196,8 @@ void blocks8(const float* x, int64_t n8, const Nvfp4Group& g, const uint8_t* sf_
 void nvfp4_blocks_avx2(const float* x, int64_t nblk, const Nvfp4Group& g, const uint8_t* sf_in,
                        uint8_t* codes, uint8_t* scales, float* fake) {
   const int64_t n8 = nblk / 8, done = 8 * n8;
-  if (codes && fake) blocks8<true, true>(x, n8, g, sf_in, codes, scales, fake);
-  else if (codes) blocks8<true, false>(x, n8, g, sf_in, codes, scales, nullptr);
-  else blocks8<false, true>(x, n8, g, sf_in, nullptr, nullptr, fake);
+  if (g.grid == &kGridE1M2) blocks8_any<true>(x, n8, g, sf_in, codes, scales, fake);
+  else blocks8_any<false>(x, n8, g, sf_in, codes, scales, fake);
   if (done < nblk)
     nvfp4_blocks_scalar(x + 16 * done, nblk - done, g, sf_in ? sf_in + done : nullptr,
                         codes ? codes + 8 * done : nullptr, scales ? scales + done : nullptr,
@@ -178,19 +206,18 @@ void nvfp4_blocks_avx2(const float* x, int64_t nblk, const Nvfp4Group& g, const 
 
 void nvfp4_dequant_avx2(const uint8_t* codes, const uint8_t* scales, int64_t nblk,
                         const Nvfp4Group& g, float* out) {
-  const GridV grid = make_grid(*g.grid);
+  const __m256 values = _mm256_loadu_ps(g.grid->values);
   const float* e4m3 = tables().e4m3;
   for (int64_t b = 0; b < nblk; ++b) {
     const __m256 d = _mm256_set1_ps((e4m3[scales[b]] * g.amax) * g.dq);
     __m256i c0, c1;
     unpack16(codes + 8 * b, &c0, &c1);
-    _mm256_storeu_ps(out + 16 * b, grid_decode8(c0, grid, d));
-    _mm256_storeu_ps(out + 16 * b + 8, grid_decode8(c1, grid, d));
+    _mm256_storeu_ps(out + 16 * b, grid_decode8(c0, values, d));
+    _mm256_storeu_ps(out + 16 * b + 8, grid_decode8(c1, values, d));
   }
 }
 
 void mxfp4_blocks_avx2(const float* x, int64_t nblk, MxRule rule, uint8_t* codes, uint8_t* scales, float* fake) {
-  const GridV grid = make_grid(kGridE2M1);
   const Tables& t = tables();
   for (int64_t b = 0; b < nblk; ++b) {
     const float* xb = x + 32 * b;
@@ -201,15 +228,21 @@ void mxfp4_blocks_avx2(const float* x, int64_t nblk, MxRule rule, uint8_t* codes
     m = _mm256_max_epu32(m, _mm256_shuffle_epi32(m, 0xB1));
     const uint8_t sc = mx_scale(u2f(static_cast<uint32_t>(_mm256_cvtsi256_si32(m))), rule);
     const __m256 inv = _mm256_set1_ps(t.ue8m0_inv[sc]);
-    __m256i c[4];
-    for (int k = 0; k < 4; ++k) c[k] = grid_encode8(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * k), inv), grid);
+    const __m256 v0 = _mm256_mul_ps(_mm256_loadu_ps(xb), inv), v1 = _mm256_mul_ps(_mm256_loadu_ps(xb + 8), inv);
+    const __m256 v2 = _mm256_mul_ps(_mm256_loadu_ps(xb + 16), inv), v3 = _mm256_mul_ps(_mm256_loadu_ps(xb + 24), inv);
+    const __m256 r0 = grid_round8<false>(abs8(v0)), r1 = grid_round8<false>(abs8(v1));
+    const __m256 r2 = grid_round8<false>(abs8(v2)), r3 = grid_round8<false>(abs8(v3));
     if (codes) {
       scales[b] = sc;
-      pack32(c[0], c[1], c[2], c[3], codes + 16 * b);
+      pack32<false>(r0, r1, r2, r3, signs32(v0, v1, v2, v3), codes + 16 * b);
     }
     if (fake) {
       const __m256 X = _mm256_set1_ps(t.ue8m0[sc]);
-      for (int k = 0; k < 4; ++k) _mm256_storeu_ps(fake + 32 * b + 8 * k, grid_decode8(c[k], grid, X));
+      float* o = fake + 32 * b;
+      _mm256_storeu_ps(o, signed_times(r0, v0, X));
+      _mm256_storeu_ps(o + 8, signed_times(r1, v1, X));
+      _mm256_storeu_ps(o + 16, signed_times(r2, v2, X));
+      _mm256_storeu_ps(o + 24, signed_times(r3, v3, X));
     }
   }
 }
@@ -222,7 +255,7 @@ void fp8_e4m3_run_avx2(const float* x, int64_t n, float s, uint8_t* codes, float
     const __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), sv);
     __m256i c;
     __m256 unused;
-    e4m3_encode8(_mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))), &c, &unused);
+    e4m3_encode8(abs8(v), &c, &unused);
     c = _mm256_or_si256(c, _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(v), 24), _mm256_set1_epi32(0x80)));
     if (codes) store_bytes8(c, codes + i);
     if (fake) _mm256_storeu_ps(fake + i, _mm256_mul_ps(_mm256_i32gather_ps(lut, c, 4), sv));

@@ -258,6 +258,54 @@ TEST(Quantize, Nvfp4EveryScaleCode) {
   check_against_reference(x, rows, cols, cfg);
 }
 
+// Element rounding through the vector kernels, densely: with a static amax of 448 and a block
+// holding the grid max G, the block scale is G and enc is exactly 1, so every other element is
+// rounded on the grid itself and must get the codec's code. Likewise MXFP4 with a block amax of
+// 4 (scale 2^0). Probes: a stride over all floats up to the saturation range, every midpoint
+// and its float neighbours, both signs.
+TEST(Quantize, ElementRoundingSweep) {
+  SimdGuard guard;
+  struct Case { QConfig cfg; float top, range; uint8_t (*enc)(float); float (*dec)(uint8_t); };
+  QConfig e2m1, e1m2;
+  e2m1.global = e1m2.global = Global::Static;
+  e2m1.static_amax = e1m2.static_amax = 448.f;
+  e1m2.element = Format::E1M2;
+  for (const Case& k : {Case{e2m1, 6.f, 6.f, e2m1_from_f32, e2m1_to_f32}, Case{e1m2, 3.5f, 3.5f, e1m2_from_f32, e1m2_to_f32},
+                        Case{QConfig::mxfp4(), 4.f, std::nextafter(8.f, 0.f), e2m1_from_f32, e2m1_to_f32}}) {
+    SCOPED_TRACE(k.cfg.describe());
+    std::vector<float> probes;
+    for (uint32_t u = 0; u <= std::bit_cast<uint32_t>(k.range); u += 1009) probes.push_back(std::bit_cast<float>(u));
+    for (int c = 0; c < 7; ++c) {
+      const float mid = (k.dec(static_cast<uint8_t>(c)) + k.dec(static_cast<uint8_t>(c + 1))) / 2;
+      for (float v : {mid, std::nextafter(mid, 0.f), std::nextafter(mid, 9.f)}) probes.push_back(v);
+    }
+    const int bw = k.cfg.scheme == Scheme::MXFP4 ? 32 : 16;
+    const int per_block = bw - 1;
+    const int64_t nblk = (2 * static_cast<int64_t>(probes.size()) + per_block - 1) / per_block;
+    const int64_t cols = 16 * bw, rows = (nblk + 15) / 16;
+    std::vector<float> x(rows * cols, 0.f);
+    std::vector<int64_t> where;  // index in x of probe i (positive, then negative)
+    for (int64_t b = 0, p = 0; b < rows * cols / bw; ++b) {
+      x[b * bw] = (b & 1) ? -k.top : k.top;
+      for (int i = 1; i < bw && p < 2 * static_cast<int64_t>(probes.size()); ++i, ++p) {
+        const float v = probes[p % probes.size()];
+        x[b * bw + i] = p < static_cast<int64_t>(probes.size()) ? v : -v;
+        where.push_back(b * bw + i);
+      }
+    }
+    for (bool simd : {true, false}) {
+      set_simd_enabled(simd);
+      const QTensor q = quantize(x.data(), rows, cols, k.cfg);
+      for (int64_t b = 0; b < rows * cols / bw; ++b) ASSERT_EQ(q.scales[b], k.cfg.scheme == Scheme::MXFP4 ? 127 : e4m3_from_f32(k.top));
+      for (int64_t i : where) {
+        const uint8_t code = (q.codes[i / 2] >> (4 * (i % 2))) & 0xF;
+        ASSERT_EQ(code, k.enc(x[i])) << x[i] << (simd ? " simd" : " scalar");
+      }
+      ASSERT_TRUE(same_floats(fq(x, rows, cols, k.cfg), dq(q)));
+    }
+  }
+}
+
 TEST(Quantize, ThreadCountDoesNotChangeResults) {
   // Large enough for the parallel paths (and for several chunks per thread).
   const int64_t rows = 256, cols = 1024;
