@@ -101,6 +101,9 @@ float scalar_f32(const SafeTensorsFile& f, const std::string& name) {
 
 }  // namespace
 
+std::string nvfp4_amax_key(const std::string& name) { return kAmaxPrefix + name; }
+std::string format_nvfp4_amax(float amax) { return format_amax(amax); }
+
 num::QConfig QuantizeOptions::qconfig() const {
   switch (format) {
     case CheckpointFormat::NVFP4: return num::QConfig::nvfp4_weight(block2d);

@@ -39,6 +39,12 @@ struct QuantizeOptions {
   std::string describe() const;  // "nvfp4", "nvfp4-2d", "mxfp4", "fp8", "fp8-block128"
 };
 
+// The metadata entry that holds weight NAME's NVFP4 global amax ("quads.nvfp4_amax.NAME"), and
+// the value's spelling: 9 significant digits, which round-trip float32 and always take 14
+// characters for a finite amax >= 0 (so a writer can reserve it before quantizing).
+std::string nvfp4_amax_key(const std::string& name);
+std::string format_nvfp4_amax(float amax);
+
 // "nvfp4" | "mxfp4" | "fp8"; throws quads::Error otherwise.
 CheckpointFormat parse_checkpoint_format(const std::string& s);
 

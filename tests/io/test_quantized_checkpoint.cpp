@@ -172,6 +172,12 @@ TEST(QuantizedCheckpoint, PlanRules) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("--include"), std::string::npos);
   }
+  for (float a : {0.f, 1e-40f, 3.4e38f, 0.1f, 2688.f}) {
+    std::string v = format_nvfp4_amax(a);
+    EXPECT_EQ(v.size(), 14u) << v;
+    EXPECT_EQ(std::strtof(v.c_str(), nullptr), a) << v;
+  }
+  EXPECT_EQ(nvfp4_amax_key("x.weight"), "quads.nvfp4_amax.x.weight");
   EXPECT_EQ(parse_checkpoint_format("mxfp4"), CheckpointFormat::MXFP4);
   EXPECT_THROW(parse_checkpoint_format("int4"), Error);
 }
