@@ -1,0 +1,354 @@
+#include "reqat/kv_quant.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "common/error.h"
+#include "cpu/ops.h"
+
+namespace quads::reqat {
+
+num::QConfig KvQuantConfig::qconfig() const {
+  num::QConfig c = num::QConfig::nvfp4_kv();
+  c.element = element;
+  return c;
+}
+
+std::string KvQuantConfig::describe() const {
+  if (!enabled) return "off";
+  return element == num::Format::E1M2 ? "kv4 e1m2" : "kv4 e2m1";
+}
+
+KvQuantConfig parse_kv_quant(const std::string& name, const std::string& what) {
+  KvQuantConfig k;
+  if (name == "e1m2") k.element = num::Format::E1M2;
+  else if (name == "e2m1") k.element = num::Format::E2M1;
+  else if (name == "off") k.enabled = false;
+  else fail("{}: unknown KV-cache format '{}' (e1m2 | e2m1 | off)", what, name);
+  return k;
+}
+
+// ---- Q-FIT parameters as json -------------------------------------------------------------------
+
+nlohmann::json QFit::to_json() const {
+  nlohmann::json j = nlohmann::json::array();
+  for (const QFitLayer& L : layers)
+    j.push_back({{"alpha", L.alpha}, {"beta", L.beta}, {"mse_plain", L.mse_plain}, {"mse_best", L.mse_best},
+                 {"scale", L.scale}, {"shift", L.shift}});
+  return {{"layers", j}};
+}
+
+QFit QFit::from_json(const nlohmann::json& j, int num_layers, int64_t kv_dim, const std::string& origin) {
+  QUADS_CHECK(j.is_object() && j.contains("layers") && j["layers"].is_array(), "{}: Q-FIT json needs a 'layers' array",
+              origin);
+  QFit q;
+  const auto& arr = j["layers"];
+  QUADS_CHECK(static_cast<int>(arr.size()) == num_layers, "{}: Q-FIT has {} layers, the model {}", origin, arr.size(),
+              num_layers);
+  for (size_t l = 0; l < arr.size(); ++l) {
+    QFitLayer L;
+    try {
+      L.alpha = arr[l].at("alpha").get<double>();
+      L.beta = arr[l].at("beta").get<double>();
+      L.mse_plain = arr[l].value("mse_plain", 0.0);
+      L.mse_best = arr[l].value("mse_best", 0.0);
+      L.scale = arr[l].at("scale").get<std::vector<float>>();
+      L.shift = arr[l].at("shift").get<std::vector<float>>();
+    } catch (const nlohmann::json::exception& e) {
+      fail("{}: Q-FIT layer {}: {}", origin, l, e.what());
+    }
+    QUADS_CHECK(L.scale.empty() || static_cast<int64_t>(L.scale.size()) == kv_dim,
+                "{}: Q-FIT layer {} scale has {} values, expected {}", origin, l, L.scale.size(), kv_dim);
+    QUADS_CHECK(L.shift.empty() || static_cast<int64_t>(L.shift.size()) == kv_dim,
+                "{}: Q-FIT layer {} shift has {} values, expected {}", origin, l, L.shift.size(), kv_dim);
+    q.layers.push_back(std::move(L));
+  }
+  return q;
+}
+
+// ---- the arithmetic shared by the hooks and the calibration (so both compute the same floats) ----
+
+namespace {
+
+// f[c] = s[c]^alpha (1 where s is 0: an all-zero channel has nothing to rescale).
+std::vector<float> scale_factors(const std::vector<float>& s, double alpha) {
+  std::vector<float> f(s.size(), 1.f);
+  if (alpha == 0) return f;
+  for (size_t c = 0; c < s.size(); ++c)
+    if (s[c] > 0) f[c] = static_cast<float>(std::pow(static_cast<double>(s[c]), alpha));
+  return f;
+}
+
+// m[c] = beta * shift[c].
+std::vector<float> shift_values(const std::vector<float>& shift, double beta) {
+  std::vector<float> m(shift.size());
+  for (size_t c = 0; c < shift.size(); ++c) m[c] = static_cast<float>(beta * static_cast<double>(shift[c]));
+  return m;
+}
+
+// q [n, nh, hd] *= f of its kv head; k [n, nkv, hd] /= f.
+void apply_scale(float* q, float* k, int64_t n, int nh, int nkv, int hd, const float* f) {
+  const int group = nh / nkv;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < n; ++t) {
+    for (int h = 0; h < nh; ++h) {
+      float* qr = q + (t * nh + h) * hd;
+      const float* fr = f + static_cast<int64_t>(h / group) * hd;
+      for (int j = 0; j < hd; ++j) qr[j] *= fr[j];
+    }
+    for (int g = 0; g < nkv; ++g) {
+      float* kr = k + (t * nkv + g) * hd;
+      const float* fr = f + static_cast<int64_t>(g) * hd;
+      for (int j = 0; j < hd; ++j) kr[j] /= fr[j];
+    }
+  }
+}
+
+// The transpose for the backward: dq *= f, dk /= f.
+void apply_scale_backward(float* dq, float* dk, int64_t n, int nh, int nkv, int hd, const float* f) {
+  apply_scale(dq, dk, n, nh, nkv, hd, f);  // the same diagonal maps
+}
+
+// k [n, nkv, hd] -= m (m [nkv * hd]); then K and V fake-quantized (rows of hd).
+void apply_post(float* k, float* v, int64_t n, int64_t kvd, int hd, const float* m, const num::QConfig* qc) {
+  if (m) {
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t c = 0; c < kvd; ++c) k[t * kvd + c] -= m[c];
+  }
+  if (qc) {
+    const int64_t rows = n * (kvd / hd);
+    num::fake_quantize(k, k, rows, hd, *qc);
+    num::fake_quantize(v, v, rows, hd, *qc);
+  }
+}
+
+struct HookState {
+  int nh = 0, nkv = 0, hd = 0;
+  std::vector<std::vector<float>> f, m;  // per layer; empty = identity
+  bool quant = false;
+  num::QConfig qc;
+};
+
+}  // namespace
+
+model::KvHooks make_kv_hooks(const model::ModelConfig& cfg, const KvQuantConfig& kv, const QFit* qfit) {
+  auto st = std::make_shared<HookState>();
+  st->nh = cfg.num_attention_heads;
+  st->nkv = cfg.num_key_value_heads;
+  st->hd = cfg.head_dim;
+  const int64_t kvd = cfg.kv_dim();
+  st->quant = kv.enabled;
+  if (kv.enabled) {
+    st->qc = kv.qconfig();
+    QUADS_CHECK(cfg.head_dim % 16 == 0, "KV-cache quantization needs head_dim a multiple of 16 (16-element blocks), "
+                                        "the model has head_dim {}", cfg.head_dim);
+  }
+  bool any_scale = false, any_shift = false;
+  if (qfit && !qfit->empty()) {
+    QUADS_CHECK(static_cast<int>(qfit->layers.size()) == cfg.num_hidden_layers,
+                "Q-FIT has {} layers, the model {}", qfit->layers.size(), cfg.num_hidden_layers);
+    st->f.resize(cfg.num_hidden_layers);
+    st->m.resize(cfg.num_hidden_layers);
+    for (int l = 0; l < cfg.num_hidden_layers; ++l) {
+      const QFitLayer& L = qfit->layers[l];
+      QUADS_CHECK(L.scale.empty() || static_cast<int64_t>(L.scale.size()) == kvd,
+                  "Q-FIT layer {}: scale has {} values, the model's kv_dim is {}", l, L.scale.size(), kvd);
+      QUADS_CHECK(L.shift.empty() || static_cast<int64_t>(L.shift.size()) == kvd,
+                  "Q-FIT layer {}: shift has {} values, the model's kv_dim is {}", l, L.shift.size(), kvd);
+      if (!L.scale.empty() && L.alpha != 0) {
+        st->f[l] = scale_factors(L.scale, L.alpha);
+        any_scale = true;
+      }
+      if (!L.shift.empty() && L.beta != 0) {
+        st->m[l] = shift_values(L.shift, L.beta);
+        any_shift = true;
+      }
+    }
+  }
+  model::KvHooks h;
+  if (any_scale) {
+    h.pre_rope = [st](int l, float* q, float* k, int64_t n) {
+      if (!st->f[l].empty()) apply_scale(q, k, n, st->nh, st->nkv, st->hd, st->f[l].data());
+    };
+    h.pre_rope_backward = [st](int l, float* dq, float* dk, int64_t n) {
+      if (!st->f[l].empty()) apply_scale_backward(dq, dk, n, st->nh, st->nkv, st->hd, st->f[l].data());
+    };
+  }
+  if (any_shift || st->quant) {
+    h.post_rope = [st](int l, float* k, float* v, int64_t n) {
+      const float* m = (!st->m.empty() && !st->m[l].empty()) ? st->m[l].data() : nullptr;
+      apply_post(k, v, n, static_cast<int64_t>(st->nkv) * st->hd, st->hd, m, st->quant ? &st->qc : nullptr);
+    };
+  }
+  return h;
+}
+
+void install_kv_hooks(model::Model& m, const KvQuantConfig& kv, const QFit* qfit) {
+  m.kv_hooks = make_kv_hooks(m.config(), kv, qfit);
+}
+
+// ---- calibration -------------------------------------------------------------------------------
+
+AttnCapture capture_attention_inputs(model::Model& m, const model::Batch& calib) {
+  const model::ModelConfig& c = m.config();
+  const int64_t T = calib.ntokens();
+  AttnCapture cap;
+  cap.T = T;
+  cap.offsets = calib.offsets;
+  cap.q.resize(c.num_hidden_layers);
+  cap.k.resize(c.num_hidden_layers);
+  cap.v.resize(c.num_hidden_layers);
+  const int64_t qd = c.q_dim(), kvd = c.kv_dim();
+  model::KvHooks saved = m.kv_hooks;
+  m.kv_hooks = {};
+  m.kv_hooks.pre_rope = [&](int l, float* q, float* k, int64_t n) {
+    cap.q[l].assign(q, q + n * qd);
+    cap.k[l].assign(k, k + n * kvd);
+  };
+  m.kv_hooks.post_rope = [&](int l, float*, float* v, int64_t n) { cap.v[l].assign(v, v + n * kvd); };
+  std::vector<float> logits(static_cast<size_t>(T) * c.vocab_size);
+  try {
+    m.forward(calib, logits.data());
+  } catch (...) {
+    m.kv_hooks = saved;
+    throw;
+  }
+  m.kv_hooks = saved;
+  return cap;
+}
+
+namespace {
+
+struct LayerCalib {
+  const model::ModelConfig& c;
+  const AttnCapture& cap;
+  int l;
+  std::vector<float> cos, sin;  // [T, hd/2]
+  std::vector<float> ref;       // float32 attention output [T, nh, hd]
+
+  LayerCalib(const model::ModelConfig& cfg, const AttnCapture& cp, int layer) : c(cfg), cap(cp), l(layer) {
+    const int64_t T = cap.T;
+    std::vector<int64_t> pos(T);
+    for (size_t s = 0; s + 1 < cap.offsets.size(); ++s)
+      for (int64_t t = cap.offsets[s]; t < cap.offsets[s + 1]; ++t) pos[t] = t - cap.offsets[s];
+    cos.resize(T * (c.head_dim / 2));
+    sin.resize(T * (c.head_dim / 2));
+    cpu::rope_tables(pos.data(), T, c.head_dim, c.rope_theta, cos.data(), sin.data());
+    std::vector<float> q = cap.q[l], k = cap.k[l];
+    cpu::rope_forward(q.data(), T, c.num_attention_heads, c.head_dim, cos.data(), sin.data());
+    cpu::rope_forward(k.data(), T, c.num_key_value_heads, c.head_dim, cos.data(), sin.data());
+    ref = attend(q.data(), k.data(), cap.v[l].data());
+  }
+
+  std::vector<float> attend(const float* q, const float* k, const float* v) const {
+    const int nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
+    const int64_t qd = c.q_dim(), kvd = c.kv_dim();
+    const float scale = static_cast<float>(1.0 / std::sqrt(double(hd)));
+    std::vector<float> out(cap.T * qd);
+    for (size_t s = 0; s + 1 < cap.offsets.size(); ++s) {
+      const int64_t r0 = cap.offsets[s], n = cap.offsets[s + 1] - r0;
+      if (n == 0) continue;
+      cpu::attention_forward(q + r0 * qd, k + r0 * kvd, v + r0 * kvd, n, n, nh, nkv, hd, scale, out.data() + r0 * qd,
+                             nullptr);
+    }
+    return out;
+  }
+
+  // Mean of the rotated, scaled keys; then the MSE with K shifted and K, V quantized.
+  double mse(const std::vector<float>& s, double alpha, double beta, const KvQuantConfig& kv,
+             std::vector<float>* shift_out) const {
+    const int nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
+    const int64_t T = cap.T, kvd = c.kv_dim();
+    std::vector<float> q = cap.q[l], k = cap.k[l], v = cap.v[l];
+    if (!s.empty() && alpha != 0) {
+      std::vector<float> f = scale_factors(s, alpha);
+      apply_scale(q.data(), k.data(), T, nh, nkv, hd, f.data());
+    }
+    cpu::rope_forward(q.data(), T, nh, hd, cos.data(), sin.data());
+    cpu::rope_forward(k.data(), T, nkv, hd, cos.data(), sin.data());
+    std::vector<double> mean(kvd, 0.0);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t ch = 0; ch < kvd; ++ch) mean[ch] += k[t * kvd + ch];
+    std::vector<float> shift(kvd);
+    for (int64_t ch = 0; ch < kvd; ++ch) shift[ch] = static_cast<float>(T ? mean[ch] / T : 0.0);
+    if (shift_out) *shift_out = shift;
+    std::vector<float> m;
+    if (beta != 0) m = shift_values(shift, beta);
+    num::QConfig qc = kv.qconfig();
+    apply_post(k.data(), v.data(), T, kvd, hd, m.empty() ? nullptr : m.data(), kv.enabled ? &qc : nullptr);
+    std::vector<float> out = attend(q.data(), k.data(), v.data());
+    double e = 0;
+    for (size_t i = 0; i < out.size(); ++i) {
+      const double d = double(out[i]) - double(ref[i]);
+      e += d * d;
+    }
+    return out.empty() ? 0.0 : e / static_cast<double>(out.size());
+  }
+};
+
+// s[g, j] = max over tokens of |k[t, g, j]|, then max of the RoPE pair (j, j + hd/2).
+std::vector<float> key_channel_max(const model::ModelConfig& c, const std::vector<float>& k, int64_t T) {
+  const int64_t kvd = c.kv_dim();
+  const int hd = c.head_dim, half = hd / 2;
+  std::vector<float> s(kvd, 0.f);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t ch = 0; ch < kvd; ++ch) s[ch] = std::max(s[ch], std::fabs(k[t * kvd + ch]));
+  for (int g = 0; g < c.num_key_value_heads; ++g)
+    for (int j = 0; j < half; ++j) {
+      float& a = s[g * hd + j];
+      float& b = s[g * hd + j + half];
+      a = b = std::max(a, b);
+    }
+  return s;
+}
+
+std::vector<double> default_grid() {
+  std::vector<double> g;
+  for (int i = 0; i < 20; ++i) g.push_back(i * 0.05);
+  return g;
+}
+
+}  // namespace
+
+double qfit_attention_mse(const model::ModelConfig& cfg, const AttnCapture& cap, int l, const std::vector<float>& scale,
+                          double alpha, double beta, const KvQuantConfig& kv, std::vector<float>* shift_out) {
+  QUADS_CHECK(l >= 0 && l < static_cast<int>(cap.q.size()), "Q-FIT: layer {} not in the capture", l);
+  LayerCalib lc(cfg, cap, l);
+  return lc.mse(scale, alpha, beta, kv, shift_out);
+}
+
+QFit calibrate_qfit(model::Model& m, const model::Batch& calib, const QFitOptions& opt, std::vector<QFitGrid>* grids) {
+  const model::ModelConfig& c = m.config();
+  QUADS_CHECK(calib.ntokens() > 0, "Q-FIT: empty calibration batch");
+  QUADS_CHECK(c.head_dim % 2 == 0, "Q-FIT: head_dim {} must be even (RoPE pairs)", c.head_dim);
+  const std::vector<double> alphas = opt.alphas.empty() ? default_grid() : opt.alphas;
+  const std::vector<double> betas = opt.betas.empty() ? default_grid() : opt.betas;
+  AttnCapture cap = capture_attention_inputs(m, calib);
+  QFit q;
+  if (grids) grids->assign(c.num_hidden_layers, {});
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    LayerCalib lc(c, cap, l);
+    QFitLayer L;
+    L.scale = key_channel_max(c, cap.k[l], cap.T);
+    QFitGrid grid{alphas, betas, std::vector<double>(alphas.size() * betas.size())};
+    size_t best = 0;
+    // Row-major over (alpha, beta); the first minimum wins, so ties go to the smaller alpha, beta.
+    for (size_t ia = 0; ia < alphas.size(); ++ia)
+      for (size_t ib = 0; ib < betas.size(); ++ib) {
+        const size_t i = ia * betas.size() + ib;
+        grid.mse[i] = lc.mse(L.scale, alphas[ia], betas[ib], opt.kv, nullptr);
+        if (grid.mse[i] < grid.mse[best]) best = i;
+      }
+    L.alpha = alphas[best / betas.size()];
+    L.beta = betas[best % betas.size()];
+    L.mse_best = grid.mse[best];
+    L.mse_plain = lc.mse(L.scale, 0.0, 0.0, opt.kv, nullptr);
+    lc.mse(L.scale, L.alpha, L.beta, opt.kv, &L.shift);
+    q.layers.push_back(std::move(L));
+    if (grids) (*grids)[l] = std::move(grid);
+  }
+  return q;
+}
+
+}  // namespace quads::reqat
