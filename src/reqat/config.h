@@ -1,0 +1,89 @@
+#pragma once
+// Configuration of `quads reqat`: a TOML file on top of the built-in default (the member
+// initializers below; configs/reqat.toml spells out the same values and a test checks that they
+// agree), then `--set key=value` overrides with dotted keys. Unknown keys are errors naming the key
+// and the file. docs/reqat.md describes every key.
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "rl/config.h"
+
+namespace quads::reqat {
+
+// The base model: the RL helper's SFT (rl::ensure_base) with these settings as its [sft] section,
+// in folder `dir` ("" = OUT/base); a folder whose sft.json was made by the same [model], [sft] and
+// [tasks] settings is reused instead of trained (e.g. the RL comparison's base, with steps/lr/batch/
+// warmup set to its [sft] values).
+struct BaseSection {
+  std::string dir;
+  int64_t steps = 250;
+  double lr = 3e-3;
+  int64_t batch = 32;
+  int64_t warmup = 20;
+};
+
+struct TracesSection {
+  std::string source = "greedy";  // greedy: the base model's own correct greedy traces; solutions: worked solutions
+  int64_t prompts = 1536;         // training prompts the traces are drawn from (greedy keeps the correct ones)
+};
+
+struct StageSection {
+  int64_t steps = 120;
+  double lr = 1e-3;
+  int64_t batch = 32;
+  int64_t warmup = 10;
+};
+
+struct SemSection {
+  double lambda = 0.1;
+  double percentile = 0.75;
+  double eps = 1e-6;
+};
+
+struct QFitSection {
+  int64_t calib_sequences = 32;  // traces used for calibration
+  int64_t grid = 20;             // alpha, beta in {0, 1/grid, ..., (grid-1)/grid}
+};
+
+struct EvalSection {
+  int64_t size = 256;
+  int64_t max_new_tokens = 64;
+  double low_entropy = 0.5;  // nats: "low-entropy" token in the divergence analysis
+};
+
+// Stage-2 variants: plain_qat (QAT on different data: worked solutions of fresh prompts, no SEM,
+// no Q-FIT), taq (QAT on the stage-1 traces in the same order), taq_sem (+ SEM), reqat (+ Q-FIT).
+inline const std::vector<std::string>& known_variants() {
+  static const std::vector<std::string> v{"plain_qat", "taq", "taq_sem", "reqat"};
+  return v;
+}
+
+struct ReqatConfig {
+  std::vector<std::string> variants{"plain_qat", "taq", "taq_sem", "reqat"};
+  std::string kv_format = "e1m2";  // e1m2 | e2m1
+  int64_t seed = 1;
+  rl::ModelSection model;
+  BaseSection base;
+  TracesSection traces;
+  StageSection stage1;
+  StageSection stage2{120, 3e-4, 32, 10};
+  SemSection sem;
+  QFitSection qfit;
+  EvalSection eval;
+  rl::TasksSection tasks;
+};
+
+// TOML text on top of `base`; `origin` is named in errors (with the line).
+ReqatConfig parse_reqat_config(std::string_view toml_text, const std::string& origin, const ReqatConfig& base = {});
+void apply_reqat_override(ReqatConfig& cfg, std::string_view assignment);  // "stage2.lr=1e-4"
+void validate(const ReqatConfig& cfg, const std::string& origin);
+ReqatConfig load_reqat_config(const std::string& path, const std::vector<std::string>& overrides = {});
+std::string to_toml(const ReqatConfig& cfg);  // parse_reqat_config(to_toml(c)) == c
+nlohmann::json to_json(const ReqatConfig& cfg);
+bool operator==(const ReqatConfig& a, const ReqatConfig& b);
+
+}  // namespace quads::reqat

@@ -1,0 +1,123 @@
+// The trainer learns (loss falls on a tiny data set, in float32 and under W4A4KV4 fake
+// quantization), and a miniature `quads reqat` run writes a complete, consistent summary.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "reqat/pipeline.h"
+#include "reqat/trainer.h"
+#include "rl/report.h"
+
+using namespace quads;
+using namespace quads::reqat;
+
+namespace {
+
+ReqatConfig tiny() {
+  ReqatConfig c;
+  c.model.hidden = 32;
+  c.model.layers = 2;
+  c.model.heads = 2;
+  c.model.kv_heads = 1;
+  c.model.head_dim = 16;
+  c.model.experts = 4;
+  c.model.experts_per_token = 2;
+  c.model.moe_intermediate = 32;
+  c.base.steps = 12;
+  c.base.batch = 8;
+  c.base.warmup = 2;
+  c.traces.source = "solutions";
+  c.traces.prompts = 24;
+  c.stage1 = {4, 1e-3, 8, 1};
+  c.stage2 = {4, 3e-4, 8, 1};
+  c.qfit.calib_sequences = 4;
+  c.qfit.grid = 3;
+  c.eval.size = 8;
+  c.eval.max_new_tokens = 20;
+  c.tasks.families = {"add"};
+  c.tasks.add_digits = {2};
+  return c;
+}
+
+}  // namespace
+
+TEST(ReqatTrainer, LossFallsInFp32AndW4A4KV4) {
+  const ReqatConfig c = tiny();
+  const rl::CharTokenizer tok;
+  const model::ModelConfig mc = task_model_config(32, 2, 2, 1, 16, 4, 2, 32, 128, 1e4, 1e-6, tok.vocab_size());
+  rl::RunConfig rc;
+  rc.tasks = c.tasks;
+  const rl::TaskSet ts(rc.task_mix(), 5, 4);
+  std::vector<rl::SftExample> data;
+  for (const rl::Task& t : ts.train_batch(0, 8)) data.push_back(rl::make_sft_example(t, tok));
+  for (const char* mode : {"fp32", "w4a4kv4"}) {
+    SCOPED_TRACE(mode);
+    model::Weights w = model::Weights::random(mc, 3, 0.02f);
+    const bool q = std::string(mode) == "w4a4kv4";
+    model::Model m(w, model::PrecisionConfig::preset(q ? "qat-sym" : "fp32"));
+    if (q) install_kv_hooks(m, KvQuantConfig{}, nullptr);
+    const double before = eval_loss(m, data);
+    TrainSpec s;
+    s.steps = 30;
+    s.batch = 8;
+    s.lr = 3e-3;
+    s.warmup = 2;
+    s.progress = false;
+    s.sem = q;
+    const auto log = train_sft(m, data, s);
+    ASSERT_EQ(log.size(), 30u);
+    const double after = eval_loss(m, data);
+    EXPECT_LT(after, 0.6 * before) << before << " -> " << after;
+    if (q) {
+      EXPECT_GT(log.back().sem, 0.0);
+    }
+  }
+}
+
+TEST(ReqatPipeline, MiniatureRunWritesConsistentSummary) {
+  const std::string out = (std::filesystem::temp_directory_path() / "quads_reqat_pipeline_test").string();
+  std::filesystem::remove_all(out);
+  RunOptions ro;
+  ro.progress = false;
+  ro.save_checkpoints = false;
+  const ReqatConfig c = tiny();
+  const auto s = run_reqat(c, out, ro);
+  for (const char* f : {"summary.json", "report.md", "metrics.jsonl", "metrics.csv", "qfit.json", "config.toml"})
+    EXPECT_TRUE(std::filesystem::exists(out + "/" + f)) << f;
+  ASSERT_EQ(s["rows"].size(), 3u + c.variants.size());
+  for (const auto& r : s["rows"])
+    for (const char* k : {"fp_pass1", "w4a4_pass1", "w4a4kv4_pass1"}) {
+      const double v = r[k].get<double>();
+      EXPECT_TRUE(v >= 0 && v <= 1) << r["name"] << " " << k;
+    }
+  // The stage-1 model's FP row is the reference; W4A4KV4 of each variant is in the headline dict.
+  EXPECT_EQ(s["full_precision_pass1"].get<double>(), s["rows"][1]["fp_pass1"].get<double>());
+  for (const std::string& v : c.variants) EXPECT_TRUE(s["w4a4kv4_pass1"].contains(v)) << v;
+  ASSERT_EQ(s["qfit"].size(), 2u);
+  for (const auto& q : s["qfit"]) EXPECT_LE(q["attn_mse_qfit"].get<double>(), q["attn_mse_plain"].get<double>());
+  // Every stage-2 variant trained its steps; only the SEM variants have a SEM term.
+  const auto rows = rl::read_jsonl(out + "/metrics.jsonl");
+  for (const std::string& v : c.variants) {
+    int n = 0;
+    double sem = 0;
+    for (const auto& r : rows)
+      if (r["kind"] == "train" && r["mode"] == v) {
+        ++n;
+        sem += r["sem"].get<double>();
+      }
+    EXPECT_EQ(n, c.stage2.steps) << v;
+    if (v == "taq_sem" || v == "reqat") {
+      EXPECT_GT(sem, 0.0) << v;
+    } else {
+      EXPECT_EQ(sem, 0.0) << v;
+    }
+  }
+  std::ifstream f(out + "/report.md");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  EXPECT_NE(ss.str().find("| reqat |"), std::string::npos);
+  std::filesystem::remove_all(out);
+}
