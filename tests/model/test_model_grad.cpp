@@ -161,7 +161,7 @@ TEST(ModelGrad, AuxLossMatchesHfDefinition) {
   // Router probabilities per layer, through a probe on the router linear.
   std::vector<std::vector<float>> rlogits(c.num_hidden_layers);
   opt.probe = [&](const LinearQ& L, const float*, const float*, const float* Y, int64_t M) {
-    if (L.name.find("mlp.gate") != std::string::npos) rlogits[L.layer].assign(Y, Y + M * c.num_experts);
+    if (L.name == "model.layers." + std::to_string(L.layer) + ".mlp.gate") rlogits[L.layer].assign(Y, Y + M * c.num_experts);
   };
   m.forward(b, logits.data(), &acts, opt);
   const int64_t T = b.ntokens();
