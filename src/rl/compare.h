@@ -1,0 +1,37 @@
+#pragma once
+// The comparison experiment (`quads compare`): one base model (SFT, cached in DIR/base), then for
+// every mode of cfg.modes and every seed rl.seed .. rl.seed + rl.seeds - 1 one GRPO run
+// (rl/run.h) in DIR/runs/<mode>-s<seed>/, all from the same base checkpoint with the same seeds.
+// Writes DIR/metrics.jsonl + metrics.csv (every row of every run), DIR/summary.json (per mode, the
+// mean over seeds and a _std twin with several seeds), DIR/report.md and the plots pass1.png and
+// logp_gap.png, and returns the table it prints.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "rl/config.h"
+#include "rl/run.h"
+
+namespace quads::rl {
+
+struct CompareOptions {
+  std::string out_dir;
+  bool resume = false;    // continue runs from their checkpoints
+  bool progress = true;
+  int jobs = 1;           // runs in flight at once (results do not depend on it)
+};
+
+struct CompareOutcome {
+  nlohmann::ordered_json summary;
+  std::string table;      // plain-text table of the summary
+  double seconds = 0;
+};
+
+CompareOutcome run_compare(const RunConfig& cfg, const CompareOptions& opt);
+
+// A fixed-width text table of a summary.json object (what `quads compare` prints at the end).
+std::string summary_table(const nlohmann::ordered_json& summary);
+
+}  // namespace quads::rl
