@@ -1,9 +1,11 @@
 // AVX2 kernels. NVFP4: eight 1x16 blocks per step. The block amaxes of the eight blocks are
 // reduced into one vector, so the scale arithmetic (E4M3 rounding, the reciprocal, the dequant
-// factor) runs once per 128 elements in vector form; the elements are rounded by counting the
-// grid midpoints they pass (7 compares). MXFP4 and FP8 (E4M3) reuse the same pieces. Every
-// float operation is the one of the scalar kernel in quantize.cpp, in the same order, so the
-// results are bit-identical (tests/numerics checks it).
+// factor) runs once per 128 elements in vector form; elements are rounded by the FPU itself
+// (grid_round8), codes recovered with one byte shuffle per 32 elements and signs with movemask
+// and PDEP. MXFP4 and FP8 (E4M3) reuse the same pieces. The float operations that produce
+// results are those of the scalar kernels in quantize.cpp, in the same order, and the roundings
+// are proven equal to the codecs', so the results are bit-identical (tests/numerics checks it,
+// over random data, every scale code and a dense sweep of element values).
 #ifdef __AVX2__
 
 #include <immintrin.h>
