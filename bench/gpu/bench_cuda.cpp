@@ -81,8 +81,6 @@ const char* tile_name(W4A4Tile t) {
     case W4A4Tile::M16: return "16x128";
     case W4A4Tile::M64: return "64x128";
     case W4A4Tile::M128: return "128x128";
-    case W4A4Tile::M16W4: return "16x128 4 warps";
-    case W4A4Tile::M128Lr: return "128x128 low-reg";
     default: return "auto";
   }
 }
@@ -229,7 +227,7 @@ int main(int argc, char** argv) {
     quantize(x.data(), wq);
     x.reset();
     const double flop = 2.0 * M * N * K;
-    for (W4A4Tile t : {W4A4Tile::M128, W4A4Tile::M128Lr, W4A4Tile::M64}) {
+    for (W4A4Tile t : {W4A4Tile::M128, W4A4Tile::M64}) {
       W4A4Options o;
       o.tile = t;
       const double us = time_us([&] { w4a4_gemm_emulated(nvfp4_view(xq), nvfp4_view(wq), y.data(), false, nullptr, o); }, 5);
@@ -266,8 +264,7 @@ int main(int argc, char** argv) {
       DeviceQTensor xq = make_qtensor(M, K, xc);
       quantize(x.data(), xq);
       std::vector<W4A4Tile> tiles = {W4A4Tile::Auto};
-      if (M <= 16) tiles.push_back(W4A4Tile::M16W4);
-      if (M > 16) tiles.push_back(W4A4Tile::M16);
+      if (M > 32) tiles.push_back(W4A4Tile::M16);
       for (W4A4Tile t : tiles) {
         W4A4Options o;
         o.tile = t;

@@ -36,10 +36,9 @@ struct Nvfp4View {
 // Checks that q is NVFP4 with E2M1 elements and row-major scales (throws naming `what`).
 Nvfp4View nvfp4_view(const DeviceQTensor& q, const char* what = "operand");
 
-// Kernel choice, for tests and benchmarks; Auto picks by M. Tiles are M x 128 outputs per CTA.
-// Variants (not for the gather GEMM): M16W4 has 4 warps of 16 x 32 and 3 stages, M128Lr is M128
-// with a rolled inner loop; both use fewer registers, so more warps fit on an SM.
-enum class W4A4Tile : uint8_t { Auto, M16, M64, M128, M16W4, M128Lr };
+// Kernel choice, for tests and benchmarks; Auto picks by M (M16 up to 32 rows, M64 up to 64).
+// Tiles are M x 128 outputs per CTA.
+enum class W4A4Tile : uint8_t { Auto, M16, M64, M128 };
 struct W4A4Options {
   W4A4Tile tile = W4A4Tile::Auto;
   int splits = 0;  // K splits; 0 = choose (enough CTAs to fill the GPU)

@@ -494,6 +494,9 @@ void launch_tile16(const RowArgs<T>& a, cudaStream_t s) {
 template <typename T, bool FAKE>
 void run_4bit(const T* x, int64_t rows, int64_t cols, const QConfig& cfg, uint8_t* codes, uint8_t* scales,
               int64_t kt, T* out, float* amax, cudaStream_t s) {
+  // the kernels move 16-byte vectors
+  QUADS_CHECK(reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0,
+              "cuda quantizer ({}): input and output must be 16-byte aligned device pointers", cfg.describe());
   RowArgs<T> a{};
   a.x = x;
   a.rows = rows;

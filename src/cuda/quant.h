@@ -8,7 +8,8 @@
 //    (rows padded to 128, blocks to 4, zero fill) that the Blackwell block-scaled GEMM reads.
 // Not supported on the GPU (quads::Error at the call): NVFP4 with a ragged shape (cols % 16, or
 // rows % 16 for 16x16 tiles), MXFP4 with cols % 32 (the CPU has the same rules).
-// All functions are asynchronous on `stream` unless said otherwise; pointers are device pointers.
+// All functions are asynchronous on `stream` unless said otherwise; pointers are device pointers,
+// 16-byte aligned for the 4-bit schemes (cudaMalloc gives 256).
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
