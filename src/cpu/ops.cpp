@@ -141,9 +141,11 @@ void attention_forward(const float* q, const float* k, const float* v, int64_t n
       const int g = h / group;
       const int64_t p = start + i;
       const float* qi = q + (i * nh + h) * hd;
+      // s_j = (q · k_j) * scale, each dot product computed as dot_rowinv does.
+      gemm_nt_rowinv(1, p + 1, hd, qi, hd, k + g * hd, int64_t(nkv) * hd, s.data(), p + 1);
       float m = -INFINITY;
       for (int64_t j = 0; j <= p; ++j) {
-        s[j] = dot_rowinv(qi, k + (j * nkv + g) * hd, hd) * scale;
+        s[j] *= scale;
         m = std::max(m, s[j]);
       }
       double sum = 0;
@@ -174,7 +176,7 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
   std::vector<float> dkh(static_cast<size_t>(nh) * L * hd), dvh(static_cast<size_t>(nh) * L * hd);
 #pragma omp parallel if (n * L * hd * nh > 8 * kParallelMin)
   {
-    std::vector<float> P(L), dP(L);
+    std::vector<float> P(L), dP(L), acc(hd);
 #pragma omp for schedule(static)
     for (int h = 0; h < nh; ++h) {
       const int g = h / group;
@@ -182,6 +184,9 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
       float* dv_ = dvh.data() + static_cast<size_t>(h) * L * hd;
       std::fill(dk_, dk_ + L * hd, 0.f);
       std::fill(dv_, dv_ + L * hd, 0.f);
+      const float* kg = k + g * hd;
+      const float* vg = v + g * hd;
+      const int64_t ld = int64_t(nkv) * hd;
       for (int64_t i = 0; i < n; ++i) {
         const int64_t p = start + i;
         const float* qi = q + (i * nh + h) * hd;
@@ -190,25 +195,24 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
         const float l = lse[i * nh + h];
         double D = 0;
         for (int d = 0; d < hd; ++d) D += double(doi[d]) * double(oi[d]);
+        const float Df = static_cast<float>(D);
+        // The probabilities exactly as the forward computed them, and dP_j = dout · v_j.
+        gemm_nt_rowinv(1, p + 1, hd, qi, hd, kg, ld, P.data(), p + 1);
+        gemm_nt_rowinv(1, p + 1, hd, doi, hd, vg, ld, dP.data(), p + 1);
+        std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t j = 0; j <= p; ++j) {
-          const float sj = dot_rowinv(qi, k + (j * nkv + g) * hd, hd) * scale;
-          P[j] = std::exp(sj - l);
-          dP[j] = dot_rowinv(doi, v + (j * nkv + g) * hd, hd);
-        }
-        float* dqi = dq + (i * nh + h) * hd;
-        std::vector<double> acc(hd, 0.0);
-        for (int64_t j = 0; j <= p; ++j) {
-          const float ds = static_cast<float>(double(P[j]) * (double(dP[j]) - D)) * scale;
-          const float* kj = k + (j * nkv + g) * hd;
-          for (int d = 0; d < hd; ++d) acc[d] += double(ds) * double(kj[d]);
+          const float pj = std::exp(P[j] * scale - l);
+          const float ds = pj * (dP[j] - Df) * scale;
+          const float* kj = kg + j * ld;
           float* dkj = dk_ + j * hd;
           float* dvj = dv_ + j * hd;
           for (int d = 0; d < hd; ++d) {
+            acc[d] += ds * kj[d];
             dkj[d] += ds * qi[d];
-            dvj[d] += P[j] * doi[d];
+            dvj[d] += pj * doi[d];
           }
         }
-        for (int d = 0; d < hd; ++d) dqi[d] = static_cast<float>(acc[d]);
+        std::copy(acc.begin(), acc.end(), dq + (i * nh + h) * hd);
       }
     }
   }
