@@ -90,11 +90,16 @@ struct LinearQ {
   num::QTensor wq;            // the quantized weight of the last sync (weight.kind == Quant): codes,
                               // scales, global amax, for export or for uploading to a GPU backend
 
-  // Residual activation compensation hook (RAC, implemented by a later issue): input channels S
+  // Residual activation compensation (RAC, model/rac.h; applied after the GEMM): input channels S
   // whose quantization residual r = X - X_eff gets a second GEMM, y += Q_rac(r[:, S]) · W_eff[:, S]ᵀ.
   // Empty = off. The channel choice is made at sync time; `rac_quant` rounds the residual.
   std::vector<int32_t> rac_channels;
   OperandQuant rac_quant;
+  // Dynamic RAC (model/rac.h; not batch-invariant): when rac_dynamic_count > 0, every forward call
+  // ranks the input channels on its own rows and compensates the top rac_dynamic_count of them
+  // (whole 16-channel blocks when rac_dynamic_block16) instead of rac_channels.
+  int32_t rac_dynamic_count = 0;
+  bool rac_dynamic_block16 = true;
 
   // The activation quantizer actually applied (static amax filled in).
   num::QConfig act_cfg() const;

@@ -11,6 +11,7 @@
 #include "common/error.h"
 #include "cpu/gemm.h"
 #include "cpu/ops.h"
+#include "model/rac.h"
 
 namespace quads::model {
 
@@ -250,12 +251,14 @@ struct ModelImpl {
   const LinearQ& lin(int i) const { return m.linears_[i]; }
   const Model::Index::Lin& idx(int l) const { return m.index_->layers[l]; }
 
-  void gemm(const LinearQ& L, const float* Xop, int64_t M, float* Y, int64_t ldy) const {
+  // Y = Xop · W_effᵀ; X is the unquantized input, for the residual GEMM of RAC (model/rac.h).
+  void gemm(const LinearQ& L, const float* X, const float* Xop, int64_t M, float* Y, int64_t ldy) const {
     const float* Wl = Weff + L.offset;
     if (m.forward_gemm == GemmMode::RowInvariant)
       cpu::gemm_nt_rowinv(M, L.out, L.in, Xop, L.in, Wl, L.in, Y, ldy);
     else
       cpu::gemm_nt(M, L.out, L.in, Xop, L.in, Wl, L.in, Y, ldy);
+    if (X != Xop) rac_apply(L, X, Xop, M, Wl, Y, ldy);
   }
 
   // Fills `op` with the operand of L for input X [M, in]; shares `other` when it has the same quantizer.
@@ -311,9 +314,9 @@ struct ModelImpl {
     a.q_raw.resize(T * qd);
     a.k_raw.resize(T * kvd);
     a.v.resize(T * kvd);
-    gemm(Lq, a.op_q.ptr(a.xn1.data()), T, a.q_raw.data(), qd);
-    gemm(Lk, a.op_k.ptr(a.xn1.data()), T, a.k_raw.data(), kvd);
-    gemm(Lv, a.op_v.ptr(a.xn1.data()), T, a.v.data(), kvd);
+    gemm(Lq, a.xn1.data(), a.op_q.ptr(a.xn1.data()), T, a.q_raw.data(), qd);
+    gemm(Lk, a.xn1.data(), a.op_k.ptr(a.xn1.data()), T, a.k_raw.data(), kvd);
+    gemm(Lv, a.xn1.data(), a.op_v.ptr(a.xn1.data()), T, a.v.data(), kvd);
     probe(opt, Lq, a.xn1.data(), a.op_q, a.q_raw.data(), T);
     probe(opt, Lk, a.xn1.data(), a.op_k, a.k_raw.data(), T);
     probe(opt, Lv, a.xn1.data(), a.op_v, a.v.data(), T);
@@ -359,7 +362,7 @@ struct ModelImpl {
     // o_proj + residual.
     make_operand(Lo, a.attn.data(), T, a.op_o);
     std::vector<float> tmp(T * H);
-    gemm(Lo, a.op_o.ptr(a.attn.data()), T, tmp.data(), H);
+    gemm(Lo, a.attn.data(), a.op_o.ptr(a.attn.data()), T, tmp.data(), H);
     probe(opt, Lo, a.attn.data(), a.op_o, tmp.data(), T);
     cpu::add_inplace(x, tmp.data(), T * H);
     if (save) a.x_mid.assign(x, x + T * H);
@@ -382,11 +385,11 @@ struct ModelImpl {
     const int64_t I = Lg.out, H = Lg.in;
     make_operand(Lg, X, n, og);
     make_operand(Lu, X, n, ou, &Lg, &og);
-    gemm(Lg, og.ptr(X), n, gu, 2 * I);
-    gemm(Lu, ou.ptr(X), n, gu + I, 2 * I);
+    gemm(Lg, X, og.ptr(X), n, gu, 2 * I);
+    gemm(Lu, X, ou.ptr(X), n, gu + I, 2 * I);
     cpu::swiglu_forward(gu, n, I, h);
     make_operand(Ld, h, n, od);
-    gemm(Ld, od.ptr(h), n, y, H);
+    gemm(Ld, h, od.ptr(h), n, y, H);
     if (opt && opt->probe) {
       // The probe sees each half of the fused product as its own [n, I] output.
       std::vector<float> part(n * I);
@@ -416,7 +419,7 @@ struct ModelImpl {
     // Router (its own numerics, `high` by default), softmax in float32, top-k.
     make_operand(Lr, a.xn2.data(), T, a.op_r);
     a.rlogits.resize(T * E);
-    gemm(Lr, a.op_r.ptr(a.xn2.data()), T, a.rlogits.data(), E);
+    gemm(Lr, a.xn2.data(), a.op_r.ptr(a.xn2.data()), T, a.rlogits.data(), E);
     probe(opt, Lr, a.xn2.data(), a.op_r, a.rlogits.data(), T);
     a.probs.resize(T * E);
     a.idx.resize(T * k);
@@ -700,7 +703,7 @@ void Model::forward(const Batch& b, float* logits, Activations* acts, const Forw
                        A.xf.data(), A.inv_f.data());
   const LinearQ& Llm = linears_[index_->lm_head];
   ModelImpl::make_operand(Llm, A.xf.data(), T, A.op_lm);
-  impl.gemm(Llm, A.op_lm.ptr(A.xf.data()), T, logits, V);
+  impl.gemm(Llm, A.xf.data(), A.op_lm.ptr(A.xf.data()), T, logits, V);
   impl.probe(&opt, Llm, A.xf.data(), A.op_lm, logits, T);
 
   // Router losses over all MoE layers' tokens, concatenated as HF's load_balancing_loss_func does.
@@ -788,7 +791,7 @@ std::vector<float> Model::step(KVCache& cache, const std::vector<StepItem>& item
   Operand op;
   ModelImpl::make_operand(Llm, xf.data(), nout, op);
   std::vector<float> logits(nout * V);
-  impl.gemm(Llm, op.ptr(xf.data()), nout, logits.data(), V);
+  impl.gemm(Llm, xf.data(), op.ptr(xf.data()), nout, logits.data(), V);
   return logits;
 }
 
