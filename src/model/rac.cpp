@@ -106,23 +106,23 @@ void rac_apply(const std::vector<int32_t>& S, const OperandQuant& q, const float
 
 void rac_apply(const LinearQ& L, const float* X, const float* X_eff, int64_t M, const float* W_eff, float* Y,
                int64_t ldy) {
+  if (L.rac_dynamic_count > 0) {
+    if (M == 0) return;
+    std::vector<double> e(L.in, 0.0);
+    rac_energy(X, X_eff, M, L.in, e.data());
+    const auto g = L.rac_dynamic_block16 ? RacGranularity::Block16 : RacGranularity::Channel;
+    rac_apply(rac_select(e.data(), L.in, L.rac_dynamic_count, g), L.rac_quant, X, X_eff, M, L.in, W_eff, L.out, Y, ldy);
+    return;
+  }
   if (L.rac_channels.empty()) return;
   rac_apply(L.rac_channels, L.rac_quant, X, X_eff, M, L.in, W_eff, L.out, Y, ldy);
-}
-
-void rac_apply_dynamic(const LinearQ& L, const RacConfig& cfg, const float* X, const float* X_eff, int64_t M,
-                       const float* W_eff, float* Y, int64_t ldy) {
-  const int64_t count = rac_count(L.in, cfg.ratio);
-  if (count == 0 || M == 0) return;
-  std::vector<double> e(L.in, 0.0);
-  rac_energy(X, X_eff, M, L.in, e.data());
-  rac_apply(rac_select(e.data(), L.in, count, cfg.granularity), cfg.residual, X, X_eff, M, L.in, W_eff, L.out, Y, ldy);
 }
 
 void rac_clear(Model& m) {
   for (LinearQ& L : m.linears()) {
     L.rac_channels.clear();
     L.rac_quant = OperandQuant::none();
+    L.rac_dynamic_count = 0;
   }
 }
 
@@ -130,6 +130,18 @@ int rac_calibrate(Model& m, const Batch& calib, const RacConfig& cfg) {
   rac_clear(m);
   if (cfg.ratio <= 0) return 0;
   std::vector<LinearQ>& lin = m.linears();
+  if (cfg.dynamic) {
+    int n = 0;
+    for (LinearQ& L : lin) {
+      const int64_t count = rac_count(L.in, cfg.ratio);
+      if (L.num.act.kind != QuantKind::Quant || count == 0) continue;
+      L.rac_dynamic_count = static_cast<int32_t>(count);
+      L.rac_dynamic_block16 = cfg.granularity == RacGranularity::Block16;
+      L.rac_quant = cfg.residual;
+      ++n;
+    }
+    return n;
+  }
   std::vector<std::vector<double>> energy(lin.size());
   for (size_t i = 0; i < lin.size(); ++i)
     if (lin[i].num.act.kind == QuantKind::Quant) energy[i].assign(lin[i].in, 0.0);

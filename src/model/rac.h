@@ -12,7 +12,7 @@
 // Selection:
 //   static (default): ranked on a fixed calibration batch at every weight sync (rac_calibrate);
 //     S is then a property of the weights, and generation stays batch-invariant.
-//   dynamic: ranked per forward call over the rows of that call (rac_apply_dynamic). S then depends
+//   dynamic: ranked per forward call over the rows of that call (LinearQ::rac_dynamic_count). S then depends
 //     on which other tokens share the call: NOT batch-invariant (a sequence's log-probs change with
 //     its batch), which is why it is only an option.
 #include <cstdint>
@@ -55,19 +55,17 @@ std::vector<int32_t> rac_select(const double* energy, int64_t in, int64_t count,
 void rac_apply(const std::vector<int32_t>& S, const OperandQuant& q, const float* X, const float* X_eff, int64_t M,
                int64_t in, const float* W_eff, int64_t out, float* Y, int64_t ldy);
 
-// The hook the linear forward calls after its GEMM: applies L.rac_channels with L.rac_quant
-// (nothing when empty). W_eff is L's effective weight [out, in].
+// The hook the linear forward calls after its GEMM (model.cpp): applies L.rac_channels with
+// L.rac_quant, or with L.rac_dynamic_count > 0 ranks the channels on this call's own rows first
+// (dynamic RAC). Nothing when RAC is off. W_eff is L's effective weight [out, in].
 void rac_apply(const LinearQ& L, const float* X, const float* X_eff, int64_t M, const float* W_eff, float* Y,
                int64_t ldy);
 
-// Dynamic selection: ranks the channels on this call's own rows, then applies them.
-void rac_apply_dynamic(const LinearQ& L, const RacConfig& cfg, const float* X, const float* X_eff, int64_t M,
-                       const float* W_eff, float* Y, int64_t ldy);
-
-// Static selection: clears every linear's RAC, runs m.forward on `calib` with a probe that sums
-// each linear's residual energy, then gives every linear whose activations are quantized (kind
-// Quant) its top rac_count(in, cfg.ratio) channels and cfg.residual. Returns the number of linears
-// that received channels. Call after every Model::sync of the rollout model.
+// Sets up RAC on every linear whose activations are quantized (kind Quant) and clears it on the
+// others. Static (the default): runs m.forward on `calib` with RAC off and a probe that sums each
+// linear's residual energy, then gives every such linear its top rac_count(in, cfg.ratio) channels
+// and cfg.residual; call it after every Model::sync of the rollout model. Dynamic: only marks the
+// linears (rac_dynamic_count); `calib` is not used. Returns the number of linears with RAC.
 int rac_calibrate(Model& m, const Batch& calib, const RacConfig& cfg);
 void rac_clear(Model& m);
 

@@ -209,7 +209,6 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
   QUADS_CHECK(cfg.quads.rac_selection == "static" || cfg.quads.rac_selection == "dynamic",
               "rl: quads.rac_selection = {} (static | dynamic)", cfg.quads.rac_selection);
   rac.dynamic = cfg.quads.rac_selection == "dynamic";
-  QUADS_CHECK(!rac.dynamic, "rl: dynamic RAC selection is not wired into the model forward yet");
   // Calibration batch for static RAC: fixed worked solutions from the training stream.
   model::Batch calib;
   for (const Task& t : tasks.train_batch(uint64_t(1) << 62, 16)) calib.add(make_sft_example(t, tok).tokens);
