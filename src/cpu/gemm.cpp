@@ -132,14 +132,16 @@ inline void kernel(int64_t K, const float* X, int64_t ldx, const float* W, int64
 
 constexpr int kMR = 4, kNR = 3;
 
-template <int MR>
-inline void row_block(int64_t n0, int64_t n1, int64_t K, const float* X, int64_t ldx, const float* W, int64_t ldw,
-                      float* Y, int64_t ldy, bool acc) {
-  int64_t n = n0;
-  for (; n + kNR <= n1; n += kNR) kernel<MR, kNR>(K, X, ldx, W + n * ldw, ldw, Y + n, ldy, acc);
-  switch (n1 - n) {
-    case 2: kernel<MR, 2>(K, X, ldx, W + n * ldw, ldw, Y + n, ldy, acc); break;
-    case 1: kernel<MR, 1>(K, X, ldx, W + n * ldw, ldw, Y + n, ldy, acc); break;
+// One strip of NR rows of W against rows m0..m1 of X, four at a time.
+template <int NR>
+inline void strip(int64_t m0, int64_t m1, int64_t K, const float* X, int64_t ldx, const float* W, int64_t ldw,
+                  float* Y, int64_t ldy, bool acc) {
+  int64_t m = m0;
+  for (; m + kMR <= m1; m += kMR) kernel<kMR, NR>(K, X + m * ldx, ldx, W, ldw, Y + m * ldy, ldy, acc);
+  switch (m1 - m) {
+    case 3: kernel<3, NR>(K, X + m * ldx, ldx, W, ldw, Y + m * ldy, ldy, acc); break;
+    case 2: kernel<2, NR>(K, X + m * ldx, ldx, W, ldw, Y + m * ldy, ldy, acc); break;
+    case 1: kernel<1, NR>(K, X + m * ldx, ldx, W, ldw, Y + m * ldy, ldy, acc); break;
     default: break;
   }
 }
@@ -155,9 +157,11 @@ float dot_rowinv(const float* a, const float* b, int64_t n) {
 void gemm_nt_rowinv(int64_t M, int64_t N, int64_t K, const float* X, int64_t ldx, const float* W, int64_t ldw,
                     float* Y, int64_t ldy, bool accumulate) {
   if (M <= 0 || N <= 0) return;
-  // Tiles: a panel of W rows small enough to stay in L2 while every row block of X passes over it.
-  const int64_t panel = std::max<int64_t>(kNR, std::min<int64_t>(N, (int64_t(192) << 10) / (4 * std::max<int64_t>(K, 1)) / kNR * kNR));
-  const int64_t rblk = 32;  // rows of X per task
+  // Tiles: a block of X rows and a panel of W rows. Within a tile, each strip of kNR rows of W
+  // stays in L1 while the block's rows of X (also L1-sized) pass over it.
+  const int64_t Kc = std::max<int64_t>(K, 1);
+  const int64_t rblk = std::max<int64_t>(kMR, std::min<int64_t>(64, (int64_t(16) << 10) / (4 * Kc) / kMR * kMR));
+  const int64_t panel = std::max<int64_t>(kNR, std::min<int64_t>(N, (int64_t(192) << 10) / (4 * Kc) / kNR * kNR));
   const int64_t npanels = (N + panel - 1) / panel, nrblk = (M + rblk - 1) / rblk;
   const int64_t ntasks = npanels * nrblk;
   const double flops = 2.0 * double(M) * double(N) * double(K);
@@ -166,12 +170,11 @@ void gemm_nt_rowinv(int64_t M, int64_t N, int64_t K, const float* X, int64_t ldx
     const int64_t p = task / nrblk, rb = task % nrblk;
     const int64_t n0 = p * panel, n1 = std::min(N, n0 + panel);
     const int64_t m0 = rb * rblk, m1 = std::min(M, m0 + rblk);
-    int64_t m = m0;
-    for (; m + kMR <= m1; m += kMR) row_block<kMR>(n0, n1, K, X + m * ldx, ldx, W, ldw, Y + m * ldy, ldy, accumulate);
-    switch (m1 - m) {
-      case 3: row_block<3>(n0, n1, K, X + m * ldx, ldx, W, ldw, Y + m * ldy, ldy, accumulate); break;
-      case 2: row_block<2>(n0, n1, K, X + m * ldx, ldx, W, ldw, Y + m * ldy, ldy, accumulate); break;
-      case 1: row_block<1>(n0, n1, K, X + m * ldx, ldx, W, ldw, Y + m * ldy, ldy, accumulate); break;
+    int64_t n = n0;
+    for (; n + kNR <= n1; n += kNR) strip<kNR>(m0, m1, K, X, ldx, W + n * ldw, ldw, Y + n, ldy, accumulate);
+    switch (n1 - n) {
+      case 2: strip<2>(m0, m1, K, X, ldx, W + n * ldw, ldw, Y + n, ldy, accumulate); break;
+      case 1: strip<1>(m0, m1, K, X, ldx, W + n * ldw, ldw, Y + n, ldy, accumulate); break;
       default: break;
     }
   }
