@@ -32,6 +32,7 @@ void rmsnorm_forward(const float* x, const float* w, int64_t rows, int64_t D, fl
     const float inv = static_cast<float>(1.0 / std::sqrt(ss / double(D) + double(eps)));
     if (inv_rms) inv_rms[r] = inv;
     float* yr = y + r * D;
+#pragma omp simd
     for (int64_t i = 0; i < D; ++i) yr[i] = w[i] * (xr[i] * inv);
   }
 }
@@ -133,7 +134,7 @@ void attention_forward(const float* q, const float* k, const float* v, int64_t n
   const int64_t work = n * nh;
 #pragma omp parallel if (work * L * hd > 8 * kParallelMin)
   {
-    std::vector<float> s(L);
+    std::vector<float> s(L), acc(hd);
 #pragma omp for schedule(static)
     for (int64_t w = 0; w < work; ++w) {
       const int64_t i = w / nh;
@@ -154,13 +155,16 @@ void attention_forward(const float* q, const float* k, const float* v, int64_t n
         sum += s[j];
       }
       const float inv = static_cast<float>(1.0 / sum);
-      float* o = out + (i * nh + h) * hd;
-      for (int d = 0; d < hd; ++d) o[d] = 0.f;
+      // out = sum_j p_j v_j, keys in order (a local accumulator so that the loop vectorizes).
+      float* __restrict a = acc.data();
+      for (int d = 0; d < hd; ++d) a[d] = 0.f;
       for (int64_t j = 0; j <= p; ++j) {
         const float pj = s[j] * inv;
-        const float* vj = v + (j * nkv + g) * hd;
-        for (int d = 0; d < hd; ++d) o[d] += pj * vj[d];
+        const float* __restrict vj = v + (j * nkv + g) * hd;
+#pragma omp simd
+        for (int d = 0; d < hd; ++d) a[d] += pj * vj[d];
       }
+      std::copy(a, a + hd, out + (i * nh + h) * hd);
       if (lse) lse[i * nh + h] = static_cast<float>(double(m) + std::log(sum));
     }
   }
@@ -172,48 +176,52 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
   const int group = nh / nkv;
   const int64_t start = L - n;
   // Per query head: dq directly, dk/dv into a private [L, hd] buffer; the heads of one kv group are
-  // then added in head order.
-  std::vector<float> dkh(static_cast<size_t>(nh) * L * hd), dvh(static_cast<size_t>(nh) * L * hd);
-#pragma omp parallel if (n * L * hd * nh > 8 * kParallelMin)
-  {
-    std::vector<float> P(L), dP(L), acc(hd);
-#pragma omp for schedule(static)
-    for (int h = 0; h < nh; ++h) {
-      const int g = h / group;
-      float* dk_ = dkh.data() + static_cast<size_t>(h) * L * hd;
-      float* dv_ = dvh.data() + static_cast<size_t>(h) * L * hd;
-      std::fill(dk_, dk_ + L * hd, 0.f);
-      std::fill(dv_, dv_ + L * hd, 0.f);
-      const float* kg = k + g * hd;
-      const float* vg = v + g * hd;
-      const int64_t ld = int64_t(nkv) * hd;
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t p = start + i;
-        const float* qi = q + (i * nh + h) * hd;
-        const float* doi = dout + (i * nh + h) * hd;
-        const float* oi = out + (i * nh + h) * hd;
-        const float l = lse[i * nh + h];
+  // then added in head order. Blocks of queries go through OpenBLAS (the backward need not be
+  // row-invariant): S = Q Kᵀ, P = exp(S * scale - lse) (causal), dP = dO Vᵀ, dS = P (dP - D) * scale,
+  // dQ = dS K, dK += dSᵀ Q, dV += Pᵀ dO.
+  // Scratch kept per thread between calls (one call per layer and sequence).
+  thread_local std::vector<float> dkh, dvh, P, dP;
+  const size_t per_head = static_cast<size_t>(L) * hd;
+  dkh.assign(nh * per_head, 0.f);
+  dvh.assign(nh * per_head, 0.f);
+  const int64_t Bq = 64;
+  const int64_t ldq = int64_t(nh) * hd, ldk = int64_t(nkv) * hd;
+  if (P.size() < static_cast<size_t>(Bq * L)) {
+    P.resize(Bq * L);
+    dP.resize(Bq * L);
+  }
+  for (int h = 0; h < nh; ++h) {
+    const int g = h / group;
+    float* dk_ = dkh.data() + static_cast<size_t>(h) * L * hd;
+    float* dv_ = dvh.data() + static_cast<size_t>(h) * L * hd;
+    const float* kg = k + g * hd;
+    const float* vg = v + g * hd;
+    for (int64_t i0 = 0; i0 < n; i0 += Bq) {
+      const int64_t nb = std::min(Bq, n - i0);
+      const int64_t Lb = start + i0 + nb;  // keys seen by the last query of the block
+      const float* qb = q + i0 * ldq + h * hd;
+      const float* dob = dout + i0 * ldq + h * hd;
+      gemm_nt(nb, Lb, hd, qb, ldq, kg, ldk, P.data(), Lb);
+      gemm_nt(nb, Lb, hd, dob, ldq, vg, ldk, dP.data(), Lb);
+#pragma omp parallel for schedule(static) if (nb * Lb > kParallelMin)
+      for (int64_t r = 0; r < nb; ++r) {
+        const int64_t i = i0 + r, p = start + i;
+        const float* doi = dout + i * ldq + h * hd;
+        const float* oi = out + i * ldq + h * hd;
         double D = 0;
         for (int d = 0; d < hd; ++d) D += double(doi[d]) * double(oi[d]);
-        const float Df = static_cast<float>(D);
-        // The probabilities exactly as the forward computed them, and dP_j = dout · v_j.
-        gemm_nt_rowinv(1, p + 1, hd, qi, hd, kg, ld, P.data(), p + 1);
-        gemm_nt_rowinv(1, p + 1, hd, doi, hd, vg, ld, dP.data(), p + 1);
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t j = 0; j <= p; ++j) {
-          const float pj = std::exp(P[j] * scale - l);
-          const float ds = pj * (dP[j] - Df) * scale;
-          const float* kj = kg + j * ld;
-          float* dkj = dk_ + j * hd;
-          float* dvj = dv_ + j * hd;
-          for (int d = 0; d < hd; ++d) {
-            acc[d] += ds * kj[d];
-            dkj[d] += ds * qi[d];
-            dvj[d] += pj * doi[d];
-          }
+        const float Df = static_cast<float>(D), l = lse[i * nh + h];
+        float* pr = P.data() + r * Lb;
+        float* dpr = dP.data() + r * Lb;
+        for (int64_t j = 0; j < Lb; ++j) {
+          const float pj = j <= p ? std::exp(pr[j] * scale - l) : 0.f;
+          pr[j] = pj;
+          dpr[j] = pj * (dpr[j] - Df) * scale;  // dS
         }
-        std::copy(acc.begin(), acc.end(), dq + (i * nh + h) * hd);
       }
+      gemm_nn(nb, Lb, hd, dP.data(), Lb, kg, ldk, dq + i0 * ldq + h * hd, ldq);
+      gemm_tn_acc(nb, Lb, hd, dP.data(), Lb, qb, ldq, dk_, hd);
+      gemm_tn_acc(nb, Lb, hd, P.data(), Lb, dob, ldq, dv_, hd);
     }
   }
 #pragma omp parallel for schedule(static) if (L * nkv * hd > kParallelMin)
@@ -350,6 +358,7 @@ void moe_scatter_add(const float* dxe, const int32_t* inv, int64_t T, int k, int
     if (!accumulate) std::fill(d, d + D, 0.f);
     for (int s = 0; s < k; ++s) {
       const float* src = dxe + int64_t(inv[t * k + s]) * D;
+#pragma omp simd
       for (int64_t i = 0; i < D; ++i) d[i] += src[i];
     }
   }
@@ -363,6 +372,7 @@ void moe_combine_forward(const float* ye, const int32_t* inv, const float* w, in
     for (int s = 0; s < k; ++s) {
       const float ws = w[t * k + s];
       const float* src = ye + int64_t(inv[t * k + s]) * D;
+#pragma omp simd
       for (int64_t i = 0; i < D; ++i) yt[i] += ws * src[i];
     }
   }
@@ -434,6 +444,7 @@ void embedding_backward(const float* dout, const int32_t* tokens, int64_t T, int
     for (int64_t t = 0; t < T; ++t) {
       float* d = dtable + int64_t(tokens[t]) * H;
       const float* s = dout + t * H;
+#pragma omp simd
       for (int64_t i = c0; i < c1; ++i) d[i] += s[i];
     }
   }
@@ -441,6 +452,7 @@ void embedding_backward(const float* dout, const int32_t* tokens, int64_t T, int
 
 void add_inplace(float* y, const float* x, int64_t n) {
 #pragma omp parallel for schedule(static) if (n > 65536)
+#pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += x[i];
 }
 

@@ -110,11 +110,24 @@ struct LayerActs {
   Operand op_down;
   std::vector<float> ye;                 // expert outputs [T*k, H] (MoE) / MLP output [T, H] (dense)
   std::vector<float> mlp_out;            // [T, H]
+  std::vector<float> o_out;              // o_proj output [T, H]
 };
 
 }  // namespace
 
+// Backward temporaries, kept between calls so that large buffers are not re-allocated (and
+// page-faulted) at every step.
+struct Scratch {
+  std::vector<float> dx, dxf, dxn1, dxn2, tmp, dattn, dq, dk, dv, dq_raw, dk_raw, dye, dw, dxe, extra, dlog, dh, dgu;
+};
+
+inline float* sized(std::vector<float>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
 struct Activations::Impl {
+  Scratch scratch;
   Batch batch;
   std::vector<int64_t> pos;
   std::vector<float> cos, sin;
@@ -361,10 +374,10 @@ struct ModelImpl {
 
     // o_proj + residual.
     make_operand(Lo, a.attn.data(), T, a.op_o);
-    std::vector<float> tmp(T * H);
-    gemm(Lo, a.attn.data(), a.op_o.ptr(a.attn.data()), T, tmp.data(), H);
-    probe(opt, Lo, a.attn.data(), a.op_o, tmp.data(), T);
-    cpu::add_inplace(x, tmp.data(), T * H);
+    float* tmp = sized(a.o_out, T * H);
+    gemm(Lo, a.attn.data(), a.op_o.ptr(a.attn.data()), T, tmp, H);
+    probe(opt, Lo, a.attn.data(), a.op_o, tmp, T);
+    cpu::add_inplace(x, tmp, T * H);
     if (save) a.x_mid.assign(x, x + T * H);
 
     // MLP.
@@ -505,13 +518,12 @@ struct ModelImpl {
 
   void mlp_rows_backward(const LinearQ& Lg, const LinearQ& Lu, const LinearQ& Ld, const float* X, const float* Xg,
                          const float* Xu, const float* gu, const float* h, const float* hop, const float* dy, int64_t n,
-                         float* dX, float* grads) const {
+                         float* dX, float* grads, float* dh, float* dgu) const {
     const int64_t I = Lg.out;
-    std::vector<float> dh(n * I), dgu(n * 2 * I);
-    linear_backward(Ld, dy, n, Ld.out, hop, dh.data(), false, grads);
-    cpu::swiglu_backward(gu, dh.data(), n, I, dgu.data());
-    linear_backward(Lg, dgu.data(), n, 2 * I, Xg, dX, false, grads);
-    linear_backward(Lu, dgu.data() + I, n, 2 * I, Xu, dX, true, grads);
+    linear_backward(Ld, dy, n, Ld.out, hop, dh, false, grads);
+    cpu::swiglu_backward(gu, dh, n, I, dgu);
+    linear_backward(Lg, dgu, n, 2 * I, Xg, dX, false, grads);
+    linear_backward(Lu, dgu + I, n, 2 * I, Xu, dX, true, grads);
     (void)X;
     (void)h;
   }
@@ -524,52 +536,55 @@ struct ModelImpl {
     const int nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
     const int64_t qd = c.q_dim(), kvd = c.kv_dim();
 
+    Scratch& S = A.scratch;
     // MLP: y = x_mid + mlp(norm(x_mid)); dx is dL/dy.
-    std::vector<float> dxn2(T * H);
+    float* dxn2 = sized(S.dxn2, T * H);
     if (o.sparse)
-      moe_backward(l, A, dx, dxn2.data(), grads);
+      moe_backward(l, A, dx, dxn2, grads);
     else {
       const int b = ix.mlp;
       const float* X = a.xn2.data();
+      const int64_t I = lin(b).out;
       mlp_rows_backward(lin(b), lin(b + 1), lin(b + 2), X, a.op_gate.ptr(X), a.op_up.ptr(X), a.gu.data(), a.h.data(),
-                        a.op_down.ptr(a.h.data()), dx, T, dxn2.data(), grads);
+                        a.op_down.ptr(a.h.data()), dx, T, dxn2, grads, sized(S.dh, T * I), sized(S.dgu, T * 2 * I));
     }
-    std::vector<float> tmp(T * H);
-    cpu::rmsnorm_backward(dxn2.data(), a.x_mid.data(), W + o.post_norm, a.inv2.data(), T, H, tmp.data(),
-                          grads + o.post_norm);
-    cpu::add_inplace(dx, tmp.data(), T * H);
+    float* tmp = sized(S.tmp, T * H);
+    cpu::rmsnorm_backward(dxn2, a.x_mid.data(), W + o.post_norm, a.inv2.data(), T, H, tmp, grads + o.post_norm);
+    cpu::add_inplace(dx, tmp, T * H);
 
     // Attention: x_mid = x_in + o_proj(attn(norm(x_in))).
-    std::vector<float> dattn(T * qd);
+    float* dattn = sized(S.dattn, T * qd);
     const LinearQ &Lq = lin(ix.q), &Lk = lin(ix.k), &Lv = lin(ix.v), &Lo = lin(ix.o);
-    linear_backward(Lo, dx, T, H, a.op_o.ptr(a.attn.data()), dattn.data(), false, grads);
-    std::vector<float> dq(T * qd), dk(T * kvd, 0.f), dv(T * kvd, 0.f);
+    linear_backward(Lo, dx, T, H, a.op_o.ptr(a.attn.data()), dattn, false, grads);
+    float* dq = sized(S.dq, T * qd);
+    float* dk = sized(S.dk, T * kvd);
+    float* dv = sized(S.dv, T * kvd);
+    std::fill(dk, dk + T * kvd, 0.f);
+    std::fill(dv, dv + T * kvd, 0.f);
     const float scale = static_cast<float>(1.0 / std::sqrt(double(hd)));
     const Batch& b = A.batch;
     for (int s = 0; s < b.nseq(); ++s) {
       const int64_t r0 = b.offsets[s], n = b.seq_len(s);
       if (n == 0) continue;
       cpu::attention_backward(a.q.data() + r0 * qd, a.k.data() + r0 * kvd, a.v.data() + r0 * kvd,
-                              a.attn.data() + r0 * qd, a.lse.data() + r0 * nh, dattn.data() + r0 * qd, n, n, nh, nkv,
-                              hd, scale, dq.data() + r0 * qd, dk.data() + r0 * kvd, dv.data() + r0 * kvd);
+                              a.attn.data() + r0 * qd, a.lse.data() + r0 * nh, dattn + r0 * qd, n, n, nh, nkv, hd, scale,
+                              dq + r0 * qd, dk + r0 * kvd, dv + r0 * kvd);
     }
     // post_rope hook: straight-through.
-    cpu::rope_backward(dq.data(), T, nh, hd, A.cos.data(), A.sin.data());
-    cpu::rope_backward(dk.data(), T, nkv, hd, A.cos.data(), A.sin.data());
-    if (m.kv_hooks.pre_rope_backward) m.kv_hooks.pre_rope_backward(l, dq.data(), dk.data(), T);
-    std::vector<float> dq_raw(T * qd), dk_raw(T * kvd);
-    cpu::rmsnorm_backward(dq.data(), a.q_raw.data(), W + o.q_norm, a.inv_q.data(), T * nh, hd, dq_raw.data(),
-                          grads + o.q_norm);
-    cpu::rmsnorm_backward(dk.data(), a.k_raw.data(), W + o.k_norm, a.inv_k.data(), T * nkv, hd, dk_raw.data(),
-                          grads + o.k_norm);
-    std::vector<float> dxn1(T * H);
+    cpu::rope_backward(dq, T, nh, hd, A.cos.data(), A.sin.data());
+    cpu::rope_backward(dk, T, nkv, hd, A.cos.data(), A.sin.data());
+    if (m.kv_hooks.pre_rope_backward) m.kv_hooks.pre_rope_backward(l, dq, dk, T);
+    float* dq_raw = sized(S.dq_raw, T * qd);
+    float* dk_raw = sized(S.dk_raw, T * kvd);
+    cpu::rmsnorm_backward(dq, a.q_raw.data(), W + o.q_norm, a.inv_q.data(), T * nh, hd, dq_raw, grads + o.q_norm);
+    cpu::rmsnorm_backward(dk, a.k_raw.data(), W + o.k_norm, a.inv_k.data(), T * nkv, hd, dk_raw, grads + o.k_norm);
+    float* dxn1 = sized(S.dxn1, T * H);
     const float* X1 = a.xn1.data();
-    linear_backward(Lq, dq_raw.data(), T, qd, a.op_q.ptr(X1), dxn1.data(), false, grads);
-    linear_backward(Lk, dk_raw.data(), T, kvd, a.op_k.ptr(X1), dxn1.data(), true, grads);
-    linear_backward(Lv, dv.data(), T, kvd, a.op_v.ptr(X1), dxn1.data(), true, grads);
-    cpu::rmsnorm_backward(dxn1.data(), a.x_in.data(), W + o.input_norm, a.inv1.data(), T, H, tmp.data(),
-                          grads + o.input_norm);
-    cpu::add_inplace(dx, tmp.data(), T * H);
+    linear_backward(Lq, dq_raw, T, qd, a.op_q.ptr(X1), dxn1, false, grads);
+    linear_backward(Lk, dk_raw, T, kvd, a.op_k.ptr(X1), dxn1, true, grads);
+    linear_backward(Lv, dv, T, kvd, a.op_v.ptr(X1), dxn1, true, grads);
+    cpu::rmsnorm_backward(dxn1, a.x_in.data(), W + o.input_norm, a.inv1.data(), T, H, tmp, grads + o.input_norm);
+    cpu::add_inplace(dx, tmp, T * H);
   }
 
   void moe_backward(int l, Activations::Impl& A, const float* dy, float* dxn2, float* grads) const {
@@ -578,8 +593,13 @@ struct ModelImpl {
     const int E = c.num_experts, k = c.num_experts_per_tok;
     const int64_t T = A.batch.ntokens(), H = c.hidden_size, R = T * k;
     const int64_t I = static_cast<int64_t>(lay.layers[l].inter);
-    std::vector<float> dye(R * H), dw(T * k), dxe(R * H);
-    cpu::moe_combine_backward(dy, a.ye.data(), a.inv.data(), a.w.data(), T, k, H, dye.data(), dw.data());
+    Scratch& S = A.scratch;
+    float* dye = sized(S.dye, R * H);
+    float* dw = sized(S.dw, T * k);
+    float* dxe = sized(S.dxe, R * H);
+    float* dh = sized(S.dh, R * I);
+    float* dgu = sized(S.dgu, R * 2 * I);
+    cpu::moe_combine_backward(dy, a.ye.data(), a.inv.data(), a.w.data(), T, k, H, dye, dw);
     for (int e = 0; e < E; ++e) {
       const int64_t r0 = a.eoff[e], n = a.eoff[e + 1] - r0;
       if (n == 0) continue;
@@ -589,23 +609,22 @@ struct ModelImpl {
       const float* Xu = a.op_up.alias ? X : a.op_up.buf.data() + r0 * H;
       const float* hh = a.h.data() + r0 * I;
       const float* hop = a.op_down.alias ? hh : a.op_down.buf.data() + r0 * I;
-      mlp_rows_backward(lin(b), lin(b + 1), lin(b + 2), X, Xg, Xu, a.gu.data() + r0 * 2 * I, hh, hop,
-                        dye.data() + r0 * H, n, dxe.data() + r0 * H, grads);
+      mlp_rows_backward(lin(b), lin(b + 1), lin(b + 2), X, Xg, Xu, a.gu.data() + r0 * 2 * I, hh, hop, dye + r0 * H, n,
+                        dxe + r0 * H, grads, dh + r0 * I, dgu + r0 * 2 * I);
     }
-    cpu::moe_scatter_add(dxe.data(), a.inv.data(), T, k, H, dxn2, false);
+    cpu::moe_scatter_add(dxe, a.inv.data(), T, k, H, dxn2, false);
     // Router: through the top-k weights, plus the aux and z losses.
-    std::vector<float> extra;
+    float* extra = nullptr;
     const double nrows = double(A.nsparse) * double(T);
     if (A.aux_coef != 0) {
-      extra.assign(T * E, 0.f);
+      extra = sized(S.extra, T * E);
       for (int e = 0; e < E; ++e) {
         const float g = static_cast<float>(A.aux_coef * E * A.F[e] / nrows);
         for (int64_t t = 0; t < T; ++t) extra[t * E + e] = g;
       }
     }
-    std::vector<float> dlog(T * E);
-    cpu::router_topk_backward(a.probs.data(), a.idx.data(), a.w.data(), dw.data(), extra.empty() ? nullptr : extra.data(),
-                              T, E, k, c.norm_topk_prob, dlog.data());
+    float* dlog = sized(S.dlog, T * E);
+    cpu::router_topk_backward(a.probs.data(), a.idx.data(), a.w.data(), dw, extra, T, E, k, c.norm_topk_prob, dlog);
     if (A.z_coef != 0) {
       for (int64_t t = 0; t < T; ++t) {
         const float* r = a.rlogits.data() + t * E;
@@ -618,8 +637,8 @@ struct ModelImpl {
       }
     }
     const LinearQ& Lr = lin(ix.router);
-    cpu::gemm_nn(T, E, H, dlog.data(), E, Weff + Lr.offset, H, dxn2, H, true);
-    cpu::gemm_tn_acc(T, E, H, dlog.data(), E, a.op_r.ptr(a.xn2.data()), H, grads + Lr.offset, H);
+    cpu::gemm_nn(T, E, H, dlog, E, Weff + Lr.offset, H, dxn2, H, true);
+    cpu::gemm_tn_acc(T, E, H, dlog, E, a.op_r.ptr(a.xn2.data()), H, grads + Lr.offset, H);
   }
 };
 
@@ -729,12 +748,13 @@ void Model::backward(Activations& acts, const float* dlogits, float* grads) {
   const int64_t T = A.batch.ntokens(), H = c.hidden_size, V = c.vocab_size;
   ModelImpl impl(*this);
   const LinearQ& Llm = linears_[index_->lm_head];
-  std::vector<float> dxf(T * H), dx(T * H);
-  impl.linear_backward(Llm, dlogits, T, V, A.op_lm.ptr(A.xf.data()), dxf.data(), false, grads);
-  cpu::rmsnorm_backward(dxf.data(), A.x_final.data(), w_->data.data() + w_->layout.final_norm, A.inv_f.data(), T, H,
-                        dx.data(), grads + w_->layout.final_norm);
-  for (int l = c.num_hidden_layers - 1; l >= 0; --l) impl.layer_backward(l, A, dx.data(), grads);
-  cpu::embedding_backward(dx.data(), A.batch.tokens.data(), T, H, grads + w_->layout.embed);
+  float* dxf = sized(A.scratch.dxf, T * H);
+  float* dx = sized(A.scratch.dx, T * H);
+  impl.linear_backward(Llm, dlogits, T, V, A.op_lm.ptr(A.xf.data()), dxf, false, grads);
+  cpu::rmsnorm_backward(dxf, A.x_final.data(), w_->data.data() + w_->layout.final_norm, A.inv_f.data(), T, H, dx,
+                        grads + w_->layout.final_norm);
+  for (int l = c.num_hidden_layers - 1; l >= 0; --l) impl.layer_backward(l, A, dx, grads);
+  cpu::embedding_backward(dx, A.batch.tokens.data(), T, H, grads + w_->layout.embed);
 }
 
 std::vector<float> Model::step(KVCache& cache, const std::vector<StepItem>& items, Routing* record) {
