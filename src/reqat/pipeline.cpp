@@ -116,6 +116,7 @@ nlohmann::ordered_json run_reqat(const ReqatConfig& cfg, const std::string& out,
   const std::vector<rl::Task> trace_tasks = ts.train_batch(kTraceFirst, static_cast<int>(cfg.traces.prompts));
   std::vector<rl::SftExample> traces;
   double trace_yield = 1.0;
+  std::string trace_source = cfg.traces.source;
   if (cfg.traces.source == "solutions") {
     traces = solutions(trace_tasks, tok);
   } else {
@@ -131,10 +132,15 @@ nlohmann::ordered_json run_reqat(const ReqatConfig& cfg, const std::string& out,
       traces.push_back(std::move(e));
     }
     trace_yield = static_cast<double>(traces.size()) / static_cast<double>(trace_tasks.size());
-    QUADS_CHECK(!traces.empty(), "traces: the base model solved none of {} training prompts (train the base longer: "
-                                 "base.steps)", trace_tasks.size());
+    // A base too weak to produce a batch of correct traces would leave nothing to fine-tune on:
+    // fall back to the worked solutions, and say so in the summary.
+    if (static_cast<int64_t>(traces.size()) < cfg.stage1.batch) {
+      say(fmt::format("traces: only {} correct greedy traces; using the worked solutions instead", traces.size()));
+      traces = solutions(trace_tasks, tok);
+      trace_source = "solutions (fallback: base yield too low)";
+    }
   }
-  say(fmt::format("traces: {} ({} source, yield {:.3f})", traces.size(), cfg.traces.source, trace_yield));
+  say(fmt::format("traces: {} ({}, greedy yield {:.3f})", traces.size(), trace_source, trace_yield));
   timings["traces_s"] = since(tp);
 
   // ---- stage 1 ----
@@ -263,7 +269,7 @@ nlohmann::ordered_json run_reqat(const ReqatConfig& cfg, const std::string& out,
   s["eval_tasks"] = evalset.size();
   s["kv_cache"] = kv.describe() + " (1x16 blocks along head_dim, E4M3 block scales, per-(token, head) FP32 amax)";
   s["base"] = base_from;
-  s["traces"] = {{"source", cfg.traces.source}, {"prompts", cfg.traces.prompts}, {"kept", traces.size()},
+  s["traces"] = {{"source", trace_source}, {"prompts", cfg.traces.prompts}, {"kept", traces.size()},
                  {"yield", trace_yield}};
   nlohmann::ordered_json ql = nlohmann::ordered_json::array();
   for (const QFitLayer& L : qfit.layers)
