@@ -14,6 +14,7 @@
 #include "cli/command.h"
 #include "common/error.h"
 #include "numerics/quantize.h"
+#include "rollout/bench_model.h"
 
 namespace quads::cli {
 
@@ -115,6 +116,7 @@ struct BenchEntry {
 };
 const BenchEntry kBenches[] = {
     {"quant", "NVFP4/MXFP4/FP8 quantize, dequantize, fake_quantize vs memcpy", bench_quant},
+    {"model", "prefill/decode/training tokens/s per precision mode vs sgemm", [](const BenchOptions& o) { return rollout::bench_model({o.threads, o.reps}); }},
 };
 
 std::function<int()> setup(CLI::App& app) {

@@ -1,6 +1,7 @@
 #include "rollout/sampler.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -51,6 +52,66 @@ std::string SamplingParams::describe() const {
   if (top_p < 1) s += fmt::format(", top-p {}", top_p);
   return s;
 }
+
+namespace {
+
+std::atomic<bool> g_fast_nucleus{true};
+
+// Top-p over the whole vocabulary without sorting it: tokens are binned by z (kBins bins of
+// kRange / kBins below the max, one more for everything lower), the bins are added from the top
+// until the mass reaches `need`; every token of the bins above that boundary bin is in the
+// nucleus (walked in vocabulary order) and only the boundary bin is sorted to find where the
+// nucleus ends. The set is the same as a full sort gives, up to the order in which the float64
+// masses are added. Returns false, leaving the caller to sort, in the rare case where that order
+// makes the bins above the boundary reach `need` on their own.
+template <typename Before>
+bool nucleus_by_bins(const double* z, const double* e, double m, int64_t V, double need, const Before& before,
+                     std::vector<int32_t>& order, int64_t& n, double& kept) {
+  constexpr int kBins = 512;
+  constexpr double kRange = 32.0;  // exp(-32) ~ 1e-14: lower tokens share the last bin
+  thread_local std::vector<uint16_t> bin;
+  bin.resize(V);
+  double bmass[kBins + 1] = {};
+  for (int64_t v = 0; v < V; ++v) {
+    const double d = m - z[v];
+    const int b = d < kRange ? std::min(kBins - 1, static_cast<int>(d * (kBins / kRange))) : kBins;
+    bin[v] = static_cast<uint16_t>(b);
+    bmass[b] += e[v];
+  }
+  int boundary = kBins;
+  double cum = 0;
+  for (int b = 0; b <= kBins; ++b) {
+    cum += bmass[b];
+    if (cum >= need) {
+      boundary = b;
+      break;
+    }
+  }
+  order.clear();
+  double above = 0;
+  for (int64_t v = 0; v < V; ++v)
+    if (bin[v] < boundary) {
+      order.push_back(int32_t(v));
+      above += e[v];
+    }
+  if (above >= need) return false;
+  const size_t a = order.size();
+  for (int64_t v = 0; v < V; ++v)
+    if (bin[v] == boundary) order.push_back(int32_t(v));
+  std::sort(order.begin() + a, order.end(), before);
+  kept = above;
+  n = static_cast<int64_t>(a);
+  for (size_t i = a; i < order.size(); ++i) {
+    kept += e[order[i]];
+    ++n;
+    if (kept >= need) break;
+  }
+  return true;
+}
+
+}  // namespace
+
+void set_fast_nucleus(bool on) { g_fast_nucleus.store(on, std::memory_order_relaxed); }
 
 Draw sample(const float* logits, int64_t V, const SamplingParams& p, uint64_t seed, uint64_t pos) {
   QUADS_CHECK(V > 0, "sample: empty vocabulary");
@@ -105,38 +166,43 @@ Draw sample(const float* logits, int64_t V, const SamplingParams& p, uint64_t se
 
   // Candidates in a strict total order: larger logit first, lower id on ties. Every prefix of
   // this order is unique, so selecting and sorting blocks gives the same answer as a full sort.
-  order.resize(V);
-  for (int64_t v = 0; v < V; ++v) order[v] = int32_t(v);
   auto before = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
-  double mass = sum;  // mass of the top-k set
-  int64_t sorted = 0;
-  if (K < V) {
-    std::nth_element(order.begin(), order.begin() + (K - 1), order.end(), before);
-    std::sort(order.begin(), order.begin() + K, before);
-    sorted = K;
-    mass = 0;
-    for (int64_t i = 0; i < K; ++i) mass += e[order[i]];
-  }
-  // Nucleus: the shortest prefix whose mass reaches top_p of the (top-k) mass.
-  int64_t n = K;
-  double kept = mass;
-  if (p.top_p < 1.0) {
-    const double need = p.top_p * mass;
-    double cum = 0;
-    n = 0;
-    while (true) {
-      if (n == sorted) {  // extend the sorted prefix (doubling) when the nucleus needs more
-        // Linear-time selection of the next block, then a sort of that block only.
-        const int64_t upto = std::min<int64_t>(K, std::max<int64_t>(64, 2 * sorted));
-        if (upto < V) std::nth_element(order.begin() + sorted, order.begin() + upto, order.end(), before);
-        std::sort(order.begin() + sorted, order.begin() + upto, before);
-        sorted = upto;
-      }
-      cum += e[order[n]];
-      ++n;
-      if (cum >= need || n == K) break;
+  int64_t n = K;     // order[0, n) is the set sampled from, in walk order
+  double kept = sum;
+  const bool by_bins = K == V && p.top_p < 1.0 && g_fast_nucleus.load(std::memory_order_relaxed) &&
+                       nucleus_by_bins(z.data(), e.data(), m, V, p.top_p * sum, before, order, n, kept);
+  if (!by_bins) {
+    order.resize(V);
+    for (int64_t v = 0; v < V; ++v) order[v] = int32_t(v);
+    double mass = sum;  // mass of the top-k set
+    int64_t sorted = 0;
+    if (K < V) {
+      std::nth_element(order.begin(), order.begin() + (K - 1), order.end(), before);
+      std::sort(order.begin(), order.begin() + K, before);
+      sorted = K;
+      mass = 0;
+      for (int64_t i = 0; i < K; ++i) mass += e[order[i]];
     }
-    kept = cum;
+    // Nucleus: the shortest prefix whose mass reaches top_p of the (top-k) mass.
+    kept = mass;
+    if (p.top_p < 1.0) {
+      const double need = p.top_p * mass;
+      double cum = 0;
+      n = 0;
+      while (true) {
+        if (n == sorted) {  // extend the sorted prefix (doubling) when the nucleus needs more
+          // Linear-time selection of the next block, then a sort of that block only.
+          const int64_t upto = std::min<int64_t>(K, std::max<int64_t>(64, 2 * sorted));
+          if (upto < V) std::nth_element(order.begin() + sorted, order.begin() + upto, order.end(), before);
+          std::sort(order.begin() + sorted, order.begin() + upto, before);
+          sorted = upto;
+        }
+        cum += e[order[n]];
+        ++n;
+        if (cum >= need || n == K) break;
+      }
+      kept = cum;
+    }
   }
   const double target = u * kept;
   double cum = 0;

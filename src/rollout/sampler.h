@@ -52,4 +52,9 @@ struct Draw {
 // logits are not finite. A pure function of (logits, params, seed, pos); thread-safe.
 Draw sample(const float* logits, int64_t V, const SamplingParams& p, uint64_t seed, uint64_t pos);
 
+// Tests and benchmarks: top-p over the whole vocabulary finds the nucleus by binning the logits
+// and sorting one bin (O(V), the default) or, when off, by sorting blocks of the vocabulary.
+// The nucleus is the same; the walk order inside it (hence which token a draw maps to) is not.
+void set_fast_nucleus(bool on);
+
 }  // namespace quads::rollout
