@@ -13,6 +13,40 @@
 
 namespace quads::cpu {
 
+// OpenBLAS runs single-threaded; the threads are ours (OpenMP). Each product is cut into chunks of
+// a FIXED size along one output dimension and the chunks are spread over the threads, so a result
+// never depends on the number of threads, and two thread pools never compete for the cores.
+namespace {
+
+void blas_single_threaded() {
+  static const bool once = [] {
+    openblas_set_num_threads(1);
+    return true;
+  }();
+  (void)once;
+}
+
+constexpr int64_t kChunk = 128;
+
+// Calls fn(r0, r1, c0, c1) over chunks of the [rows, cols] output, in parallel when it pays.
+template <typename F>
+void chunked(int64_t rows, int64_t cols, double flops, F fn) {
+  blas_single_threaded();
+  const bool by_rows = rows >= cols;
+  const int64_t len = by_rows ? rows : cols;
+  const int64_t n = (len + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static) if (n > 1 && flops > 4e6)
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t a = i * kChunk, b = std::min(len, a + kChunk);
+    if (by_rows)
+      fn(a, b, int64_t(0), cols);
+    else
+      fn(int64_t(0), rows, a, b);
+  }
+}
+
+}  // namespace
+
 void gemm_nt(int64_t M, int64_t N, int64_t K, const float* X, int64_t ldx, const float* W, int64_t ldw, float* Y,
              int64_t ldy, bool accumulate) {
   if (M <= 0 || N <= 0) return;
@@ -21,8 +55,10 @@ void gemm_nt(int64_t M, int64_t N, int64_t K, const float* X, int64_t ldx, const
       for (int64_t m = 0; m < M; ++m) std::fill(Y + m * ldy, Y + m * ldy + N, 0.f);
     return;
   }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)N, (int)K, 1.f, X, (int)ldx, W, (int)ldw,
-              accumulate ? 1.f : 0.f, Y, (int)ldy);
+  chunked(M, N, 2.0 * M * N * K, [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(m1 - m0), int(n1 - n0), int(K), 1.f, X + m0 * ldx,
+                int(ldx), W + n0 * ldw, int(ldw), accumulate ? 1.f : 0.f, Y + m0 * ldy + n0, int(ldy));
+  });
 }
 
 void gemm_nn(int64_t M, int64_t N, int64_t K, const float* dY, int64_t lddy, const float* W, int64_t ldw, float* dX,
@@ -33,15 +69,19 @@ void gemm_nn(int64_t M, int64_t N, int64_t K, const float* dY, int64_t lddy, con
       for (int64_t m = 0; m < M; ++m) std::fill(dX + m * lddx, dX + m * lddx + K, 0.f);
     return;
   }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, (int)K, (int)N, 1.f, dY, (int)lddy, W, (int)ldw,
-              accumulate ? 1.f : 0.f, dX, (int)lddx);
+  chunked(M, K, 2.0 * M * N * K, [&](int64_t m0, int64_t m1, int64_t k0, int64_t k1) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(m1 - m0), int(k1 - k0), int(N), 1.f, dY + m0 * lddy,
+                int(lddy), W + k0, int(ldw), accumulate ? 1.f : 0.f, dX + m0 * lddx + k0, int(lddx));
+  });
 }
 
 void gemm_tn_acc(int64_t M, int64_t N, int64_t K, const float* dY, int64_t lddy, const float* X, int64_t ldx, float* dW,
                  int64_t lddw) {
   if (M <= 0 || N <= 0 || K <= 0) return;
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)N, (int)K, (int)M, 1.f, dY, (int)lddy, X, (int)ldx, 1.f,
-              dW, (int)lddw);
+  chunked(N, K, 2.0 * M * N * K, [&](int64_t n0, int64_t n1, int64_t k0, int64_t k1) {
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(n1 - n0), int(k1 - k0), int(M), 1.f, dY + n0, int(lddy),
+                X + k0, int(ldx), 1.f, dW + n0 * lddw + k0, int(lddw));
+  });
 }
 
 // ---------------------------------------------------------------------------------------------

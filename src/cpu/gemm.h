@@ -19,6 +19,9 @@ void gemm_nt_rowinv(int64_t M, int64_t N, int64_t K, const float* X, int64_t ldx
                     float* Y, int64_t ldy, bool accumulate = false);
 
 // dX[M, K] = dY[M, N] · W[N, K]  (+ dX when accumulate). OpenBLAS.
+// The OpenBLAS products run single-threaded BLAS calls on fixed-size chunks spread over OpenMP
+// threads: their results do not depend on the number of threads. (This sets OpenBLAS to one
+// thread for the whole process on first use.)
 void gemm_nn(int64_t M, int64_t N, int64_t K, const float* dY, int64_t lddy, const float* W, int64_t ldw,
              float* dX, int64_t lddx, bool accumulate = false);
 

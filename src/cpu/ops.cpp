@@ -72,20 +72,41 @@ void rmsnorm_backward(const float* dy, const float* x, const float* w, const flo
 void rope_tables(const int64_t* pos, int64_t n, int hd, double theta, float* cos, float* sin) {
   const int half = hd / 2;
   // As HF computes it in float32: inv_freq = 1 / theta ** (arange(0, hd, 2) / hd), angle = pos * inv_freq.
-  std::vector<float> inv_freq(half);
-  const float base = static_cast<float>(theta);
-  for (int i = 0; i < half; ++i) {
-    const float e = static_cast<float>(2 * i) / static_cast<float>(hd);
-    inv_freq[i] = 1.0f / static_cast<float>(std::pow(double(base), double(e)));
-  }
-#pragma omp parallel for schedule(static) if (n * half > kParallelMin)
-  for (int64_t t = 0; t < n; ++t) {
-    const float p = static_cast<float>(pos[t]);
+  // Positions repeat across sequences and steps: the values are cached per thread, per (theta, hd).
+  struct Table {
+    double theta = 0;
+    int hd = 0;
+    std::vector<float> inv_freq, cos, sin;  // [npos, half]
+  };
+  thread_local Table tab;
+  if (tab.theta != theta || tab.hd != hd) {
+    tab = Table{};
+    tab.theta = theta;
+    tab.hd = hd;
+    tab.inv_freq.resize(half);
+    const float base = static_cast<float>(theta);
     for (int i = 0; i < half; ++i) {
-      const float a = p * inv_freq[i];
-      cos[t * half + i] = static_cast<float>(std::cos(double(a)));
-      sin[t * half + i] = static_cast<float>(std::sin(double(a)));
+      const float e = static_cast<float>(2 * i) / static_cast<float>(hd);
+      tab.inv_freq[i] = 1.0f / static_cast<float>(std::pow(double(base), double(e)));
     }
+  }
+  int64_t maxpos = -1;
+  for (int64_t t = 0; t < n; ++t) maxpos = std::max(maxpos, pos[t]);
+  const int64_t have = static_cast<int64_t>(tab.cos.size()) / std::max(half, 1);
+  if (maxpos >= have) {
+    const int64_t npos = std::max(maxpos + 1, 2 * have);
+    tab.cos.resize(npos * half);
+    tab.sin.resize(npos * half);
+    for (int64_t p = have; p < npos; ++p)
+      for (int i = 0; i < half; ++i) {
+        const float a = static_cast<float>(p) * tab.inv_freq[i];
+        tab.cos[p * half + i] = static_cast<float>(std::cos(double(a)));
+        tab.sin[p * half + i] = static_cast<float>(std::sin(double(a)));
+      }
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    std::memcpy(cos + t * half, tab.cos.data() + pos[t] * half, sizeof(float) * half);
+    std::memcpy(sin + t * half, tab.sin.data() + pos[t] * half, sizeof(float) * half);
   }
 }
 
@@ -451,8 +472,7 @@ void embedding_backward(const float* dout, const int32_t* tokens, int64_t T, int
 }
 
 void add_inplace(float* y, const float* x, int64_t n) {
-#pragma omp parallel for schedule(static) if (n > 65536)
-#pragma omp simd
+#pragma omp parallel for simd schedule(static) if (n > 65536)
   for (int64_t i = 0; i < n; ++i) y[i] += x[i];
 }
 
