@@ -4,6 +4,7 @@
 //   quads compare --out runs/default
 //   quads compare --config configs/harder.toml --out runs/harder --seeds 3 --set rl.lr=5e-4
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
@@ -12,6 +13,9 @@
 #include "cli/command.h"
 #include "rl/compare.h"
 #include "rl/config.h"
+#include "rl/report.h"
+#include "rl/sweep.h"
+#include "rl/sft.h"
 
 namespace {
 
@@ -20,8 +24,20 @@ struct Options {
   std::vector<std::string> set;
   int64_t seeds = 0;
   int jobs = 0;
-  bool resume = false, replay = false, no_diag = false;
+  bool resume = false, replay = false, no_diag = false, sweep = false;
 };
+
+// The RAC ratio sweep on the base model only (rl/sweep.h).
+int run_sweep(const quads::rl::RunConfig& cfg, const std::string& out) {
+  using namespace quads;
+  std::filesystem::create_directories(out);
+  rl::SftResult s = rl::ensure_base(cfg, out + "/base", true);
+  std::fprintf(stderr, "base model %s/base: pass@1 %.3f%s\n", out.c_str(), s.pass1, s.cached ? " (reused)" : "");
+  const auto pts = rl::rac_sweep(cfg, out + "/base");
+  rl::write_text_atomic(out + "/rac_sweep.json", rl::sweep_json(pts).dump(2) + "\n");
+  std::printf("%s", rl::sweep_table(pts).c_str());
+  return 0;
+}
 
 int run(const Options& o) {
   using namespace quads;
@@ -30,6 +46,7 @@ int run(const Options& o) {
   if (o.no_diag) set.push_back("rl.diagnostics=false");
   if (o.seeds > 0) set.push_back("rl.seeds=" + std::to_string(o.seeds));
   rl::RunConfig cfg = rl::load_config(o.config, set);
+  if (o.sweep) return run_sweep(cfg, o.out);
   rl::CompareOptions co;
   co.out_dir = o.out;
   co.resume = o.resume;
@@ -49,6 +66,7 @@ std::function<int()> setup(CLI::App& app) {
   app.add_option("--seeds", o->seeds, "seeds per mode (overrides rl.seeds)");
   app.add_option("--jobs", o->jobs, "runs in flight at once (default 1; results do not depend on it)");
   app.add_flag("--resume", o->resume, "continue runs from their checkpoints");
+  app.add_flag("--rac-sweep", o->sweep, "only measure the log-prob gap of RAC ratios 0..1 on the base model");
   app.add_flag("--routing-replay", o->replay, "the trainer routes tokens to the experts the rollout chose");
   app.add_flag("--no-diagnostics", o->no_diag, "skip the routing mismatch and activation error measurements");
   return [o] { return run(*o); };

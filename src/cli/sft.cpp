@@ -26,6 +26,7 @@ int run(const Options& o) {
   rl::SftResult r = rl::run_sft(cfg, o.out, true);
   std::printf("base model written to %s: final loss %.4f, pass@1 %.3f (fp32, greedy, %lld tasks), %.0f s\n",
               o.out.c_str(), r.final_loss, r.pass1, static_cast<long long>(cfg.rl.eval_size), r.seconds);
+  for (const auto& line : r.samples) std::printf("  %s\n", line.c_str());
   return 0;
 }
 

@@ -65,6 +65,8 @@ EvalResult evaluate(rollout::RolloutEngine& eng, const std::vector<Task>& tasks,
   EvalResult out;
   for (size_t i = 0; i < tasks.size(); ++i) {
     v[i] = verify_ids(tasks[i], res[i].tokens, tok);
+    out.outcomes.push_back(v[i].outcome);
+    out.responses.push_back(tok.decode(res[i].tokens));
     out.generated += static_cast<int64_t>(res[i].tokens.size());
   }
   out.score = score(tasks, v);

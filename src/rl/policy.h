@@ -30,6 +30,8 @@ BaseModel load_base(const std::string& dir);  // errors name the folder and the 
 // max_new_tokens, verified by verify_ids. Sample i uses seed `seed + i`.
 struct EvalResult {
   EvalScore score;
+  std::vector<std::string> responses;  // decoded (up to the end token)
+  std::vector<Outcome> outcomes;
   double seconds = 0;
   int64_t generated = 0;
 };

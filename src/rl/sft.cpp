@@ -98,6 +98,11 @@ SftResult run_sft(const RunConfig& cfg, const std::string& dir, bool progress) {
   rollout::RolloutEngine eng(w, model::PrecisionConfig::preset("fp32"));
   EvalResult ev = evaluate(eng, tasks.eval_set(), tok, cfg.rl.max_new_tokens, 0.0);
   r.pass1 = ev.score.pass1;
+  for (size_t i = 0; i < ev.responses.size() && i < 8; ++i) {
+    const Task& t = tasks.eval_set()[i];
+    r.samples.push_back(fmt::format("{} -> {} [{}]", t.prompt.substr(0, t.prompt.size() - 1), ev.responses[i],
+                                    outcome_name(ev.outcomes[i])));
+  }
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   nlohmann::json meta = {{"config", sft_key(cfg)},
                          {"final_loss", r.final_loss},
@@ -107,6 +112,7 @@ SftResult run_sft(const RunConfig& cfg, const std::string& dir, bool progress) {
   for (int f = 0; f < kNumFamilies; ++f)
     if (ev.score.family_count[f] > 0) fam[family_name(static_cast<Family>(f))] = ev.score.family_pass1[f];
   meta["pass1_by_family"] = fam;
+  meta["samples"] = r.samples;
   write_text_atomic(dir + "/sft.json", meta.dump(2) + "\n");
   return r;
 }
@@ -124,6 +130,7 @@ SftResult ensure_base(const RunConfig& cfg, const std::string& dir, bool progres
       r.pass1 = meta.value("pass1_fp32", 0.0);
       r.seconds = meta.value("seconds", 0.0);
       r.cached = true;
+      if (meta.contains("samples")) r.samples = meta["samples"].get<std::vector<std::string>>();
       return r;
     }
   }

@@ -8,6 +8,7 @@
 // base pass@1 (greedy, fp32) on the evaluation set. `quads compare` reuses a folder whose sft.json
 // matches the current config instead of training again.
 #include <string>
+#include <vector>
 
 #include "rl/config.h"
 
@@ -18,6 +19,7 @@ struct SftResult {
   double pass1 = 0;       // base pass@1 on the evaluation set (fp32, greedy)
   double seconds = 0;
   bool cached = false;    // reused an existing folder
+  std::vector<std::string> samples;  // a few evaluation prompts with the model's answer and verdict
 };
 
 // Trains and writes the checkpoint folder `dir` (created). Progress bar on stderr when `progress`.
