@@ -1,4 +1,5 @@
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -115,9 +116,15 @@ TEST(RolloutEngine, LogprobsEqualTheTrainersInEveryMode) {
 
 TEST(RolloutEngine, BatchInvariantInEveryMode) {
   const std::vector<Request> reqs = mixed_requests();
-  for (const std::string& mode : kModes) {
-    const model::PrecisionConfig prec = model::PrecisionConfig::preset(mode);
-    ASSERT_TRUE(prec.batch_invariant()) << mode;
+  // Every preset whose activation scales are per token (the six and the others).
+  std::vector<std::string> not_invariant;
+  for (const std::string& mode : model::PrecisionConfig::preset_names()) {
+    model::PrecisionConfig prec = model::PrecisionConfig::preset(mode);
+    if (!prec.batch_invariant()) {
+      not_invariant.push_back(mode);
+      continue;
+    }
+    if (mode == "nvfp4-static") prec.quant.act.cfg.static_amax = 8.f;  // a calibrated amax
     RolloutEngine eng(fixture_weights(), prec);
     std::vector<Result> alone;
     for (const Request& r : reqs) alone.push_back(eng.generate({r})[0]);
@@ -138,6 +145,23 @@ TEST(RolloutEngine, BatchInvariantInEveryMode) {
     std::vector<Request> reseeded = reqs;
     reseeded[0].seed += 1;
     EXPECT_NE(eng.generate({reseeded[0]})[0].tokens, alone[0].tokens) << mode;
+  }
+  for (const char* m : {"fp8-tensor", "nvfp4-tensor"})
+    EXPECT_NE(std::find(not_invariant.begin(), not_invariant.end(), m), not_invariant.end()) << m;
+  for (const std::string& mode : kModes) EXPECT_TRUE(model::PrecisionConfig::preset(mode).batch_invariant()) << mode;
+}
+
+TEST(RolloutEngine, IndependentOfTheThreadCount) {
+  const std::vector<Request> reqs = mixed_requests();
+  for (const std::string& mode : {std::string("fp32"), std::string("nvfp4")}) {
+    RolloutEngine eng(fixture_weights(), model::PrecisionConfig::preset(mode));
+    const int before = omp_get_max_threads();
+    omp_set_num_threads(1);
+    const std::vector<Result> one = eng.generate(reqs);
+    omp_set_num_threads(3);
+    const std::vector<Result> three = eng.generate(reqs);
+    omp_set_num_threads(before);
+    for (size_t i = 0; i < reqs.size(); ++i) expect_same(one[i], three[i], mode + " request " + std::to_string(i));
   }
 }
 
