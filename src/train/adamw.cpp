@@ -14,10 +14,14 @@ double global_norm(const float* g, size_t n) {
   std::vector<double> part(nchunks, 0.0);
 #pragma omp parallel for schedule(static) if (nchunks > 1)
   for (size_t c = 0; c < nchunks; ++c) {
-    double s = 0;
-    const size_t e = std::min(n, (c + 1) * kChunk);
-    for (size_t i = c * kChunk; i < e; ++i) s += double(g[i]) * double(g[i]);
-    part[c] = s;
+    // Four interleaved partial sums (a fixed order that still pipelines), added at the end.
+    double s[4] = {0, 0, 0, 0};
+    const size_t b = c * kChunk, e = std::min(n, b + kChunk);
+    size_t i = b;
+    for (; i + 4 <= e; i += 4)
+      for (int j = 0; j < 4; ++j) s[j] += double(g[i + j]) * double(g[i + j]);
+    for (; i < e; ++i) s[0] += double(g[i]) * double(g[i]);
+    part[c] = (s[0] + s[1]) + (s[2] + s[3]);
   }
   double s = 0;
   for (double p : part) s += p;
@@ -50,24 +54,27 @@ double AdamW::step(float* params, float* grads, double lr_override) {
     }
   }
   ++t;
+  // torch.optim.AdamW's float32 update, one parameter at a time (vectorized; lanes are independent).
   const double lr = lr_override > 0 ? lr_override : cfg.lr;
-  const double b1 = cfg.beta1, b2 = cfg.beta2;
-  const double bc1 = 1.0 - std::pow(b1, double(t));
-  const double bc2 = 1.0 - std::pow(b2, double(t));
-  const double step_size = lr / bc1;
-  const double bc2_sqrt = std::sqrt(bc2);
-  const double wd = cfg.weight_decay;
-#pragma omp parallel for schedule(static) if (n > 65536)
+  const float b1 = static_cast<float>(cfg.beta1), b2 = static_cast<float>(cfg.beta2);
+  const float step_size = static_cast<float>(lr / (1.0 - std::pow(cfg.beta1, double(t))));
+  const float bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(cfg.beta2, double(t))));
+  const float eps = static_cast<float>(cfg.eps);
+  const float decay = static_cast<float>(1.0 - lr * cfg.weight_decay);
+  const uint8_t* mask = decay_.empty() ? nullptr : decay_.data();
+  float* __restrict pm = m.data();
+  float* __restrict pv = v.data();
+#pragma omp parallel for simd schedule(static) if (n > 65536)
   for (size_t i = 0; i < n; ++i) {
-    double p = params[i];
-    const double g = grads[i];
-    if (wd != 0 && (decay_.empty() || decay_[i])) p *= 1.0 - lr * wd;
-    const double mi = b1 * double(m[i]) + (1.0 - b1) * g;
-    const double vi = b2 * double(v[i]) + (1.0 - b2) * g * g;
-    m[i] = static_cast<float>(mi);
-    v[i] = static_cast<float>(vi);
-    const double denom = std::sqrt(vi) / bc2_sqrt + cfg.eps;
-    params[i] = static_cast<float>(p - step_size * mi / denom);
+    const float g = grads[i];
+    const float f = (mask == nullptr || mask[i]) ? decay : 1.f;
+    const float p = params[i] * f;
+    const float mi = b1 * pm[i] + (1.f - b1) * g;
+    const float vi = b2 * pv[i] + (1.f - b2) * (g * g);
+    pm[i] = mi;
+    pv[i] = vi;
+    const float denom = std::sqrt(vi) / bc2_sqrt + eps;
+    params[i] = p - step_size * (mi / denom);
   }
   return norm;
 }

@@ -1,6 +1,6 @@
 #pragma once
-// AdamW with decoupled weight decay (torch.optim.AdamW's update, in float32 state with the
-// arithmetic in float64) and gradient clipping by global L2 norm, on flat float32 buffers
+// AdamW with decoupled weight decay (torch.optim.AdamW's update in float32, like torch with
+// float32 parameters) and gradient clipping by global L2 norm, on flat float32 buffers
 // (model/weights.h layout).
 #include <cstddef>
 #include <cstdint>
