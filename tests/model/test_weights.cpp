@@ -76,6 +76,20 @@ TEST(Weights, SaveBf16RoundsToNearestEven) {
   fs::remove_all(d);
 }
 
+TEST(Weights, LoadsF16Tensors) {
+  const ModelConfig c = test::tiny_config();
+  const Weights w = Weights::random(c, 8, 0.1f, 0.1f);
+  std::vector<io::TensorData> t;
+  for (const auto& p : w.layout.params)
+    t.push_back(io::TensorData::from_f32(p.name, p.shape, w.data.data() + p.offset, io::DType::F16));
+  const std::string d = tmpdir("f16");
+  io::write_safetensors(d + "/model.safetensors", t);
+  write_text(d + "/config.json", c.to_json().dump());
+  const Weights r = Weights::load(d);
+  for (size_t i = 0; i < w.size(); ++i) ASSERT_EQ(r.data[i], num::f16_to_f32(num::f16_from_f32(w.data[i]))) << i;
+  fs::remove_all(d);
+}
+
 TEST(Weights, ShardedSaveWritesIndexAndRemovesStaleFiles) {
   const ModelConfig c = test::tiny_config();
   const Weights w = Weights::random(c, 5);
