@@ -516,16 +516,16 @@ struct ModelImpl {
     cpu::gemm_tn_acc(M, L.out, L.in, dY, lddy, Xop, L.in, grads + L.offset, L.in);
   }
 
-  void mlp_rows_backward(const LinearQ& Lg, const LinearQ& Lu, const LinearQ& Ld, const float* X, const float* Xg,
-                         const float* Xu, const float* gu, const float* h, const float* hop, const float* dy, int64_t n,
-                         float* dX, float* grads, float* dh, float* dgu) const {
+  // Backward of mlp_rows for n rows: Xg / Xu are the gate / up operands, hop the down operand,
+  // dy = dL/dy; writes dX, adds the weight gradients, uses dh [n, I] and dgu [n, 2I] as scratch.
+  void mlp_rows_backward(const LinearQ& Lg, const LinearQ& Lu, const LinearQ& Ld, const float* Xg, const float* Xu,
+                         const float* gu, const float* hop, const float* dy, int64_t n, float* dX, float* grads,
+                         float* dh, float* dgu) const {
     const int64_t I = Lg.out;
     linear_backward(Ld, dy, n, Ld.out, hop, dh, false, grads);
     cpu::swiglu_backward(gu, dh, n, I, dgu);
     linear_backward(Lg, dgu, n, 2 * I, Xg, dX, false, grads);
     linear_backward(Lu, dgu + I, n, 2 * I, Xu, dX, true, grads);
-    (void)X;
-    (void)h;
   }
 
   void layer_backward(int l, Activations::Impl& A, float* dx, float* grads) const {
@@ -545,7 +545,7 @@ struct ModelImpl {
       const int b = ix.mlp;
       const float* X = a.xn2.data();
       const int64_t I = lin(b).out;
-      mlp_rows_backward(lin(b), lin(b + 1), lin(b + 2), X, a.op_gate.ptr(X), a.op_up.ptr(X), a.gu.data(), a.h.data(),
+      mlp_rows_backward(lin(b), lin(b + 1), lin(b + 2), a.op_gate.ptr(X), a.op_up.ptr(X), a.gu.data(),
                         a.op_down.ptr(a.h.data()), dx, T, dxn2, grads, sized(S.dh, T * I), sized(S.dgu, T * 2 * I));
     }
     float* tmp = sized(S.tmp, T * H);
@@ -609,7 +609,7 @@ struct ModelImpl {
       const float* Xu = a.op_up.alias ? X : a.op_up.buf.data() + r0 * H;
       const float* hh = a.h.data() + r0 * I;
       const float* hop = a.op_down.alias ? hh : a.op_down.buf.data() + r0 * I;
-      mlp_rows_backward(lin(b), lin(b + 1), lin(b + 2), X, Xg, Xu, a.gu.data() + r0 * 2 * I, hh, hop, dye + r0 * H, n,
+      mlp_rows_backward(lin(b), lin(b + 1), lin(b + 2), Xg, Xu, a.gu.data() + r0 * 2 * I, hop, dye + r0 * H, n,
                         dxe + r0 * H, grads, dh + r0 * I, dgu + r0 * 2 * I);
     }
     cpu::moe_scatter_add(dxe, a.inv.data(), T, k, H, dxn2, false);
