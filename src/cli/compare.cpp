@@ -3,6 +3,9 @@
 // DIR/report.md, DIR/pass1.png, DIR/logp_gap.png, DIR/metrics.jsonl/.csv, and the table on stdout.
 //   quads compare --out runs/default
 //   quads compare --config configs/harder.toml --out runs/harder --seeds 3 --set rl.lr=5e-4
+#include <omp.h>
+
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -50,7 +53,8 @@ int run(const Options& o) {
   rl::CompareOptions co;
   co.out_dir = o.out;
   co.resume = o.resume;
-  co.jobs = o.jobs > 0 ? o.jobs : 1;
+  // Tiny models use a core far better as one run per thread than as one run over all threads.
+  co.jobs = o.jobs > 0 ? o.jobs : std::max(1, omp_get_max_threads());
   rl::CompareOutcome r = rl::run_compare(cfg, co);
   std::printf("\n%s\n", r.table.c_str());
   std::printf("%lld seed(s) per mode, %lld RL steps each; %s/report.md has the details (%.0f s in all)\n",
@@ -64,7 +68,7 @@ std::function<int()> setup(CLI::App& app) {
   app.add_option("--out", o->out, "output folder")->required();
   app.add_option("--set", o->set, "override a config key, e.g. --set rl.lr=1e-3 (repeatable)");
   app.add_option("--seeds", o->seeds, "seeds per mode (overrides rl.seeds)");
-  app.add_option("--jobs", o->jobs, "runs in flight at once (default 1; results do not depend on it)");
+  app.add_option("--jobs", o->jobs, "runs in flight at once (default: the OpenMP thread count; results do not depend on it)");
   app.add_flag("--resume", o->resume, "continue runs from their checkpoints");
   app.add_flag("--rac-sweep", o->sweep, "only measure the log-prob gap of RAC ratios 0..1 on the base model");
   app.add_flag("--routing-replay", o->replay, "the trainer routes tokens to the experts the rollout chose");

@@ -36,7 +36,7 @@ struct ModelSection {
 };
 
 struct SftSection {
-  int64_t steps = 400;
+  int64_t steps = 600;
   double lr = 3e-3;
   int64_t batch = 32;
   int64_t warmup_steps = 30;
@@ -46,10 +46,10 @@ struct SftSection {
 };
 
 struct RlSection {
-  int64_t steps = 40;
+  int64_t steps = 60;
   int64_t group_size = 8;        // G samples per prompt
   int64_t prompts_per_step = 8;
-  double lr = 2e-4;
+  double lr = 5e-5;
   double clip_eps_low = 0.2;     // ratio clipped to [1 - low, 1 + high]
   double clip_eps_high = 0.28;
   double kl_coef = 0.0;          // > 0: k3 penalty to the SFT model
@@ -85,10 +85,10 @@ struct QuadsSection {
 
 struct TasksSection {
   std::vector<std::string> families{"add", "mul", "countdown", "sort"};
-  std::vector<int64_t> add_digits{2, 3, 4};
+  std::vector<int64_t> add_digits{2, 3};
   std::vector<int64_t> mul_digits{2};
-  std::vector<int64_t> countdown_numbers{3, 4};
-  std::vector<int64_t> sort_length{3, 4, 5};
+  std::vector<int64_t> countdown_numbers{2, 3};
+  std::vector<int64_t> sort_length{3, 4};
   int64_t seed = 1234;  // task seed: the same evaluation set for every mode and run seed
   bool operator==(const TasksSection&) const = default;
 };
