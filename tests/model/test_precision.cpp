@@ -74,7 +74,7 @@ TEST(Precision, SyncRequantizesAfterAWeightUpdate) {
   const LinearQ* L = m.find_linear("model.layers.1.self_attn.o_proj");
   ASSERT_NE(L, nullptr);
   std::vector<float> before(m.effective_weights() + L->offset, m.effective_weights() + L->offset + L->out * L->in);
-  for (size_t i = 0; i < L->out * L->in; ++i) w.data[L->offset + i] *= 1.5f;
+  for (int64_t i = 0; i < L->out * L->in; ++i) w.data[L->offset + i] *= 1.5f;
   EXPECT_EQ(std::memcmp(before.data(), m.effective_weights() + L->offset, before.size() * 4), 0);  // not yet
   m.sync();
   std::vector<float> fq(before.size());

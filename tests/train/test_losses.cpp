@@ -92,7 +92,9 @@ TEST(Losses, LogSoftmaxLogprobsAndEntropy) {
     }
     EXPECT_NEAR(s, 1.0, 1e-6);
     EXPECT_NEAR(H[t], h, 1e-5);
-    if (tg[t] >= 0) EXPECT_EQ(lp[t], ls[t * V + tg[t]]);
+    if (tg[t] >= 0) {
+      EXPECT_EQ(lp[t], ls[t * V + tg[t]]);
+    }
   }
   EXPECT_EQ(lp[2], 0.f);
   const auto glp = random_normal(T, 4), gH = random_normal(T, 5), u = random_normal(T * V, 6);
