@@ -51,7 +51,8 @@ struct LinearNumerics {
 //   nvfp4         W NVFP4 1x16, A NVFP4 1x16 with a global scale per token / bf16
 //   nvfp4-2d      as nvfp4 with 16x16 weight blocks
 //   nvfp4-tensor  as nvfp4 with the activation global scale per tensor (current batch)
-//   nvfp4-static  as nvfp4 with a static calibrated activation amax per linear (input_scale)
+//   nvfp4-static  as nvfp4 with a static calibrated activation amax per linear (input_scale;
+//                 set LinearQ::act_static_amax before the model runs, or QConfig::static_amax)
 //   nvfp4-w4a16   W NVFP4 1x16, A bf16 / bf16
 //   mxfp4         W and A MXFP4 (1x32, UE8M0, OCP rule) / bf16
 //   qat           trainer, asymmetric: W NVFP4 1x16 exactly as `nvfp4` / A bf16; rest bf16

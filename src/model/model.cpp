@@ -233,12 +233,6 @@ LinearQ* Model::find_linear(const std::string& module) {
 
 void Model::sync() {
   weff_.resize(w_->data.size());
-  for (const auto& q : linears_) {
-    if (q.num.act.kind == QuantKind::Quant && q.num.act.cfg.scheme == num::Scheme::NVFP4 &&
-        q.num.act.cfg.global == num::Global::Static)
-      QUADS_CHECK(q.act_static_amax > 0 || q.num.act.cfg.static_amax > 0,
-                  "{}: static activation scale requested but no calibrated amax is set", q.name);
-  }
   const int n = static_cast<int>(linears_.size());
   // Each linear is independent; the quantizers are deterministic whatever the thread.
 #pragma omp parallel for schedule(dynamic) if (n > 1 && w_->data.size() > (size_t(1) << 20))
@@ -655,7 +649,19 @@ void check_tokens(const std::vector<int32_t>& tokens, int vocab, const char* wha
 
 }  // namespace
 
+// Static activation scales are set after construction (calibration), so they are checked when the
+// model runs: here, before any parallel region.
+static void check_static_scales(const std::vector<LinearQ>& linears) {
+  for (const auto& q : linears)
+    if (q.num.act.kind == QuantKind::Quant && q.num.act.cfg.scheme == num::Scheme::NVFP4 &&
+        q.num.act.cfg.global == num::Global::Static)
+      QUADS_CHECK(q.act_static_amax > 0 || q.num.act.cfg.static_amax > 0,
+                  "{}: static activation scale requested but no calibrated amax is set (LinearQ::act_static_amax)",
+                  q.name);
+}
+
 void Model::forward(const Batch& b, float* logits, Activations* acts, const ForwardOptions& opt) {
+  check_static_scales(linears_);
   const ModelConfig& c = w_->cfg;
   const int64_t T = b.ntokens(), H = c.hidden_size, V = c.vocab_size;
   QUADS_CHECK(b.offsets.size() >= 1 && b.offsets.front() == 0 && b.offsets.back() == T,
@@ -758,6 +764,7 @@ void Model::backward(Activations& acts, const float* dlogits, float* grads) {
 }
 
 std::vector<float> Model::step(KVCache& cache, const std::vector<StepItem>& items, Routing* record) {
+  check_static_scales(linears_);
   const ModelConfig& c = w_->cfg;
   const int64_t H = c.hidden_size, V = c.vocab_size;
   std::vector<ModelImpl::Segment> segs;

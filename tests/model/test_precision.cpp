@@ -206,11 +206,20 @@ TEST(Precision, LinearSelection) {
 TEST(Precision, StaticActivationScaleNeedsCalibration) {
   const ModelConfig c = config();
   Weights w = Weights::random(c, 17, 0.1f);
-  try {
+  {
+    // The model can be built before calibration; it refuses to run without the scales.
     Model m(w, PrecisionConfig::preset("nvfp4-static"));
-    ADD_FAILURE() << "no error without calibrated amax";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("model.layers.0.self_attn.q_proj"), std::string::npos) << e.what();
+    std::vector<float> l(3 * c.vocab_size);
+    try {
+      m.forward(Batch::of({{1, 2, 3}}), l.data());
+      ADD_FAILURE() << "no error without calibrated amax";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("model.layers.0.self_attn.q_proj"), std::string::npos) << e.what();
+    }
+    KVCache cache(c, 1);
+    EXPECT_THROW(m.step(cache, {{0, {1}, false}}), Error);
+    for (auto& L : m.linears()) L.act_static_amax = 2.f;
+    m.forward(Batch::of({{1, 2, 3}}), l.data());
   }
   // Calibrate: a static amax per linear; the activations then use it.
   PrecisionConfig p = PrecisionConfig::preset("nvfp4-static");
