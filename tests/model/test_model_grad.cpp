@@ -5,6 +5,8 @@
 // the router z-loss, with packed batches of several sequences.
 #include <gtest/gtest.h>
 
+#include <omp.h>
+
 #include <cmath>
 
 #include "model/model.h"
@@ -188,4 +190,32 @@ TEST(ModelGrad, AuxLossMatchesHfDefinition) {
   EXPECT_NEAR(acts.aux_loss(), aux, 1e-6 * aux);
   // A perfectly balanced router gives k (f sums to k, P to 1, each uniform).
   EXPECT_GT(aux, 0.5 * k);
+}
+
+TEST(ModelGrad, ResultsDoNotDependOnTheThreadCount) {
+  // Big enough that the parallel paths (GEMM tiles, BLAS chunks, row-parallel ops) are taken.
+  ModelConfig c = test::tiny_config();
+  c.hidden_size = 128;
+  c.head_dim = 32;
+  c.moe_intermediate_size = 64;
+  c.vocab_size = 300;
+  Weights w = Weights::random(c, 21, 0.1f, 0.1f);
+  Model m(w);
+  const Batch b = Batch::of({test::random_tokens(200, c.vocab_size, 1), test::random_tokens(150, c.vocab_size, 2)});
+  const auto dl = test::random_normal(b.ntokens() * c.vocab_size, 3, 0.01f);
+  auto run = [&](int threads) {
+    const int saved = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    std::vector<float> logits(dl.size()), grads(w.size(), 0.f);
+    Activations a;
+    ForwardOptions opt;
+    opt.aux_loss_coef = 0.01;
+    m.forward(b, logits.data(), &a, opt);
+    m.backward(a, dl.data(), grads.data());
+    omp_set_num_threads(saved);
+    return std::make_pair(logits, grads);
+  };
+  const auto one = run(1), two = run(2), three = run(3);
+  EXPECT_TRUE(one.first == two.first && one.first == three.first);
+  EXPECT_TRUE(one.second == two.second && one.second == three.second);
 }
