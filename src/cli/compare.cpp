@@ -23,7 +23,7 @@
 namespace {
 
 struct Options {
-  std::string config, out;
+  std::string config, out, base;
   std::vector<std::string> set;
   int64_t seeds = 0;
   int jobs = 0;
@@ -52,6 +52,7 @@ int run(const Options& o) {
   if (o.sweep) return run_sweep(cfg, o.out);
   rl::CompareOptions co;
   co.out_dir = o.out;
+  co.base_dir = o.base;
   co.resume = o.resume;
   // Tiny models use a core far better as one run per thread than as one run over all threads.
   co.jobs = o.jobs > 0 ? o.jobs : std::max(1, omp_get_max_threads());
@@ -66,6 +67,7 @@ std::function<int()> setup(CLI::App& app) {
   auto o = std::make_shared<Options>();
   app.add_option("--config", o->config, "run configuration (TOML); without it the built-in default");
   app.add_option("--out", o->out, "output folder")->required();
+  app.add_option("--base", o->base, "an existing base checkpoint (quads sft) instead of DIR/base");
   app.add_option("--set", o->set, "override a config key, e.g. --set rl.lr=1e-3 (repeatable)");
   app.add_option("--seeds", o->seeds, "seeds per mode (overrides rl.seeds)");
   app.add_option("--jobs", o->jobs, "runs in flight at once (default: the OpenMP thread count; results do not depend on it)");

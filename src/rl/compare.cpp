@@ -18,6 +18,7 @@
 #include "common/error.h"
 #include "common/progress.h"
 #include "rl/modes.h"
+#include "rl/policy.h"
 #include "rl/report.h"
 #include "rl/sft.h"
 
@@ -153,8 +154,22 @@ CompareOutcome run_compare(const RunConfig& cfg, const CompareOptions& opt) {
   save_resolved_config(cfg, opt.out_dir);
   for (const auto& m : cfg.modes) (void)mode_spec(m);  // fail early on a mode without a ModeSpec
 
-  const std::string base_dir = opt.out_dir + "/base";
-  SftResult sft = ensure_base(cfg, base_dir, opt.progress);
+  const std::string base_dir = opt.base_dir.empty() ? opt.out_dir + "/base" : opt.base_dir;
+  SftResult sft;
+  if (opt.base_dir.empty()) {
+    sft = ensure_base(cfg, base_dir, opt.progress);
+  } else {
+    (void)load_base(base_dir);  // fail early on a folder that is not a base checkpoint
+    sft.cached = true;
+    const std::string meta = base_dir + "/sft.json";
+    if (fs::exists(meta)) {
+      std::ifstream f(meta);
+      std::stringstream ss;
+      ss << f.rdbuf();
+      const nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, false);
+      if (!j.is_discarded()) sft.pass1 = j.value("pass1_fp32", 0.0);
+    }
+  }
   if (opt.progress)
     std::fprintf(stderr, "base model %s: pass@1 %.3f (fp32, greedy)%s\n", base_dir.c_str(), sft.pass1,
                  sft.cached ? ", reused" : fmt::format(", trained in {:.0f} s", sft.seconds).c_str());

@@ -18,6 +18,7 @@ namespace quads::rl {
 
 struct CompareOptions {
   std::string out_dir;
+  std::string base_dir;   // an existing base checkpoint; empty: train or reuse out_dir/base
   bool resume = false;    // continue runs from their checkpoints
   bool progress = true;
   int jobs = 1;           // runs in flight at once (results do not depend on it)
