@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine (an H200 with CUDA 13, cmake 4, g++ 13, no network): builds the CUDA backend
 # from the Debian packages carried in .debs/ (see /work/shared/GPU.md; unpacked into a prefix of our
-# own, never into /), runs the CUDA tests, then prints the benchmark table of docs/cuda.md.
+# own, never into /), runs the CUDA tests, then prints the benchmark tables of docs/cuda.md: the
+# rollout engine on the peer model (bench_model_gpu), then the kernels (bench_cuda).
 #
 #   bash scripts/gpu/test_and_bench.sh            # from the repository root, carry: .debs .gpufix
 #
@@ -10,10 +11,12 @@
 #   QUADS_GPU_BIN     folder holding already-built quads_cuda_tests and bench_cuda (skip the build;
 #                     they must have been built for sm_90 against the same .debs)
 #   QUADS_GPU_FILTER  gtest filter for the tests (default: all)
-#   QUADS_GPU_BENCH   0 to skip the benchmark
+#   QUADS_GPU_BENCH   0 to skip the benchmarks; "model" or "kernels" for only one of them
+#   QUADS_GPU_BENCH_ARGS  extra arguments of bench_model_gpu (e.g. --quick, --precisions nvfp4)
 #   OUT               when set, logs are copied there
-# Fixtures: the GPU machine has no ../shared, so the golden vectors travel in .gpufix/ (a copy of
-# /work/shared/fixtures/nvfp4): mkdir -p .gpufix/nvfp4 && cp /work/shared/fixtures/nvfp4/* .gpufix/nvfp4/
+# Fixtures: the GPU machine has no ../shared, so the fixtures travel in .gpufix/ (copies of
+# /work/shared/fixtures/nvfp4 and tiny_qwen3moe_a):
+#   mkdir -p .gpufix && cp -r /work/shared/fixtures/nvfp4 /work/shared/fixtures/tiny_qwen3moe_a .gpufix/
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 root=$PWD
@@ -39,7 +42,7 @@ else
     -DQUADS_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DQUADS_BUILD_BENCH=OFF \
     -DCMAKE_PROJECT_INCLUDE="$root/scripts/gpu/add_gpu_bench.cmake" >"$logdir/configure.log" 2>&1 \
     || { tail -40 "$logdir/configure.log"; exit 1; }
-  cmake --build "$build" -j "$(nproc)" --target quads_cuda_tests bench_cuda >"$logdir/build.log" 2>&1 \
+  cmake --build "$build" -j "$(nproc)" --target quads_cuda_tests bench_cuda bench_model_gpu >"$logdir/build.log" 2>&1 \
     || { grep -E "error|Error" "$logdir/build.log" | head -40; tail -20 "$logdir/build.log"; exit 1; }
   echo "build: $(($(date +%s) - start)) s"
   bin=$build
@@ -53,7 +56,12 @@ rc=0
 grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[==========\]|Failure|error|Expected|Which is|expected|actual" "$logdir/tests.log" | head -80
 echo "tests exit code: $rc"
 
-if [ "${QUADS_GPU_BENCH:-1}" != 0 ]; then
-  "$bin/bench_cuda" 2>&1 | tee "$logdir/bench.log"
+bench=${QUADS_GPU_BENCH:-1}
+if [ "$bench" = 1 ] || [ "$bench" = model ]; then
+  # shellcheck disable=SC2086
+  timeout 300 "$bin/bench_model_gpu" ${QUADS_GPU_BENCH_ARGS:-} 2>&1 | tee "$logdir/bench_model.log"
+fi
+if [ "$bench" = 1 ] || [ "$bench" = kernels ]; then
+  timeout 150 "$bin/bench_cuda" 2>&1 | tee "$logdir/bench.log"
 fi
 exit $rc

@@ -16,6 +16,9 @@
 #include "cli/command.h"
 #include "common/error.h"
 #include "rollout/engine.h"
+#ifdef QUADS_HAVE_CUDA
+#include "cuda/model_gpu.h"
+#endif
 
 namespace {
 
@@ -33,12 +36,17 @@ struct Options {
   int batch = 1;
   int max_batch = 64;
   bool no_share = false;
+  std::string device = "cpu";
 };
 
 int run(const Options& o) {
   using namespace quads;
   QUADS_CHECK(o.batch >= 1, "generate: --batch must be >= 1 (got {})", o.batch);
   QUADS_CHECK(!o.prompt.empty(), "generate: --prompt-ids is empty");
+  QUADS_CHECK(o.device == "cpu" || o.device == "cuda", "generate: --device must be cpu or cuda (got '{}')", o.device);
+#ifndef QUADS_HAVE_CUDA
+  QUADS_CHECK(o.device == "cpu", "generate: --device cuda needs a build with -DQUADS_CUDA=ON");
+#endif
   const model::PrecisionConfig prec = model::PrecisionConfig::preset(o.precision);
   model::Weights w = model::Weights::load(o.model_dir);
   std::fprintf(stderr, "model: %s\n", w.cfg.describe().c_str());
@@ -46,6 +54,10 @@ int run(const Options& o) {
   eo.max_batch = o.max_batch;
   eo.share_prefill = !o.no_share;
   rollout::RolloutEngine eng(std::move(w), prec, eo);
+#ifdef QUADS_HAVE_CUDA
+  if (o.device == "cuda") eng.set_backend(cuda::make_gpu_backend(eng.model().weights(), prec));
+#endif
+  std::fprintf(stderr, "device: %s\n", eng.backend() ? eng.backend()->name().c_str() : "cpu");
   std::fprintf(stderr, "precision: %s\n", prec.describe().c_str());
   if (o.batch > 1 && !eng.batch_invariant())
     std::fprintf(stderr, "note: precision '%s' scales activations over the whole step: results depend on the batch\n",
@@ -100,6 +112,7 @@ std::function<int()> setup(CLI::App& app) {
   app.add_option("--stop-ids", o->stop_ids, "token ids that end a sequence (kept in the output), comma-separated")
       ->delimiter(',');
   app.add_option("--max-batch", o->max_batch, "sequences decoded at once (KV-cache slots)")->capture_default_str();
+  app.add_option("--device", o->device, "cpu, or cuda (the GPU rollout engine, cuda/model_gpu.h)")->capture_default_str();
   app.add_flag("--no-share-prefill", o->no_share, "prefill every copy of the prompt instead of copying the KV cache");
   return [o] { return run(*o); };
 }

@@ -62,6 +62,7 @@ void RolloutEngine::sync(const float* master, size_t n) {
   QUADS_CHECK(n == weights_->data.size(), "rollout sync: {} floats given, the model has {}", n, weights_->data.size());
   std::memcpy(weights_->data.data(), master, n * sizeof(float));
   model_->sync();
+  if (backend_) backend_->sync(*weights_);
 }
 
 namespace {
@@ -115,7 +116,16 @@ std::vector<Result> RolloutEngine::generate(const std::vector<Request>& requests
   size_t next_todo = 0;
 
   const int nslots = std::min<int>(options.max_batch, static_cast<int>(todo.size()));
-  model::KVCache cache(cfg, nslots);
+  // The CPU cache, or the backend's (sized for the longest request).
+  model::KVCache cache(cfg, backend_ ? 1 : nslots);
+  if (backend_) {
+    int64_t max_len = 1;
+    for (int i : todo)
+      max_len = std::max<int64_t>(max_len, static_cast<int64_t>(requests[i].prompt.size()) + requests[i].max_new_tokens);
+    backend_->reset(nslots, max_len);
+  }
+  auto copy_slot = [&](int src, int dst) { backend_ ? backend_->copy(src, dst) : cache.copy(src, dst); };
+  auto clear_slot = [&](int slot) { backend_ ? backend_->clear(slot) : cache.clear(slot); };
   std::vector<int> free_slots;
   for (int s = nslots - 1; s >= 0; --s) free_slots.push_back(s);  // lowest slot first
   auto take_slot = [&] {
@@ -188,7 +198,7 @@ std::vector<Result> RolloutEngine::generate(const std::vector<Request>& requests
       items.push_back(std::move(it));
       item_seq.push_back(static_cast<int>(i));
     }
-    const std::vector<float> logits = model_->step(cache, items);
+    const std::vector<float> logits = backend_ ? backend_->step(items) : model_->step(cache, items);
     ++stats_.steps;
 
     // Which sequences sample now: those whose prompt just completed (with the peers sharing it,
@@ -203,7 +213,7 @@ std::vector<Result> RolloutEngine::generate(const std::vector<Request>& requests
         s.fed += static_cast<int64_t>(items[j].tokens.size());
         if (s.fed < plen) continue;
         for (Seq& p : s.peers) {
-          cache.copy(s.slot, p.slot);
+          copy_slot(s.slot, p.slot);
           p.fed = plen;
           ++stats_.shared_prompts;
           jobs.push_back({p.req, -1, static_cast<int>(joined.size()), row});
@@ -241,7 +251,7 @@ std::vector<Result> RolloutEngine::generate(const std::vector<Request>& requests
       const bool stop = std::find(r.stop_ids.begin(), r.stop_ids.end(), draws[j].token) != r.stop_ids.end();
       if (stop || static_cast<int>(res.tokens.size()) >= r.max_new_tokens) {
         res.finish = stop ? Finish::Stop : Finish::Length;
-        cache.clear(s.slot);
+        clear_slot(s.slot);
         free_slots.push_back(s.slot);
         s.req = -1;  // finished
       } else {

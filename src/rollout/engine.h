@@ -71,6 +71,20 @@ struct EngineStats {
   double seconds = 0;
 };
 
+// A step backend other than the CPU model (the GPU: cuda::make_gpu_backend in cuda/model_gpu.h).
+// With one set, the engine keeps its scheduling and sampling and calls it instead of
+// model::Model::step on a model::KVCache; without one (the default) nothing changes.
+class StepBackend {
+ public:
+  virtual ~StepBackend() = default;
+  virtual std::string name() const = 0;
+  virtual void sync(const model::Weights& w) = 0;                 // re-upload and re-quantize
+  virtual void reset(int num_slots, int64_t max_len) = 0;         // an empty cache
+  virtual std::vector<float> step(const std::vector<model::StepItem>& items) = 0;  // Model::step
+  virtual void copy(int src, int dst) = 0;                        // KVCache::copy
+  virtual void clear(int slot) = 0;                               // KVCache::clear
+};
+
 class RolloutEngine {
  public:
   // Copies `master` (config and float32 weights) and quantizes it in precision `p`.
@@ -95,7 +109,12 @@ class RolloutEngine {
   EngineOptions options;
   const EngineStats& stats() const { return stats_; }
 
+  // Runs the steps on `b` from now on (nullptr: back to the CPU model). sync() syncs both.
+  void set_backend(std::unique_ptr<StepBackend> b) { backend_ = std::move(b); }
+  StepBackend* backend() const { return backend_.get(); }
+
  private:
+  std::unique_ptr<StepBackend> backend_;
   std::unique_ptr<model::Weights> weights_;
   std::unique_ptr<model::Model> model_;
   EngineStats stats_;

@@ -1,0 +1,181 @@
+// The rollout engine's GPU forward on the issue's peer model (Qwen3-MoE, random weights: vocab
+// 32000, hidden 2048, 8 layers, 64 experts top-8, moe_intermediate 768, 32 q / 4 kv heads,
+// head_dim 128, untied; 2.70B parameters): greedy decode tokens/s at batch 1 / 16 / 64 (128-token
+// prompts, 128 new tokens) and prefill tokens/s (16 x 1024), per precision, beside the weight-read
+// bound (GEMM weight bytes read per decode step, counted by the model, over the measured copy
+// bandwidth) and the transformers 5.17 numbers of issue 6 (same H200 model, bf16).
+//   bench_model_gpu [--quick] [--precisions bf16,nvfp4,nvfp4+rac]
+// nvfp4+rac: the nvfp4 preset with RAC on the first half of every quantized linear's input channels
+// (model::RacConfig's default ratio; the cost of RAC, not a calibrated selection).
+// Wall-clock times (host steady clock, the GPU synchronized at the end of each timed region).
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cuda/check.h"
+#include "cuda/device.h"
+#include "cuda/model_gpu.h"
+#include "model/rac.h"
+
+using namespace quads;
+
+namespace {
+
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+model::ModelConfig peer_config() {
+  model::ModelConfig c;
+  c.vocab_size = 32000;
+  c.hidden_size = 2048;
+  c.intermediate_size = 6144;  // dense MLP size (unused: every layer is MoE)
+  c.moe_intermediate_size = 768;
+  c.num_hidden_layers = 8;
+  c.num_attention_heads = 32;
+  c.num_key_value_heads = 4;
+  c.head_dim = 128;
+  c.num_experts = 64;
+  c.num_experts_per_tok = 8;
+  c.norm_topk_prob = true;
+  c.rms_norm_eps = 1e-6;
+  c.rope_theta = 1e6;
+  c.max_position_embeddings = 4096;
+  c.tie_word_embeddings = false;
+  c.validate("peer model");
+  return c;
+}
+
+double copy_gbs() {
+  cuda::DeviceArray<uint8_t> a(size_t(1) << 30), b(size_t(1) << 30);
+  a.fill_bytes(1);
+  double best = 0;
+  for (int r = 0; r < 6; ++r) {
+    QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+    const double t0 = now();
+    QUADS_CUDA_CHECK(cudaMemcpy(b.data(), a.data(), a.bytes(), cudaMemcpyDeviceToDevice));
+    QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+    const double gbs = 2.0 * a.bytes() / (now() - t0) / 1e9;  // read + write, as bench_cuda counts
+    if (r > 0) best = std::max(best, gbs);
+  }
+  return best;
+}
+
+std::vector<int32_t> random_prompt(int64_t n, uint64_t seed, int vocab) {
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> p(n);
+  for (auto& t : p) t = static_cast<int32_t>(rng() % uint64_t(vocab));
+  return p;
+}
+
+struct DecodeResult {
+  double e2e_tps = 0;     // new tokens / (prefill + decode) seconds
+  double decode_tps = 0;  // decode steps only
+  double bytes_per_step = 0;
+};
+
+DecodeResult run_decode(cuda::GpuModel& g, int B, int64_t prompt_len, int new_tokens) {
+  const int V = g.config().vocab_size;
+  g.reset_cache(B, prompt_len + new_tokens + 1);
+  std::vector<model::StepItem> items(B);
+  for (int b = 0; b < B; ++b) {
+    items[b].slot = b;
+    items[b].tokens = random_prompt(prompt_len, 1000 + b, V);
+  }
+  QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+  const double t0 = now();
+  std::vector<int32_t> next = g.step_greedy(items);
+  const double t1 = now();
+  g.reset_stats();
+  for (int s = 1; s < new_tokens; ++s) {
+    for (int b = 0; b < B; ++b) items[b].tokens.assign(1, next[b]);
+    next = g.step_greedy(items);
+  }
+  QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+  const double t2 = now();
+  DecodeResult r;
+  r.e2e_tps = double(B) * new_tokens / (t2 - t0);
+  r.decode_tps = double(B) * (new_tokens - 1) / (t2 - t1);
+  r.bytes_per_step = g.stats().weight_bytes / std::max<int64_t>(g.stats().steps, 1);
+  return r;
+}
+
+double run_prefill(cuda::GpuModel& g, int B, int64_t len) {
+  const int V = g.config().vocab_size;
+  g.reset_cache(B, len + 1);
+  std::vector<model::StepItem> items(B);
+  for (int b = 0; b < B; ++b) {
+    items[b].slot = b;
+    items[b].tokens = random_prompt(len, 5000 + b, V);
+  }
+  g.step_greedy(items);  // warm-up (allocations, cuBLAS plans)
+  for (int b = 0; b < B; ++b) g.clear(b);
+  QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+  const double t0 = now();
+  g.step_greedy(items);
+  QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+  return double(B) * len / (now() - t0);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    if (cuda::device_count() == 0) {
+      std::printf("bench_model_gpu: no CUDA device\n");
+      return 0;
+    }
+    bool quick = false;
+    std::vector<std::string> precisions{"bf16", "nvfp4", "nvfp4+rac"};
+    for (int i = 1; i < argc; ++i) {
+      if (!std::strcmp(argv[i], "--quick")) quick = true;
+      else if (!std::strcmp(argv[i], "--precisions") && i + 1 < argc) {
+        precisions.clear();
+        std::stringstream ss(argv[++i]);
+        for (std::string p; std::getline(ss, p, ',');) precisions.push_back(p);
+      }
+    }
+    const model::ModelConfig cfg = peer_config();
+    const double bw = copy_gbs();
+    const int new_tokens = quick ? 16 : 128;
+    const int64_t prompt = 128;
+    const double peer[3] = {20, 310, 905};
+    const int batches[3] = {1, 16, 64};
+    std::printf("\nPeer model (%s) on %s; copy bandwidth %.0f GB/s\n", cfg.describe().c_str(),
+                cuda::device_name(0).c_str(), bw);
+    std::printf("| precision | batch | new tok/s (prefill+decode) | decode tok/s | weight GB read/step | bound tok/s | "
+                "%% of bound | transformers bf16 tok/s | x peer |\n|---|---|---|---|---|---|---|---|---|\n");
+    for (const std::string& p : precisions) {
+      const double t0 = now();
+      const bool rac = p.size() > 4 && p.substr(p.size() - 4) == "+rac";
+      cuda::GpuModel g(cfg, model::PrecisionConfig::preset(rac ? p.substr(0, p.size() - 4) : p));
+      g.randomize(42, 0.02f);
+      if (rac) g.set_rac_first_channels(model::RacConfig{}.ratio);
+      std::fprintf(stderr, "%s: %.2f GB of GEMM weights on the device, set up in %.1f s\n", p.c_str(),
+                   g.weight_bytes() / 1e9, now() - t0);
+      run_decode(g, 2, 8, 4);  // warm-up
+      for (int i = 0; i < 3; ++i) {
+        const int B = batches[i];
+        const DecodeResult r = run_decode(g, B, prompt, new_tokens);
+        const double bound = B * bw * 1e9 / r.bytes_per_step;
+        std::printf("| %s | %d | %.0f | %.0f | %.2f | %.0f | %.1f | %.0f | %.1f |\n", p.c_str(), B, r.e2e_tps,
+                    r.decode_tps, r.bytes_per_step / 1e9, bound, 100.0 * r.decode_tps / bound, peer[i],
+                    r.e2e_tps / peer[i]);
+        std::fflush(stdout);
+      }
+      const int pb = quick ? 4 : 16;
+      const double tps = run_prefill(g, pb, 1024);
+      std::printf("| %s | prefill %dx1024 | %.0f prompt tok/s | | | | | 184000 | %.2f |\n", p.c_str(), pb, tps,
+                  tps / 184000.0);
+      std::fflush(stdout);
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_model_gpu: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,769 @@
+// GpuModel: host orchestration of the GPU Qwen3-MoE forward (see model_gpu.h); the kernels are in
+// model_kernels.cu, the quantizers and W4A4 GEMM in quant.cu / w4a4_gemm.cu, BF16 GEMMs in blas.cu.
+#include "cuda/model_gpu.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "common/error.h"
+#include "cpu/ops.h"
+#include "cuda/check.h"
+#include "cuda/device.h"
+#include "cuda/gemm.h"
+#include "cuda/model_kernels.h"
+#include "cuda/quant.h"
+#include "model/rac.h"
+
+namespace quads::cuda {
+
+#define QUADS_GPU_CUBLAS(call)                                                                     \
+  do {                                                                                             \
+    cublasStatus_t quads_st_ = (call);                                                             \
+    if (quads_st_ != CUBLAS_STATUS_SUCCESS)                                                        \
+      ::quads::fail("cuBLAS error in {} ({}:{}): status {}", #call, __FILE__, __LINE__,             \
+                    static_cast<int>(quads_st_));                                                  \
+  } while (0)
+
+const char* gpu_linear_mode_name(GpuLinearMode m) {
+  switch (m) {
+    case GpuLinearMode::BF16: return "bf16";
+    case GpuLinearMode::W4A4: return "w4a4";
+    case GpuLinearMode::Fake: break;
+  }
+  return "fake-quant fp32";
+}
+
+namespace {
+
+using model::QuantKind;
+
+bool is_e2m1_nvfp4(const model::OperandQuant& q) {
+  return q.kind == QuantKind::Quant && q.cfg.scheme == num::Scheme::NVFP4 && q.cfg.element == num::Format::E2M1 &&
+         !q.cfg.stochastic;
+}
+
+GpuLinearMode choose_mode(const model::LinearNumerics& n, int64_t in) {
+  if (n.weight.kind == QuantKind::BF16 && n.act.kind == QuantKind::BF16) return GpuLinearMode::BF16;
+  if (is_e2m1_nvfp4(n.weight) && is_e2m1_nvfp4(n.act) && n.act.cfg.block == num::Block::B1x16 && in % 64 == 0)
+    return GpuLinearMode::W4A4;
+  return GpuLinearMode::Fake;
+}
+
+struct DevLinear {
+  std::string name;
+  int layer = -1;
+  int64_t out = 0, in = 0;
+  size_t offset = 0;
+  model::LinearNumerics num;
+  GpuLinearMode mode = GpuLinearMode::Fake;
+  DeviceArray<uint16_t> wb;  // BF16 [out, in]
+  DeviceQTensor wq;          // W4A4: NVFP4 codes, scales, amax
+  Nvfp4View wv;
+  DeviceArray<float> wf;     // Fake: W_eff [out, in]
+  // RAC: W's 16-blocks compensated (padded with block 0 to rac_cols / 16 entries), the residual's
+  // format, and for Fake linears the gathered columns W_eff[:, S] [out, rac_cols].
+  DeviceArray<int32_t> rac_blocks;
+  int64_t rac_nsel = 0, rac_cols = 0;
+  model::OperandQuant rac_quant;
+  DeviceArray<float> rac_w;
+
+  double bytes() const {
+    switch (mode) {
+      case GpuLinearMode::BF16: return double(out) * in * 2;
+      case GpuLinearMode::W4A4: return double(out) * in / 2 + double(out) * in / 16 + double(wq.amax.bytes());
+      case GpuLinearMode::Fake: break;
+    }
+    return double(out) * in * 4;
+  }
+  double rac_bytes() const { return rac_nsel ? bytes() * double(rac_nsel * 16) / double(in) : 0.0; }
+  // The activation quantizer applied (what LinearQ::act_cfg gives for an uncalibrated linear).
+  const num::QConfig& act_cfg() const { return num.act.cfg; }
+};
+
+// The quantized operand of a GEMM: M rows of X in the linear's activation format.
+struct Operand {
+  GpuLinearMode mode = GpuLinearMode::Fake;
+  int64_t rows = 0, k = 0;
+  const float* x = nullptr;     // the unquantized input (RAC's residual)
+  const float* f = nullptr;     // Fake
+  const uint16_t* b = nullptr;  // BF16
+  Nvfp4View v;                  // W4A4
+};
+
+template <typename T>
+T* grow(DeviceArray<T>& a, size_t n) {
+  if (a.size() < n) a.resize(n + n / 4 + 256);
+  return a.data();
+}
+
+template <typename T>
+void upload_to(DeviceArray<T>& a, const std::vector<T>& v) {  // synchronous (pageable host memory)
+  grow(a, v.size());
+  if (!v.empty()) QUADS_CUDA_CHECK(cudaMemcpy(a.data(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+}
+
+}  // namespace
+
+struct GpuModel::Impl {
+  model::ModelConfig cfg;
+  model::PrecisionConfig prec;
+  model::Layout lay;
+  std::vector<DevLinear> lin;
+  struct LayerIdx {
+    int q = -1, k = -1, v = -1, o = -1, router = -1, mlp = -1;
+    int64_t inter = 0;
+    bool sparse = false;
+    bool experts_uniform = true;  // every expert's gate/up and down share one activation quantizer
+  };
+  std::vector<LayerIdx> layers;
+  int lm_head = -1;
+  DeviceArray<float> master;  // float32 weights, Layout order
+  cudaStream_t stream = nullptr;
+  cublasHandle_t cublas = nullptr;
+  std::unique_ptr<Blas> blas;
+  GpuModelStats stats;
+
+  // KV cache
+  int slots = 0;
+  int64_t max_len = 0;
+  std::vector<int64_t> len;
+  DeviceArray<float> kc, vc;  // [layers, slots, max_len, kvd]
+
+  // Scratch (grow-only; one role each within a step)
+  DeviceArray<float> x, xn, q, k, v, attn, tmp, rlogits, probs, w, xe, g, u, h, ye, xs, xf, logits, cosd, sind, fop;
+  DeviceArray<float> rbuf, gbuf;  // RAC: X_eff then the residual; the gathered residual blocks
+  DeviceQTensor xrq;              // RAC: the quantized residual (W4A4 linears)
+  DeviceArray<int32_t> tokens, slot_of, pos_of, idx, perm, inv, sel, argmax;
+  DeviceArray<uint16_t> bop;
+  DeviceQTensor xq;  // W4A4 activation operand (rows set per use)
+
+  Impl(const model::ModelConfig& c, const model::PrecisionConfig& p) : cfg(c), prec(p) {
+    cfg.validate("GpuModel config");
+    QUADS_CHECK(device_count() > 0, "GpuModel: no CUDA device");
+    lay = model::Layout::build(cfg);
+    QUADS_GPU_CUBLAS(cublasCreate(&cublas));
+    QUADS_GPU_CUBLAS(cublasSetMathMode(cublas, CUBLAS_DEFAULT_MATH));  // no TF32: FP32 GEMMs stay FP32
+    blas = std::make_unique<Blas>();
+    build_linears();
+    master.resize(lay.total);
+  }
+  ~Impl() {
+    if (cublas) cublasDestroy(cublas);
+  }
+
+  int add(const std::string& name, int layer, int64_t out, int64_t in, size_t off) {
+    DevLinear L;
+    L.name = name;
+    L.layer = layer;
+    L.out = out;
+    L.in = in;
+    L.offset = off;
+    L.num = prec.for_linear(name, layer, cfg.num_hidden_layers);
+    QUADS_CHECK(!(L.num.act.kind == QuantKind::Quant && L.num.act.cfg.stochastic),
+                "GpuModel: {} quantizes its activations with stochastic rounding (not a rollout setting)", name);
+    if (L.num.weight.kind == QuantKind::Quant) num::check_config(L.num.weight.cfg, out, in, name + ".weight");
+    if (L.num.act.kind == QuantKind::Quant) num::check_config(L.num.act.cfg, 1, in, name + " input");
+    L.mode = choose_mode(L.num, in);
+    switch (L.mode) {
+      case GpuLinearMode::BF16: L.wb.resize(size_t(out) * in); break;
+      case GpuLinearMode::W4A4:
+        L.wq = make_qtensor(out, in, L.num.weight.cfg);
+        L.wv = nvfp4_view(L.wq, name.c_str());
+        break;
+      case GpuLinearMode::Fake: L.wf.resize(size_t(out) * in); break;
+    }
+    lin.push_back(std::move(L));
+    return static_cast<int>(lin.size()) - 1;
+  }
+
+  // The same linears, names and order as model::Model::build_linears.
+  void build_linears() {
+    const int64_t H = cfg.hidden_size;
+    layers.assign(cfg.num_hidden_layers, {});
+    for (int l = 0; l < cfg.num_hidden_layers; ++l) {
+      const model::LayerOffsets& o = lay.layers[l];
+      const std::string p = fmt::format("model.layers.{}.", l);
+      LayerIdx& x = layers[l];
+      x.q = add(p + "self_attn.q_proj", l, cfg.q_dim(), H, o.q);
+      x.k = add(p + "self_attn.k_proj", l, cfg.kv_dim(), H, o.k);
+      x.v = add(p + "self_attn.v_proj", l, cfg.kv_dim(), H, o.v);
+      x.o = add(p + "self_attn.o_proj", l, H, cfg.q_dim(), o.o);
+      const int64_t I = static_cast<int64_t>(o.inter);
+      x.inter = I;
+      x.sparse = o.sparse;
+      if (o.sparse) {
+        x.router = add(p + "mlp.gate", l, cfg.num_experts, H, o.router);
+        for (int e = 0; e < cfg.num_experts; ++e) {
+          const size_t base = o.mlp + e * o.mlp_stride;
+          const std::string pe = fmt::format("{}mlp.experts.{}.", p, e);
+          const int gi = add(pe + "gate_proj", l, I, H, base);
+          add(pe + "up_proj", l, I, H, base + I * H);
+          add(pe + "down_proj", l, H, I, base + 2 * I * H);
+          if (e == 0) x.mlp = gi;
+        }
+        for (int e = 0; e < cfg.num_experts; ++e)
+          for (int j = 0; j < 3; ++j) {
+            const DevLinear& a = lin[x.mlp + 3 * e + j];
+            const DevLinear& b = lin[x.mlp + (j == 2 ? 2 : 0)];
+            x.experts_uniform &= a.mode == b.mode && a.num.act == b.num.act;
+          }
+      } else {
+        x.mlp = add(p + "mlp.gate_proj", l, I, H, o.mlp);
+        add(p + "mlp.up_proj", l, I, H, o.mlp + I * H);
+        add(p + "mlp.down_proj", l, H, I, o.mlp + 2 * I * H);
+      }
+    }
+    lm_head = add("lm_head", -1, cfg.vocab_size, H, lay.lm_head);
+  }
+
+  // Re-quantizes every linear from `master`.
+  void requantize() {
+    DeviceQTensor tmpq;
+    for (DevLinear& L : lin) {
+      const float* src = master.data() + L.offset;
+      const int64_t n = L.out * L.in;
+      switch (L.mode) {
+        case GpuLinearMode::BF16: kern::to_bf16(src, L.wb.data(), n, stream); break;
+        case GpuLinearMode::W4A4: quantize(src, L.wq, stream); break;
+        case GpuLinearMode::Fake:
+          switch (L.num.weight.kind) {
+            case QuantKind::None:
+              QUADS_CUDA_CHECK(cudaMemcpyAsync(L.wf.data(), src, sizeof(float) * n, cudaMemcpyDeviceToDevice, stream));
+              break;
+            case QuantKind::BF16: kern::bf16_round(src, L.wf.data(), n, stream); break;
+            case QuantKind::Quant:
+              if (tmpq.rows != L.out || tmpq.cols != L.in || !(tmpq.cfg.describe() == L.num.weight.cfg.describe())) {
+                QUADS_CUDA_CHECK(cudaStreamSynchronize(stream));
+                tmpq = make_qtensor(L.out, L.in, L.num.weight.cfg);
+              }
+              quantize(src, tmpq, stream);
+              dequantize(tmpq, L.wf.data(), stream);
+              break;
+          }
+          break;
+      }
+    }
+    for (DevLinear& L : lin) refresh_rac_weights(L);
+    QUADS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+
+  // ---- RAC
+
+  void refresh_rac_weights(DevLinear& L) {
+    if (L.rac_nsel == 0 || L.mode != GpuLinearMode::Fake) return;
+    L.rac_w.resize(size_t(L.out) * L.rac_cols);
+    gather_blocks(L.wf.data(), L.out, L.in, L.rac_blocks.data(), L.rac_nsel, L.rac_w.data(), L.rac_cols, stream);
+  }
+
+  void set_rac(DevLinear& L, const std::vector<int32_t>& channels, const model::OperandQuant& q) {
+    L.rac_nsel = L.rac_cols = 0;
+    L.rac_blocks.reset();
+    L.rac_w.reset();
+    if (channels.empty()) return;
+    const int64_t ns = static_cast<int64_t>(channels.size());
+    QUADS_CHECK(ns % 16 == 0, "GpuModel RAC: {} compensates {} channels: the GPU needs whole 16-channel blocks", L.name, ns);
+    std::vector<int32_t> blocks;
+    for (int64_t b = 0; b < ns / 16; ++b) {
+      const int32_t c0 = channels[16 * b];
+      bool whole = c0 % 16 == 0 && c0 >= 0 && c0 + 16 <= L.in;
+      for (int j = 1; j < 16 && whole; ++j) whole = channels[16 * b + j] == c0 + j;
+      QUADS_CHECK(whole, "GpuModel RAC: the channels of {} are not whole 16-blocks (channel {} at index {})", L.name,
+                  c0, 16 * b);
+      blocks.push_back(c0 / 16);
+    }
+    QUADS_CHECK(L.num.act.kind == QuantKind::Quant, "GpuModel RAC: {} does not quantize its activations", L.name);
+    if (L.mode == GpuLinearMode::W4A4) {
+      QUADS_CHECK(is_e2m1_nvfp4(q) && q.cfg.block == num::Block::B1x16 && q.row_local(),
+                  "GpuModel RAC: {} is a W4A4 linear: its residual must be NVFP4 1x16 with per-token scales (got {})",
+                  L.name, q.describe());
+      L.rac_cols = (ns + 63) / 64 * 64;  // the gather GEMM's K: pad with zero blocks
+    } else {
+      L.rac_cols = ns;
+    }
+    QUADS_CHECK(L.mode != GpuLinearMode::BF16, "GpuModel RAC: {} runs in bf16", L.name);
+    L.rac_nsel = ns / 16;
+    L.rac_quant = q;
+    blocks.resize(L.rac_cols / 16, 0);
+    L.rac_blocks.upload(blocks);
+    refresh_rac_weights(L);
+  }
+
+  // Y [n, out] += Q_rac(R[:, S]) · W[:, S]^T for the rows X [n, in], R = X - X_eff.
+  void rac(const DevLinear& L, const float* X, int64_t n, float* Y) {
+    if (n == 0) return;
+    stats.weight_bytes += L.rac_bytes();
+    const int64_t in = L.in, cols = L.rac_cols;
+    float* r = grow(rbuf, size_t(n * in));
+    float* gb = grow(gbuf, size_t(n * cols));
+    fake_quantize(X, r, n, in, L.act_cfg(), stream);
+    kern::sub(X, r, r, n * in, stream);
+    gather_blocks(r, n, in, L.rac_blocks.data(), L.rac_nsel, gb, cols, stream);
+    if (L.mode == GpuLinearMode::W4A4) {
+      xrq.cfg = L.rac_quant.cfg;
+      xrq.rows = n;
+      xrq.cols = cols;
+      xrq.layout = ScaleLayout::RowMajor;
+      grow(xrq.codes, size_t(n * cols / 2));
+      grow(xrq.scales, size_t(n * cols / 16));
+      grow(xrq.amax, size_t(n));
+      quantize(gb, xrq, stream);
+      w4a4_gemm_gather(nvfp4_view(xrq, L.name.c_str()), L.wv, L.rac_blocks.data(), Y, true, stream);
+      return;
+    }
+    switch (L.rac_quant.kind) {
+      case QuantKind::None: break;
+      case QuantKind::BF16: kern::bf16_round(gb, gb, n * cols, stream); break;
+      case QuantKind::Quant: fake_quantize(gb, gb, n, cols, L.rac_quant.cfg, stream); break;
+    }
+    const float alpha = 1.f, beta = 1.f;
+    QUADS_GPU_CUBLAS(cublasSetStream(cublas, stream));
+    QUADS_GPU_CUBLAS(cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(L.out), static_cast<int>(n),
+                                 static_cast<int>(cols), &alpha, L.rac_w.data(), static_cast<int>(cols), gb,
+                                 static_cast<int>(cols), &beta, Y, static_cast<int>(L.out)));
+  }
+
+  // ---- GEMMs
+
+  bool same_operand(const DevLinear& a, const DevLinear& b) const {
+    return a.mode == b.mode && a.in == b.in && a.num.act == b.num.act;
+  }
+
+  Operand prepare(const DevLinear& L, const float* X, int64_t M) {
+    Operand op;
+    op.mode = L.mode;
+    op.rows = M;
+    op.k = L.in;
+    op.x = X;
+    const int64_t n = M * L.in;
+    switch (L.mode) {
+      case GpuLinearMode::BF16:
+        op.b = grow(bop, n);
+        kern::to_bf16(X, bop.data(), n, stream);
+        break;
+      case GpuLinearMode::W4A4: {
+        const num::QConfig& c = L.act_cfg();
+        QUADS_CHECK(c.global != num::Global::Static || c.static_amax > 0,
+                    "GpuModel: {} uses a static activation scale but none is set (calibrate it first)", L.name);
+        xq.cfg = c;
+        xq.rows = M;
+        xq.cols = L.in;
+        xq.layout = ScaleLayout::RowMajor;
+        grow(xq.codes, size_t(n / 2));
+        grow(xq.scales, size_t(n / 16));
+        grow(xq.amax, size_t(std::max<int64_t>(M, 1)));
+        quantize(X, xq, stream);
+        op.v = nvfp4_view(xq, L.name.c_str());
+        break;
+      }
+      case GpuLinearMode::Fake:
+        switch (L.num.act.kind) {
+          case QuantKind::None: op.f = X; break;
+          case QuantKind::BF16:
+            op.f = grow(fop, n);
+            kern::bf16_round(X, fop.data(), n, stream);
+            break;
+          case QuantKind::Quant: {
+            const num::QConfig& c = L.act_cfg();
+            QUADS_CHECK(c.scheme != num::Scheme::NVFP4 || c.global != num::Global::Static || c.static_amax > 0,
+                        "GpuModel: {} uses a static activation scale but none is set (calibrate it first)", L.name);
+            op.f = grow(fop, n);
+            fake_quantize(X, fop.data(), M, L.in, c, stream);
+            break;
+          }
+        }
+        break;
+    }
+    return op;
+  }
+
+  // Y [n, out] = rows r0 .. r0+n of the operand times W^T.
+  void gemm(const DevLinear& L, const Operand& op, int64_t r0, int64_t n, float* Y) {
+    QUADS_CHECK(op.mode == L.mode && op.k == L.in && r0 + n <= op.rows, "GpuModel: operand mismatch at {}", L.name);
+    stats.weight_bytes += L.bytes();
+    if (n == 0) return;
+    switch (L.mode) {
+      case GpuLinearMode::BF16: gemm_bf16(*blas, op.b + r0 * L.in, L.wb.data(), Y, n, L.out, L.in, stream); break;
+      case GpuLinearMode::W4A4: {
+        Nvfp4View xv = op.v;
+        xv.codes += r0 * L.in / 2;
+        xv.scales += r0 * L.in / 16;
+        if (xv.amax_per_row) xv.amax += r0;
+        xv.rows = n;
+        w4a4_gemm_emulated(xv, L.wv, Y, false, stream);
+        break;
+      }
+      case GpuLinearMode::Fake: {
+        const float alpha = 1.f, beta = 0.f;
+        QUADS_GPU_CUBLAS(cublasSetStream(cublas, stream));
+        QUADS_GPU_CUBLAS(cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(L.out), static_cast<int>(n),
+                                     static_cast<int>(L.in), &alpha, L.wf.data(), static_cast<int>(L.in),
+                                     op.f + r0 * L.in, static_cast<int>(L.in), &beta, Y, static_cast<int>(L.out)));
+        break;
+      }
+    }
+    if (L.rac_nsel > 0) rac(L, op.x + r0 * L.in, n, Y);
+  }
+
+  // ---- MLP over R rows grouped by expert (eoff: nE + 1 row offsets); dense: one group.
+  void mlp(const LayerIdx& li, int nE, const std::vector<int64_t>& eoff, const float* X, int64_t R, float* Y) {
+    const int64_t H = cfg.hidden_size, I = li.inter;
+    float* gp = grow(g, size_t(R * I));
+    float* up = grow(u, size_t(R * I));
+    float* hp = grow(h, size_t(R * I));
+    // One operand for all rows when every expert rounds its input the same way, row by row
+    // (per-token scales): the rows of one expert then come out exactly as if quantized alone.
+    const DevLinear& G0 = lin[li.mlp];
+    const bool shared_in = li.experts_uniform && G0.num.act.row_local();
+    Operand all;
+    if (shared_in) all = prepare(G0, X, R);
+    for (int e = 0; e < nE; ++e) {
+      const int64_t r0 = eoff[e], n = eoff[e + 1] - r0;
+      if (n == 0) continue;
+      const DevLinear& Lg = lin[li.mlp + 3 * e];
+      const DevLinear& Lu = lin[li.mlp + 3 * e + 1];
+      if (shared_in) {
+        gemm(Lg, all, r0, n, gp + r0 * I);
+        gemm(Lu, all, r0, n, up + r0 * I);
+      } else {
+        const Operand og = prepare(Lg, X + r0 * H, n);
+        gemm(Lg, og, 0, n, gp + r0 * I);
+        const Operand ou = same_operand(Lu, Lg) ? og : prepare(Lu, X + r0 * H, n);
+        gemm(Lu, ou, 0, n, up + r0 * I);
+      }
+      stats.expert_gemms += 2;
+    }
+    kern::swiglu(gp, up, R, I, hp, stream);
+    const DevLinear& D0 = lin[li.mlp + 2];
+    const bool shared_h = li.experts_uniform && D0.num.act.row_local();
+    if (shared_h) all = prepare(D0, hp, R);
+    for (int e = 0; e < nE; ++e) {
+      const int64_t r0 = eoff[e], n = eoff[e + 1] - r0;
+      if (n == 0) continue;
+      const DevLinear& Ld = lin[li.mlp + 3 * e + 2];
+      if (shared_h) {
+        gemm(Ld, all, r0, n, Y + r0 * H);
+      } else {
+        const Operand od = prepare(Ld, hp + r0 * I, n);
+        gemm(Ld, od, 0, n, Y + r0 * H);
+      }
+      stats.expert_gemms += 1;
+    }
+  }
+
+  // ---- one step; returns the number of logits rows (in `logits`)
+  int64_t run(const std::vector<model::StepItem>& items) {
+    QUADS_CHECK(slots > 0, "GpuModel::step: no KV cache (call reset_cache first)");
+    const int64_t H = cfg.hidden_size, V = cfg.vocab_size;
+    const int nh = cfg.num_attention_heads, nkv = cfg.num_key_value_heads, hd = cfg.head_dim;
+    const int64_t qd = cfg.q_dim(), kvd = cfg.kv_dim();
+    const float eps = static_cast<float>(cfg.rms_norm_eps);
+
+    std::vector<int32_t> htok, hslot, hpos, hsel;
+    std::vector<int64_t> pos64;
+    std::vector<uint8_t> used(slots, 0);
+    int64_t max_ctx = 1;
+    bool decode = true;
+    for (size_t i = 0; i < items.size(); ++i) {
+      const model::StepItem& it = items[i];
+      QUADS_CHECK(it.slot >= 0 && it.slot < slots, "GpuModel::step: item {} uses slot {}, the cache has {}", i, it.slot,
+                  slots);
+      QUADS_CHECK(!used[it.slot], "GpuModel::step: slot {} appears twice in one step", it.slot);
+      QUADS_CHECK(!it.tokens.empty(), "GpuModel::step: item {} (slot {}) has no tokens", i, it.slot);
+      used[it.slot] = 1;
+      const int64_t n = static_cast<int64_t>(it.tokens.size()), start = len[it.slot];
+      QUADS_CHECK(start + n <= max_len, "GpuModel::step: slot {} would hold {} positions, the cache has room for {}",
+                  it.slot, start + n, max_len);
+      for (int64_t j = 0; j < n; ++j) {
+        const int32_t tok = it.tokens[j];
+        QUADS_CHECK(tok >= 0 && tok < V, "GpuModel::step: item {}: token {} at index {} is outside the vocabulary (0..{})",
+                    i, tok, j, V - 1);
+        if (it.all_logits || j == n - 1) hsel.push_back(static_cast<int32_t>(htok.size()));
+        htok.push_back(tok);
+        hslot.push_back(it.slot);
+        hpos.push_back(static_cast<int32_t>(start + j));
+        pos64.push_back(start + j);
+      }
+      max_ctx = std::max(max_ctx, start + n);
+      decode &= n == 1;
+    }
+    const int64_t T = static_cast<int64_t>(htok.size()), nout = static_cast<int64_t>(hsel.size());
+    if (T == 0) return 0;
+    for (const auto& it : items) len[it.slot] += static_cast<int64_t>(it.tokens.size());
+    ++stats.steps;
+    stats.tokens += T;
+
+    std::vector<float> hcos(T * hd / 2), hsin(T * hd / 2);
+    cpu::rope_tables(pos64.data(), T, hd, cfg.rope_theta, hcos.data(), hsin.data());
+    upload_to(tokens, htok);
+    upload_to(slot_of, hslot);
+    upload_to(pos_of, hpos);
+    upload_to(sel, hsel);
+    upload_to(cosd, hcos);
+    upload_to(sind, hsin);
+
+    const int E = cfg.num_experts, K = cfg.num_experts_per_tok;
+    int64_t maxI = 0;
+    for (const auto& li : layers) maxI = std::max(maxI, li.inter);
+    const int64_t R = std::max<int64_t>(T * std::max(K, 1), T);
+    float* xp = grow(x, T * H);
+    float* xnp = grow(xn, T * H);
+    float* qp = grow(q, T * qd);
+    float* kp = grow(k, T * kvd);
+    float* vp = grow(v, T * kvd);
+    float* ap = grow(attn, T * qd);
+    float* tp = grow(tmp, T * H);
+    float* xep = grow(xe, R * H);
+    float* yep = grow(ye, R * H);
+    grow(g, R * maxI);
+    grow(u, R * maxI);
+    grow(h, R * maxI);
+    if (E > 0) {
+      grow(rlogits, T * E);
+      grow(probs, T * E);
+      grow(idx, T * K);
+      grow(w, T * K);
+      grow(perm, T * K);
+      grow(inv, T * K);
+    }
+    const size_t maxop = size_t(std::max({T * std::max<int64_t>(H, qd), R * std::max(H, maxI), nout * H}));
+    // Operand scratch sized up front: a later grow would free a buffer that queued GEMMs still read.
+    grow(fop, maxop);
+    grow(bop, maxop);
+    grow(xq.codes, maxop / 2 + 1);
+    grow(xq.scales, maxop / 16 + 1);
+    grow(xq.amax, size_t(std::max(R, nout)) + 1);
+    grow(rbuf, maxop);
+    grow(gbuf, maxop + 64 * size_t(std::max(R, nout)));
+    grow(xrq.codes, (maxop + 64 * size_t(std::max(R, nout))) / 2);
+    grow(xrq.scales, (maxop + 64 * size_t(std::max(R, nout))) / 16);
+    grow(xrq.amax, size_t(std::max(R, nout)) + 1);
+
+    const float* M = master.data();
+    const float scale = static_cast<float>(1.0 / std::sqrt(double(hd)));
+    const size_t cache_layer = size_t(slots) * max_len * kvd;
+    kern::embedding(M + lay.embed, tokens.data(), T, H, xp, stream);
+    std::vector<int32_t> hidx(E > 0 ? T * K : 0), hperm(E > 0 ? T * K : 0), hinv(E > 0 ? T * K : 0);
+    std::vector<int64_t> eoff;
+    for (int l = 0; l < cfg.num_hidden_layers; ++l) {
+      const model::LayerOffsets& o = lay.layers[l];
+      const LayerIdx& li = layers[l];
+      kern::rmsnorm(xp, M + o.input_norm, T, H, eps, xnp, stream);
+      const DevLinear &Lq = lin[li.q], &Lk = lin[li.k], &Lv = lin[li.v], &Lo = lin[li.o];
+      const Operand oq = prepare(Lq, xnp, T);
+      gemm(Lq, oq, 0, T, qp);
+      const Operand ok = same_operand(Lk, Lq) ? oq : prepare(Lk, xnp, T);
+      gemm(Lk, ok, 0, T, kp);
+      const Operand ov = same_operand(Lv, Lk) ? ok : prepare(Lv, xnp, T);
+      gemm(Lv, ov, 0, T, vp);
+      float* kcl = kc.data() + l * cache_layer;
+      float* vcl = vc.data() + l * cache_layer;
+      kern::qk_norm_rope_store(qp, kp, vp, M + o.q_norm, M + o.k_norm, eps, cosd.data(), sind.data(), slot_of.data(),
+                               pos_of.data(), T, nh, nkv, hd, kcl, vcl, max_len, stream);
+      kern::attention(qp, kcl, vcl, slot_of.data(), pos_of.data(), T, nh, nkv, hd, scale, max_len, max_ctx, decode, ap,
+                      stream);
+      const Operand oo = prepare(Lo, ap, T);
+      gemm(Lo, oo, 0, T, tp);
+      kern::add_inplace(xp, tp, T * H, stream);
+      kern::rmsnorm(xp, M + o.post_norm, T, H, eps, xnp, stream);
+      if (li.sparse) {
+        const DevLinear& Lr = lin[li.router];
+        const Operand orr = prepare(Lr, xnp, T);
+        gemm(Lr, orr, 0, T, rlogits.data());
+        kern::router_topk(rlogits.data(), T, E, K, cfg.norm_topk_prob, probs.data(), idx.data(), w.data(), stream);
+        QUADS_CUDA_CHECK(cudaMemcpyAsync(hidx.data(), idx.data(), sizeof(int32_t) * T * K, cudaMemcpyDeviceToHost, stream));
+        QUADS_CUDA_CHECK(cudaStreamSynchronize(stream));
+        for (int32_t e : hidx) QUADS_CHECK(e >= 0 && e < E, "GpuModel: router of layer {} chose expert {} (NaN logits?)", l, e);
+        eoff.assign(E + 1, 0);
+        cpu::moe_permute(hidx.data(), T, K, E, eoff.data(), hperm.data(), hinv.data());
+        QUADS_CUDA_CHECK(cudaMemcpyAsync(perm.data(), hperm.data(), sizeof(int32_t) * T * K, cudaMemcpyHostToDevice, stream));
+        QUADS_CUDA_CHECK(cudaMemcpyAsync(inv.data(), hinv.data(), sizeof(int32_t) * T * K, cudaMemcpyHostToDevice, stream));
+        kern::gather_rows(xnp, perm.data(), T * K, K, H, xep, stream);
+        mlp(li, E, eoff, xep, T * K, yep);
+        kern::moe_combine_add(yep, inv.data(), w.data(), T, K, H, xp, stream);
+      } else {
+        eoff = {0, T};
+        mlp(li, 1, eoff, xnp, T, yep);
+        kern::add_inplace(xp, yep, T * H, stream);
+      }
+    }
+    float* xsp = grow(xs, nout * H);
+    float* xfp = grow(xf, nout * H);
+    float* lg = grow(logits, nout * V);
+    kern::gather_rows(xp, sel.data(), nout, 1, H, xsp, stream);
+    kern::rmsnorm(xsp, M + lay.final_norm, nout, H, eps, xfp, stream);
+    const DevLinear& Llm = lin[lm_head];
+    const Operand olm = prepare(Llm, xfp, nout);
+    gemm(Llm, olm, 0, nout, lg);
+    return nout;
+  }
+};
+
+GpuModel::GpuModel(const model::ModelConfig& cfg, const model::PrecisionConfig& p)
+    : impl_(std::make_unique<Impl>(cfg, p)) {}
+
+GpuModel::GpuModel(const model::Weights& w, const model::PrecisionConfig& p) : GpuModel(w.cfg, p) { sync(w); }
+
+GpuModel::~GpuModel() = default;
+
+const model::ModelConfig& GpuModel::config() const { return impl_->cfg; }
+const model::PrecisionConfig& GpuModel::precision() const { return impl_->prec; }
+
+void GpuModel::sync(const model::Weights& w) {
+  Impl& m = *impl_;
+  QUADS_CHECK(w.data.size() == m.lay.total, "GpuModel::sync: the weights hold {} floats, the model's layout {}",
+              w.data.size(), m.lay.total);
+  QUADS_CHECK(w.layout.params.size() == m.lay.params.size(), "GpuModel::sync: {} tensors given, the model has {}",
+              w.layout.params.size(), m.lay.params.size());
+  for (size_t i = 0; i < m.lay.params.size(); ++i)
+    QUADS_CHECK(w.layout.params[i].name == m.lay.params[i].name && w.layout.params[i].shape == m.lay.params[i].shape,
+                "GpuModel::sync: tensor {} does not match the model's {}", w.layout.params[i].name, m.lay.params[i].name);
+  m.master.upload(w.data);
+  m.requantize();
+}
+
+void GpuModel::randomize(uint64_t seed, float stddev) {
+  Impl& m = *impl_;
+  for (size_t i = 0; i < m.lay.params.size(); ++i) {
+    const model::ParamInfo& p = m.lay.params[i];
+    if (m.cfg.tie_word_embeddings && p.name == "lm_head.weight") continue;
+    if (p.is_matrix())
+      kern::fill_normal(m.master.data() + p.offset, static_cast<int64_t>(p.numel), seed + 7919 * i, 0.f, stddev, m.stream);
+    else
+      kern::fill_normal(m.master.data() + p.offset, static_cast<int64_t>(p.numel), 0, 1.f, 0.f, m.stream);
+  }
+  m.requantize();
+}
+
+void GpuModel::set_rac(const model::Model& m) {
+  Impl& g = *impl_;
+  const auto& cl = m.linears();
+  QUADS_CHECK(cl.size() == g.lin.size(), "GpuModel::set_rac: the CPU model has {} linears, the GPU model {}", cl.size(),
+              g.lin.size());
+  for (size_t i = 0; i < cl.size(); ++i) {
+    QUADS_CHECK(cl[i].name == g.lin[i].name && cl[i].num == g.lin[i].num,
+                "GpuModel::set_rac: linear {} of the CPU model ({}) does not match the GPU model's {} ({})", cl[i].name,
+                cl[i].num.describe(), g.lin[i].name, g.lin[i].num.describe());
+    QUADS_CHECK(cl[i].rac_dynamic_count == 0, "GpuModel::set_rac: {} uses dynamic RAC (not on the GPU)", cl[i].name);
+  }
+  QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+  for (size_t i = 0; i < cl.size(); ++i) g.set_rac(g.lin[i], cl[i].rac_channels, cl[i].rac_quant);
+  QUADS_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+}
+
+void GpuModel::set_rac_first_channels(double ratio) {
+  Impl& g = *impl_;
+  QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+  const model::OperandQuant q = model::RacConfig{}.residual;
+  for (DevLinear& L : g.lin) {
+    const int64_t count = L.num.act.kind == QuantKind::Quant ? model::rac_count(L.in, ratio) : 0;
+    std::vector<int32_t> ch(count);
+    for (int64_t c = 0; c < count; ++c) ch[c] = static_cast<int32_t>(c);
+    g.set_rac(L, ch, q);
+  }
+  QUADS_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+}
+
+void GpuModel::reset_cache(int num_slots, int64_t max_len) {
+  Impl& m = *impl_;
+  QUADS_CHECK(num_slots > 0 && max_len > 0, "GpuModel::reset_cache: {} slots of {} positions", num_slots, max_len);
+  const size_t n = size_t(m.cfg.num_hidden_layers) * num_slots * max_len * m.cfg.kv_dim();
+  QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+  m.kc.resize(n);
+  m.vc.resize(n);
+  m.slots = num_slots;
+  m.max_len = max_len;
+  m.len.assign(num_slots, 0);
+}
+
+int GpuModel::num_slots() const { return impl_->slots; }
+int64_t GpuModel::max_len() const { return impl_->max_len; }
+int64_t GpuModel::length(int slot) const {
+  QUADS_CHECK(slot >= 0 && slot < impl_->slots, "GpuModel: slot {} out of range (0..{})", slot, impl_->slots - 1);
+  return impl_->len[slot];
+}
+void GpuModel::clear(int slot) {
+  (void)length(slot);
+  impl_->len[slot] = 0;
+}
+void GpuModel::copy(int src, int dst) {
+  Impl& m = *impl_;
+  (void)length(src);
+  (void)length(dst);
+  if (src == dst) return;
+  const int64_t kvd = m.cfg.kv_dim();
+  const size_t cache_layer = size_t(m.slots) * m.max_len * kvd;
+  const size_t bytes = sizeof(float) * size_t(m.len[src]) * kvd;
+  for (int l = 0; l < m.cfg.num_hidden_layers; ++l) {
+    const size_t s = l * cache_layer + size_t(src) * m.max_len * kvd, d = l * cache_layer + size_t(dst) * m.max_len * kvd;
+    if (bytes == 0) continue;
+    QUADS_CUDA_CHECK(cudaMemcpyAsync(m.kc.data() + d, m.kc.data() + s, bytes, cudaMemcpyDeviceToDevice, m.stream));
+    QUADS_CUDA_CHECK(cudaMemcpyAsync(m.vc.data() + d, m.vc.data() + s, bytes, cudaMemcpyDeviceToDevice, m.stream));
+  }
+  m.len[dst] = m.len[src];
+}
+
+std::vector<float> GpuModel::step(const std::vector<model::StepItem>& items) {
+  Impl& m = *impl_;
+  const int64_t nout = m.run(items);
+  std::vector<float> out(size_t(nout) * m.cfg.vocab_size);
+  if (nout)
+    QUADS_CUDA_CHECK(cudaMemcpy(out.data(), m.logits.data(), sizeof(float) * out.size(), cudaMemcpyDeviceToHost));
+  return out;
+}
+
+std::vector<int32_t> GpuModel::step_greedy(const std::vector<model::StepItem>& items) {
+  Impl& m = *impl_;
+  const int64_t nout = m.run(items);
+  std::vector<int32_t> out(nout);
+  if (nout) {
+    grow(m.argmax, size_t(nout));
+    kern::argmax_rows(m.logits.data(), nout, m.cfg.vocab_size, m.argmax.data(), m.stream);
+    QUADS_CUDA_CHECK(cudaMemcpy(out.data(), m.argmax.data(), sizeof(int32_t) * nout, cudaMemcpyDeviceToHost));
+  }
+  return out;
+}
+
+GpuLinearMode GpuModel::linear_mode(const std::string& module) const {
+  for (const auto& L : impl_->lin)
+    if (L.name == module) return L.mode;
+  fail("GpuModel: no linear named '{}'", module);
+}
+
+size_t GpuModel::weight_bytes() const {
+  double b = 0;
+  for (const auto& L : impl_->lin) b += L.bytes();
+  return static_cast<size_t>(b);
+}
+
+const GpuModelStats& GpuModel::stats() const { return impl_->stats; }
+void GpuModel::reset_stats() { impl_->stats = {}; }
+
+namespace {
+
+class GpuBackend : public rollout::StepBackend {
+ public:
+  GpuBackend(const model::Weights& w, const model::PrecisionConfig& p) : m_(w, p) {}
+  std::string name() const override { return "cuda:" + device_name(0); }
+  void sync(const model::Weights& w) override { m_.sync(w); }
+  void reset(int num_slots, int64_t max_len) override { m_.reset_cache(num_slots, max_len); }
+  std::vector<float> step(const std::vector<model::StepItem>& items) override { return m_.step(items); }
+  void copy(int src, int dst) override { m_.copy(src, dst); }
+  void clear(int slot) override { m_.clear(slot); }
+
+ private:
+  GpuModel m_;
+};
+
+}  // namespace
+
+std::unique_ptr<rollout::StepBackend> make_gpu_backend(const model::Weights& w, const model::PrecisionConfig& p) {
+  return std::make_unique<GpuBackend>(w, p);
+}
+
+}  // namespace quads::cuda

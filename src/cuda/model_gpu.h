@@ -1,0 +1,110 @@
+#pragma once
+// Qwen3-MoE forward with a KV cache on the GPU: the device twin of model::Model::step (model/model.h)
+// for the rollout engine. C++17-clean host header, no CUDA types.
+//
+//   cuda::GpuModel g(weights, model::PrecisionConfig::preset("nvfp4"));
+//   g.reset_cache(num_slots, max_len);
+//   std::vector<float> logits = g.step(items);   // as Model::step: packed items appended to slots
+//
+// Weights live on the device in each linear's storage: BF16 (linears whose weight and activation
+// are bf16), packed NVFP4 codes + E4M3 block scales + global amax (W4A4 linears: weight and
+// activation NVFP4 with E2M1 elements and K % 64 == 0), quantized on the GPU by cuda::quantize,
+// which is bit-identical to num::quantize, so the GPU holds exactly the CPU engine's quantized
+// weights; everything else (fp32, fp8, mxfp4, w4a16, NVFP4 with K % 64 != 0) keeps the effective
+// weight W_eff = dequantize(quantize(W)) in float32 and fake-quantizes the activations, then runs
+// an FP32 cuBLAS GEMM (exact emulation, as the CPU). The float32 master weights stay on the
+// device too (embedding, norms; re-quantization at sync).
+// GEMMs per linear:  bf16: X rounded to BF16, cuBLAS BF16 x BF16 -> FP32 accumulation;
+//                    W4A4: X quantized per token by cuda::quantize with the linear's activation
+//                          QConfig, then the emulated W4A4 GEMM (cuda/gemm.h);
+//                    fake: cuBLAS SGEMM on the fake-quantized operands.
+// Activations, norms, RoPE, attention, router softmax and the residual stream are float32, as
+// on the CPU. The KV cache is float32: [layers][slots, max_len, n_kv, head_dim] for K and V.
+// MoE: router softmax + top-k on the device; the [T, k] expert ids are copied to the host, where
+// cpu::moe_permute groups the rows by expert (the CPU twin itself); one GEMM per active expert.
+// RAC (model/rac.h) with static channels in whole 16-channel blocks: set_rac copies them from a
+// calibrated CPU model; W4A4 linears run the residual through cuda::w4a4_gemm_gather on W's own
+// codes, fake-quant linears through an SGEMM on the gathered W_eff columns.
+// Not supported (quads::Error): dynamic RAC, KV hooks, routing replay/record.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "model/linear.h"
+#include "model/model.h"
+#include "model/weights.h"
+#include "rollout/engine.h"
+
+namespace quads::cuda {
+
+// How one linear runs on the GPU.
+enum class GpuLinearMode : uint8_t { Fake, BF16, W4A4 };
+const char* gpu_linear_mode_name(GpuLinearMode m);
+
+struct GpuModelStats {
+  int64_t steps = 0;
+  int64_t tokens = 0;        // tokens run through the layers
+  int64_t expert_gemms = 0;  // (expert, GEMM) launches
+  double weight_bytes = 0;   // GEMM weight bytes read (each linear's device storage, once per use)
+};
+
+class GpuModel {
+ public:
+  // Allocates the device weights for `cfg` in precision `p`; call sync() or randomize() next.
+  GpuModel(const model::ModelConfig& cfg, const model::PrecisionConfig& p);
+  // ... and syncs `w`.
+  GpuModel(const model::Weights& w, const model::PrecisionConfig& p);
+  ~GpuModel();
+  GpuModel(const GpuModel&) = delete;
+  GpuModel& operator=(const GpuModel&) = delete;
+
+  const model::ModelConfig& config() const;
+  const model::PrecisionConfig& precision() const;
+
+  // Uploads the float32 master weights (same config and layout) and re-quantizes every linear.
+  void sync(const model::Weights& w);
+  // Random weights generated on the device (benchmarks: no host copy of a large model): matrices
+  // N(0, stddev), norm weights 1; then re-quantizes.
+  void randomize(uint64_t seed, float stddev = 0.02f);
+
+  // RAC: every linear takes the rac_channels / rac_quant of the linear of the same name in the CPU
+  // model `m` (same config and precision; call after model::rac_calibrate(m, ...) and again after
+  // each re-calibration); linears without channels in `m` get none. Channels must form whole
+  // 16-blocks (RacGranularity::Block16); W4A4 linears need the NVFP4 1x16 per-token residual format.
+  void set_rac(const model::Model& m);
+  // Benchmarks: every linear with quantized activations compensates its first
+  // model::rac_count(in, ratio) channels with the default NVFP4 residual (RAC's cost, not a
+  // calibrated choice). ratio <= 0 turns RAC off.
+  void set_rac_first_channels(double ratio);
+
+  // An empty cache of num_slots sequences of at most max_len positions each.
+  void reset_cache(int num_slots, int64_t max_len);
+  int num_slots() const;
+  int64_t max_len() const;
+  int64_t length(int slot) const;
+  void clear(int slot);
+  void copy(int src, int dst);  // dst becomes a copy of src
+
+  // Model::step semantics: logits [rows, V] in item order (every new position of an item with
+  // all_logits, else its last one). Slots distinct; a slot may not grow past max_len.
+  std::vector<float> step(const std::vector<model::StepItem>& items);
+  // The same step, returning the arg-max token of each logits row (computed on the device).
+  std::vector<int32_t> step_greedy(const std::vector<model::StepItem>& items);
+
+  GpuLinearMode linear_mode(const std::string& module) const;  // throws for an unknown name
+  size_t weight_bytes() const;  // device bytes of all GEMM weights (storage of every linear)
+  const GpuModelStats& stats() const;
+  void reset_stats();
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// The rollout engine's GPU backend (rollout::StepBackend over a GpuModel).
+std::unique_ptr<rollout::StepBackend> make_gpu_backend(const model::Weights& w, const model::PrecisionConfig& p);
+
+}  // namespace quads::cuda

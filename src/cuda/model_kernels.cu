@@ -1,0 +1,426 @@
+// Layer kernels of the GPU Qwen3-MoE forward; see model_kernels.h for what each one computes.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "cuda/check.h"
+#include "cuda/model_kernels.h"
+
+namespace quads::cuda::kern {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+int grid_for(int64_t n, int threads = kThreads) {
+  const int64_t g = (n + threads - 1) / threads;
+  return static_cast<int>(std::min<int64_t>(std::max<int64_t>(g, 1), 1 << 20));
+}
+
+// Fixed-order warp sum (xor butterfly): every lane ends with the same, launch-independent value.
+__device__ __forceinline__ double warp_sum(double v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__global__ void embedding_kernel(const float* __restrict__ table, const int32_t* __restrict__ tokens, int64_t T,
+                                 int64_t H, float* __restrict__ out) {
+  const int64_t n = T * H;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / H, c = i - t * H;
+    out[i] = table[int64_t(tokens[t]) * H + c];
+  }
+}
+
+// One CTA per row. Sum of squares in double: per-thread strided partials, then a fixed tree.
+__global__ void rmsnorm_kernel(const float* __restrict__ x, const float* __restrict__ w, int64_t D, float eps,
+                               float* __restrict__ y) {
+  __shared__ double red[kThreads / 32];
+  const int64_t r = blockIdx.x;
+  const float* xr = x + r * D;
+  double ss = 0;
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) ss += double(xr[i]) * double(xr[i]);
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    double v = threadIdx.x < blockDim.x / 32 ? red[threadIdx.x] : 0.0;
+    v = warp_sum(v);
+    if (threadIdx.x == 0) red[0] = v;
+  }
+  __syncthreads();
+  const float inv = static_cast<float>(1.0 / sqrt(red[0] / double(D) + double(eps)));
+  float* yr = y + r * D;
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) yr[i] = __fmul_rn(w[i], __fmul_rn(xr[i], inv));
+}
+
+__global__ void gather_rows_kernel(const float* __restrict__ x, const int32_t* __restrict__ idx, int64_t n, int div,
+                                   int64_t D, float* __restrict__ out) {
+  const int64_t total = n * D;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / D, c = i - r * D;
+    out[i] = x[int64_t(idx[r] / div) * D + c];
+  }
+}
+
+// One warp per (token, head) row of hd: RMSNorm (double sum, fixed tree), then RoPE on the pairs
+// (i, i + hd/2) as cpu::rope_forward: v[i] = a*c + (-b)*s, v[i+half] = b*c + a*s.
+__device__ void norm_rope_row(const float* __restrict__ src, float* __restrict__ dst, const float* __restrict__ wn,
+                              float eps, const float* __restrict__ c, const float* __restrict__ sn, int hd) {
+  const int lane = threadIdx.x & 31;
+  double ss = 0;
+  for (int i = lane; i < hd; i += 32) ss += double(src[i]) * double(src[i]);
+  ss = warp_sum(ss);
+  const float inv = static_cast<float>(1.0 / sqrt(ss / double(hd) + double(eps)));
+  const int half = hd / 2;
+  for (int i = lane; i < half; i += 32) {
+    const float a = __fmul_rn(wn[i], __fmul_rn(src[i], inv));
+    const float b = __fmul_rn(wn[i + half], __fmul_rn(src[i + half], inv));
+    const float lo = __fadd_rn(__fmul_rn(a, c[i]), __fmul_rn(-b, sn[i]));
+    const float hi = __fadd_rn(__fmul_rn(b, c[i]), __fmul_rn(a, sn[i]));
+    dst[i] = lo;
+    dst[i + half] = hi;
+  }
+}
+
+// grid.x = token; warps loop over the nh + 2*nkv rows of that token.
+__global__ void qk_norm_rope_store_kernel(float* __restrict__ q, const float* __restrict__ k,
+                                          const float* __restrict__ v, const float* __restrict__ qn,
+                                          const float* __restrict__ kn, float eps, const float* __restrict__ cos,
+                                          const float* __restrict__ sin, const int32_t* __restrict__ slot,
+                                          const int32_t* __restrict__ pos, int nh, int nkv, int hd,
+                                          float* __restrict__ kcache, float* __restrict__ vcache, int64_t max_len) {
+  const int64_t t = blockIdx.x;
+  const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5, lane = threadIdx.x & 31;
+  const float* c = cos + t * (hd / 2);
+  const float* sn = sin + t * (hd / 2);
+  const int64_t kvd = int64_t(nkv) * hd;
+  const int64_t cpos = (int64_t(slot[t]) * max_len + pos[t]) * kvd;
+  for (int r = warp; r < nh + 2 * nkv; r += nwarps) {
+    if (r < nh) {
+      float* row = q + (t * nh + r) * hd;
+      norm_rope_row(row, row, qn, eps, c, sn, hd);
+    } else if (r < nh + nkv) {
+      const int g = r - nh;
+      norm_rope_row(k + (t * nkv + g) * hd, kcache + cpos + int64_t(g) * hd, kn, eps, c, sn, hd);
+    } else {
+      const int g = r - nh - nkv;
+      const float* src = v + (t * nkv + g) * hd;
+      float* dst = vcache + cpos + int64_t(g) * hd;
+      for (int i = lane; i < hd; i += 32) dst[i] = src[i];
+    }
+  }
+}
+
+// Attention: one warp per (token, query head). Lanes own keys for the scores (j = lane + 32 i, a
+// full dot product each, in dimension order), then own dimensions for P·V (keys in order), as the
+// CPU computes out = sum_j (p_j * inv) v_j. Shared memory per warp: hd floats of q, ctx scores.
+// heads_per_cta warps share a CTA: the query heads (h0 .. h0 + heads_per_cta - 1) of one token.
+__global__ void attention_kernel(const float* __restrict__ q, const float* __restrict__ kcache,
+                                 const float* __restrict__ vcache, const int32_t* __restrict__ slot,
+                                 const int32_t* __restrict__ pos, int nh, int nkv, int hd, float scale,
+                                 int64_t max_len, int64_t max_ctx, int heads_per_cta, float* __restrict__ out) {
+  extern __shared__ float smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t t = blockIdx.y;
+  const int h = blockIdx.x * heads_per_cta + warp;
+  if (h >= nh) return;
+  const int g = h / (nh / nkv);
+  const int64_t L = int64_t(pos[t]) + 1;
+  float* qs = smem + int64_t(warp) * (hd + max_ctx);
+  float* s = qs + hd;
+  const float* qrow = q + (t * nh + h) * hd;
+  for (int i = lane; i < hd; i += 32) qs[i] = qrow[i];
+  __syncwarp();
+  const int64_t kvd = int64_t(nkv) * hd;
+  const float* kb = kcache + int64_t(slot[t]) * max_len * kvd + int64_t(g) * hd;
+  const float* vb = vcache + int64_t(slot[t]) * max_len * kvd + int64_t(g) * hd;
+  float m = -INFINITY;
+  for (int64_t j = lane; j < L; j += 32) {
+    const float4* kr = reinterpret_cast<const float4*>(kb + j * kvd);
+    float acc = 0.f;
+    for (int d = 0; d < hd / 4; ++d) {
+      const float4 kv = kr[d];
+      acc = __fmaf_rn(qs[4 * d], kv.x, acc);
+      acc = __fmaf_rn(qs[4 * d + 1], kv.y, acc);
+      acc = __fmaf_rn(qs[4 * d + 2], kv.z, acc);
+      acc = __fmaf_rn(qs[4 * d + 3], kv.w, acc);
+    }
+    const float sj = __fmul_rn(acc, scale);
+    s[j] = sj;
+    m = fmaxf(m, sj);
+  }
+  m = warp_max(m);
+  double sum = 0;
+  for (int64_t j = lane; j < L; j += 32) {
+    const float e = expf(s[j] - m);
+    s[j] = e;
+    sum += e;
+  }
+  sum = warp_sum(sum);
+  __syncwarp();
+  const float inv = static_cast<float>(1.0 / sum);
+  float* orow = out + (t * nh + h) * hd;
+  for (int d = lane; d < hd; d += 32) {
+    float a = 0.f;
+    for (int64_t j = 0; j < L; ++j) a = __fadd_rn(a, __fmul_rn(__fmul_rn(s[j], inv), vb[j * kvd + d]));
+    orow[d] = a;
+  }
+}
+
+// One thread per token: softmax as cpu::softmax_forward (exp rounded from double, so it matches the
+// correctly rounded float exp almost always), then top-k as cpu::router_topk_forward.
+__global__ void router_topk_kernel(const float* __restrict__ logits, int64_t T, int E, int k, bool norm_topk,
+                                   float* __restrict__ probs, int32_t* __restrict__ idx, float* __restrict__ w) {
+  const int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (t >= T) return;
+  const float* x = logits + t * E;
+  float* p = probs + t * E;
+  float m = -INFINITY;
+  for (int e = 0; e < E; ++e) m = fmaxf(m, x[e]);
+  double sum = 0;
+  for (int e = 0; e < E; ++e) {
+    const float v = static_cast<float>(exp(double(x[e] - m)));
+    p[e] = v;
+    sum += v;
+  }
+  const float inv = static_cast<float>(1.0 / sum);
+  for (int e = 0; e < E; ++e) p[e] = __fmul_rn(p[e], inv);
+  int32_t* it = idx + t * k;
+  for (int s = 0; s < k; ++s) {
+    int best = -1;
+    for (int e = 0; e < E; ++e) {
+      bool taken = false;
+      for (int r = 0; r < s; ++r) taken |= (it[r] == e);
+      if (taken) continue;
+      if (best < 0 || p[e] > p[best]) best = e;
+    }
+    it[s] = best;
+  }
+  float tot = 0;
+  for (int s = 0; s < k; ++s) {
+    w[t * k + s] = p[it[s]];
+    tot = __fadd_rn(tot, p[it[s]]);
+  }
+  if (norm_topk)
+    for (int s = 0; s < k; ++s) w[t * k + s] = __fdiv_rn(w[t * k + s], tot);
+}
+
+__global__ void swiglu_kernel(const float* __restrict__ g, const float* __restrict__ u, int64_t n,
+                              float* __restrict__ h) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float gi = g[i];
+    h[i] = __fmul_rn(__fdiv_rn(gi, __fadd_rn(1.f, expf(-gi))), u[i]);
+  }
+}
+
+__global__ void moe_combine_add_kernel(const float* __restrict__ ye, const int32_t* __restrict__ inv,
+                                       const float* __restrict__ w, int64_t T, int k, int64_t D,
+                                       float* __restrict__ x) {
+  const int64_t n = T * D;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / D, c = i - t * D;
+    float acc = 0.f;
+    for (int s = 0; s < k; ++s) acc = __fadd_rn(acc, __fmul_rn(w[t * k + s], ye[int64_t(inv[t * k + s]) * D + c]));
+    x[i] = __fadd_rn(x[i], acc);
+  }
+}
+
+__global__ void add_kernel(float* __restrict__ y, const float* __restrict__ x, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    y[i] = __fadd_rn(y[i], x[i]);
+}
+
+__global__ void sub_kernel(const float* x, const float* y, float* out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = __fsub_rn(x[i], y[i]);
+}
+
+__device__ __forceinline__ uint16_t bf16_bits(float x) {
+  uint32_t u = __float_as_uint(x);
+  if (isnan(x)) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+__global__ void to_bf16_kernel(const float* __restrict__ x, uint16_t* __restrict__ out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = bf16_bits(x[i]);
+}
+
+__global__ void bf16_round_kernel(const float* x, float* out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = __uint_as_float(uint32_t(bf16_bits(x[i])) << 16);
+}
+
+// One CTA per row; (value, index) pairs reduced in a fixed tree, lower index wins ties.
+__global__ void argmax_kernel(const float* __restrict__ x, int64_t cols, int32_t* __restrict__ out) {
+  __shared__ float bv[kThreads];
+  __shared__ int64_t bi[kThreads];
+  const float* r = x + int64_t(blockIdx.x) * cols;
+  float best = -INFINITY;
+  int64_t bidx = -1;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float v = r[c];
+    if (!isnan(v) && (bidx < 0 || v > best)) {
+      best = v;
+      bidx = c;
+    }
+  }
+  bv[threadIdx.x] = best;
+  bi[threadIdx.x] = bidx;
+  __syncthreads();
+  for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+    if (threadIdx.x < o) {
+      const float v = bv[threadIdx.x + o];
+      const int64_t i = bi[threadIdx.x + o];
+      if (i >= 0 && (bi[threadIdx.x] < 0 || v > bv[threadIdx.x] || (v == bv[threadIdx.x] && i < bi[threadIdx.x]))) {
+        bv[threadIdx.x] = v;
+        bi[threadIdx.x] = i;
+      }
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) out[blockIdx.x] = static_cast<int32_t>(bi[0] < 0 ? 0 : bi[0]);
+}
+
+__device__ __forceinline__ uint64_t mix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+__global__ void fill_normal_kernel(float* __restrict__ x, int64_t n, uint64_t seed, float mean, float stddev) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const uint64_t r = mix64(seed ^ mix64(static_cast<uint64_t>(i)));
+    const float u1 = (static_cast<float>(r >> 40) + 1.f) * (1.f / 16777216.f);  // (0, 1]
+    const float u2 = static_cast<float>((r >> 16) & 0xFFFFFF) * (1.f / 16777216.f);
+    x[i] = mean + stddev * sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
+  }
+}
+
+}  // namespace
+
+void embedding(const float* table, const int32_t* tokens, int64_t T, int64_t H, float* out, cudaStream_t s) {
+  if (T * H == 0) return;
+  embedding_kernel<<<grid_for(T * H), kThreads, 0, s>>>(table, tokens, T, H, out);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void rmsnorm(const float* x, const float* w, int64_t rows, int64_t D, float eps, float* y, cudaStream_t s) {
+  if (rows == 0) return;
+  QUADS_CHECK(rows < (int64_t(1) << 31), "cuda rmsnorm: {} rows is too many", rows);
+  rmsnorm_kernel<<<static_cast<unsigned>(rows), kThreads, 0, s>>>(x, w, D, eps, y);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void gather_rows(const float* x, const int32_t* idx, int64_t n, int div, int64_t D, float* out, cudaStream_t s) {
+  if (n * D == 0) return;
+  gather_rows_kernel<<<grid_for(n * D), kThreads, 0, s>>>(x, idx, n, div, D, out);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void qk_norm_rope_store(float* q, const float* k, const float* v, const float* qn, const float* kn, float eps,
+                        const float* cos, const float* sin, const int32_t* slot, const int32_t* pos, int64_t T,
+                        int nh, int nkv, int hd, float* kcache, float* vcache, int64_t max_len, cudaStream_t s) {
+  if (T == 0) return;
+  QUADS_CHECK(hd % 2 == 0, "cuda qk_norm_rope: head_dim {} must be even", hd);
+  qk_norm_rope_store_kernel<<<static_cast<unsigned>(T), 256, 0, s>>>(q, k, v, qn, kn, eps, cos, sin, slot, pos, nh, nkv,
+                                                                     hd, kcache, vcache, max_len);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void attention(const float* q, const float* kcache, const float* vcache, const int32_t* slot, const int32_t* pos,
+               int64_t T, int nh, int nkv, int hd, float scale, int64_t max_len, int64_t max_ctx, bool decode,
+               float* out, cudaStream_t s) {
+  if (T == 0) return;
+  QUADS_CHECK(hd % 4 == 0, "cuda attention: head_dim {} must be a multiple of 4", hd);
+  QUADS_CHECK(nh % nkv == 0, "cuda attention: {} query heads over {} kv heads", nh, nkv);
+  // Decode: the query heads of one kv head share a CTA (their K/V rows are read once into L1);
+  // prefill: 4 heads of a token per CTA.
+  int per_cta = decode ? nh / nkv : 4;
+  per_cta = std::max(1, std::min({per_cta, nh, 8}));
+  int dev = 0, max_smem = 0;
+  QUADS_CUDA_CHECK(cudaGetDevice(&dev));
+  QUADS_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  size_t smem = sizeof(float) * size_t(per_cta) * size_t(hd + max_ctx);
+  while (per_cta > 1 && smem > size_t(max_smem)) {
+    per_cta /= 2;
+    smem = sizeof(float) * size_t(per_cta) * size_t(hd + max_ctx);
+  }
+  QUADS_CHECK(smem <= size_t(max_smem), "cuda attention: a context of {} positions needs {} bytes of shared memory per "
+              "head (the device allows {})", max_ctx, smem, max_smem);
+  if (smem > 48 * 1024)
+    QUADS_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+  QUADS_CHECK(T < 65536, "cuda attention: {} tokens in one step (at most 65535)", T);
+  const dim3 grid((nh + per_cta - 1) / per_cta, static_cast<unsigned>(T));
+  attention_kernel<<<grid, 32 * per_cta, smem, s>>>(q, kcache, vcache, slot, pos, nh, nkv, hd, scale, max_len, max_ctx,
+                                                    per_cta, out);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void router_topk(const float* logits, int64_t T, int E, int k, bool norm_topk, float* probs, int32_t* idx, float* w,
+                 cudaStream_t s) {
+  if (T == 0) return;
+  router_topk_kernel<<<grid_for(T, 128), 128, 0, s>>>(logits, T, E, k, norm_topk, probs, idx, w);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void swiglu(const float* g, const float* u, int64_t n, int64_t I, float* h, cudaStream_t s) {
+  if (n * I == 0) return;
+  swiglu_kernel<<<grid_for(n * I), kThreads, 0, s>>>(g, u, n * I, h);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void moe_combine_add(const float* ye, const int32_t* inv, const float* w, int64_t T, int k, int64_t D, float* x,
+                     cudaStream_t s) {
+  if (T * D == 0) return;
+  moe_combine_add_kernel<<<grid_for(T * D), kThreads, 0, s>>>(ye, inv, w, T, k, D, x);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void add_inplace(float* y, const float* x, int64_t n, cudaStream_t s) {
+  if (n == 0) return;
+  add_kernel<<<grid_for(n), kThreads, 0, s>>>(y, x, n);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void sub(const float* x, const float* y, float* out, int64_t n, cudaStream_t s) {
+  if (n == 0) return;
+  sub_kernel<<<grid_for(n), kThreads, 0, s>>>(x, y, out, n);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void to_bf16(const float* x, uint16_t* out, int64_t n, cudaStream_t s) {
+  if (n == 0) return;
+  to_bf16_kernel<<<grid_for(n), kThreads, 0, s>>>(x, out, n);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void bf16_round(const float* x, float* out, int64_t n, cudaStream_t s) {
+  if (n == 0) return;
+  bf16_round_kernel<<<grid_for(n), kThreads, 0, s>>>(x, out, n);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void argmax_rows(const float* x, int64_t rows, int64_t cols, int32_t* out, cudaStream_t s) {
+  if (rows == 0) return;
+  argmax_kernel<<<static_cast<unsigned>(rows), kThreads, 0, s>>>(x, cols, out);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void fill_normal(float* x, int64_t n, uint64_t seed, float mean, float stddev, cudaStream_t s) {
+  if (n == 0) return;
+  fill_normal_kernel<<<grid_for(n), kThreads, 0, s>>>(x, n, seed, mean, stddev);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace quads::cuda::kern

@@ -1,0 +1,69 @@
+#pragma once
+// The layer kernels of the GPU Qwen3-MoE forward (cuda::GpuModel), as host launchers. Each one is
+// the device twin of a CPU op in cpu/ops.h (named beside it) and follows its arithmetic operation by
+// operation where that is cheap (explicit __fmul_rn / __fadd_rn: nvcc would contract a*b+c into an
+// FMA, the CPU build does not); reductions run in a fixed tree order, so results are deterministic
+// and independent of the launch, but may differ from the CPU's sequential sums in the last bits.
+// All pointers are device pointers; every launcher is asynchronous on `stream`. C++17-clean.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace quads::cuda::kern {
+
+// out[t] = table[tokens[t]] (cpu::embedding_forward). Token ids must be in range (checked on the host).
+void embedding(const float* table, const int32_t* tokens, int64_t T, int64_t H, float* out, cudaStream_t s);
+
+// y = w * (x * inv_rms) per row of D (cpu::rmsnorm_forward; sum of squares in double).
+void rmsnorm(const float* x, const float* w, int64_t rows, int64_t D, float eps, float* y, cudaStream_t s);
+
+// out[r] = x[idx[r] / div] for r < n (rows of D floats): cpu::moe_gather (div = k) and row selection.
+void gather_rows(const float* x, const int32_t* idx, int64_t n, int div, int64_t D, float* out, cudaStream_t s);
+
+// The attention prologue of one layer for T packed tokens: per-head RMSNorm of q [T, nh, hd] and
+// k [T, nkv, hd] (weights qn, kn), rotate-half RoPE with cos/sin [T, hd/2] (cpu::rope_forward),
+// q written in place; the roped k and the untouched v [T, nkv, hd] are stored in the cache at
+// (slot[t], pos[t]). Cache layout per layer: [slots, max_len, nkv, hd].
+void qk_norm_rope_store(float* q, const float* k, const float* v, const float* qn, const float* kn, float eps,
+                        const float* cos, const float* sin, const int32_t* slot, const int32_t* pos, int64_t T,
+                        int nh, int nkv, int hd, float* kcache, float* vcache, int64_t max_len, cudaStream_t s);
+
+// Causal attention over the cache (cpu::attention_forward): token t (query q[t], [nh, hd]) attends
+// to keys/values 0..pos[t] of its slot; out [T, nh*hd]. GQA: head h uses kv head h / (nh / nkv).
+// Prefill chunks and decode share the arithmetic; `decode` selects the launch shape (one CTA per
+// (sequence, kv head) holding the group's queries, vs one CTA per (token, head)). max_ctx bounds
+// pos + 1 (shared memory for the scores).
+void attention(const float* q, const float* kcache, const float* vcache, const int32_t* slot, const int32_t* pos,
+               int64_t T, int nh, int nkv, int hd, float scale, int64_t max_len, int64_t max_ctx, bool decode,
+               float* out, cudaStream_t s);
+
+// Router (cpu::router_topk_forward): softmax of logits [T, E] in float32 (sum in double), top-k by
+// repeated arg-max (ties: lower id), weights renormalized when norm_topk. idx, w: [T, k].
+void router_topk(const float* logits, int64_t T, int E, int k, bool norm_topk, float* probs, int32_t* idx, float* w,
+                 cudaStream_t s);
+
+// h = silu(g) * u with g, u [n, I] (separate buffers; cpu::swiglu_forward on the fused [n, 2I]).
+void swiglu(const float* g, const float* u, int64_t n, int64_t I, float* h, cudaStream_t s);
+
+// x[t] += sum over slots s (in order) of w[t, s] * ye[inv[t*k + s]] (cpu::moe_combine_forward then
+// cpu::add_inplace: the sum is formed first, then added).
+void moe_combine_add(const float* ye, const int32_t* inv, const float* w, int64_t T, int k, int64_t D, float* x,
+                     cudaStream_t s);
+
+// y += x (n floats).
+void add_inplace(float* y, const float* x, int64_t n, cudaStream_t s);
+// out = x - y (n floats; out may alias y): RAC's residual X - X_eff.
+void sub(const float* x, const float* y, float* out, int64_t n, cudaStream_t s);
+
+// BF16 bits of x, round to nearest even, NaN quieted (num::bf16_from_f32).
+void to_bf16(const float* x, uint16_t* out, int64_t n, cudaStream_t s);
+// out = float(bf16(x)) (num::bf16_round); may alias.
+void bf16_round(const float* x, float* out, int64_t n, cudaStream_t s);
+
+// Arg-max of each row of x [rows, cols] (first index on ties; NaN never wins).
+void argmax_rows(const float* x, int64_t rows, int64_t cols, int32_t* out, cudaStream_t s);
+
+// Pseudo-random N(mean, stddev) values, a pure function of (seed, index) (benchmarks' random weights).
+void fill_normal(float* x, int64_t n, uint64_t seed, float mean, float stddev, cudaStream_t s);
+
+}  // namespace quads::cuda::kern

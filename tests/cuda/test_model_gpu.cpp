@@ -1,0 +1,481 @@
+// The GPU Qwen3-MoE forward (cuda/model_gpu.h) against its CPU twins: each layer kernel against
+// the cpu:: op it mirrors (random data), then whole-model logits against model::Model on the
+// fixture tiny_qwen3moe_a (and against transformers' float64 logits), prefill vs decode, greedy
+// generation through the rollout engine. Every test skips itself without a GPU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <random>
+
+#include <nlohmann/json.hpp>
+
+#include "common/fixtures.h"
+#include "cpu/ops.h"
+#include "cuda/check.h"
+#include "cuda/model_gpu.h"
+#include "cuda/model_kernels.h"
+#include "cuda_test_util.h"
+#include "model/model.h"
+#include "model/rac.h"
+#include "rollout/engine.h"
+
+using namespace quads;
+using quads::cuda::DeviceArray;
+
+namespace {
+
+std::string fixture(const std::string& f) { return fixtures_dir() + "/tiny_qwen3moe_a/" + f; }
+
+const model::Weights& fixture_weights() {
+  static const model::Weights w = model::Weights::load(fixtures_dir() + "/tiny_qwen3moe_a");
+  return w;
+}
+
+nlohmann::json read_json(const std::string& path) {
+  std::ifstream f(path);
+  EXPECT_TRUE(f.good()) << path;
+  return nlohmann::json::parse(f);
+}
+
+std::vector<float> read_f32(const std::string& path) {
+  std::ifstream f(path, std::ios::binary | std::ios::ate);
+  EXPECT_TRUE(f.good()) << path;
+  const size_t n = static_cast<size_t>(f.tellg());
+  f.seekg(0);
+  std::vector<float> v(n / 4);
+  f.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(n));
+  return v;
+}
+
+double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    num += (double(a[i]) - double(b[i])) * (double(a[i]) - double(b[i]));
+    den += double(b[i]) * double(b[i]);
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+double max_abs(const std::vector<float>& a, const std::vector<float>& b) {
+  double m = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) m = std::max(m, std::fabs(double(a[i]) - double(b[i])));
+  return m;
+}
+
+std::vector<float> randn(size_t n, uint64_t seed, float sd = 1.f, float mean = 0.f) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(mean, sd);
+  std::vector<float> v(n);
+  for (auto& x : v) x = nd(rng);
+  return v;
+}
+
+template <typename T>
+DeviceArray<T> dev(const std::vector<T>& v) {
+  DeviceArray<T> a;
+  a.upload(v);
+  return a;
+}
+
+std::vector<int32_t> input_ids() { return read_json(fixture("input_ids.json"))["input_ids"].get<std::vector<int32_t>>(); }
+
+// All-position logits of one sequence through the CPU decode path (one step: prefill).
+std::vector<float> cpu_logits(const std::string& preset, const std::vector<int32_t>& ids) {
+  model::Weights w = fixture_weights();
+  model::Model m(w, model::PrecisionConfig::preset(preset));
+  model::KVCache cache(w.cfg, 1);
+  model::StepItem it;
+  it.tokens = ids;
+  it.all_logits = true;
+  return m.step(cache, {it});
+}
+
+std::vector<float> gpu_logits(cuda::GpuModel& g, const std::vector<int32_t>& ids, int64_t chunk) {
+  g.reset_cache(1, static_cast<int64_t>(ids.size()) + 4);
+  std::vector<float> out;
+  for (size_t p = 0; p < ids.size(); p += chunk) {
+    model::StepItem it;
+    it.tokens.assign(ids.begin() + p, ids.begin() + std::min(ids.size(), p + chunk));
+    it.all_logits = true;
+    const std::vector<float> lg = g.step({it});
+    out.insert(out.end(), lg.begin(), lg.end());
+  }
+  return out;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Kernels against their CPU twins
+
+TEST(CudaModelKernels, RmsnormMatchesCpu) {
+  QUADS_REQUIRE_GPU();
+  for (int64_t D : {16, 64, 2048, 2051}) {
+    const int64_t rows = 37;
+    const auto x = randn(rows * D, 1 + D, 3.f), w = randn(D, 2 + D, 0.1f, 1.f);
+    std::vector<float> want(rows * D);
+    cpu::rmsnorm_forward(x.data(), w.data(), rows, D, 1e-6f, want.data(), nullptr);
+    auto dx = dev(x), dw = dev(w);
+    DeviceArray<float> dy(rows * D);
+    cuda::kern::rmsnorm(dx.data(), dw.data(), rows, D, 1e-6f, dy.data(), nullptr);
+    // Only the double sum of squares is reordered: at most one float ulp of the scale.
+    EXPECT_LT(rel_l2(dy.download(), want), 3e-7) << "D = " << D;
+  }
+}
+
+TEST(CudaModelKernels, QkNormRopeAndAttentionMatchCpu) {
+  QUADS_REQUIRE_GPU();
+  const int nh = 8, nkv = 2, hd = 64, slots = 3;
+  const int64_t max_len = 40;
+  const float eps = 1e-6f, scale = 0.125f;
+  // Slot 1 already holds 17 positions (a previous step); this step appends 6 tokens to it and
+  // 1 token to slot 2 (empty before): a prefill chunk and a first decode position.
+  const int64_t prior = 17, n1 = 6, T = n1 + 1;
+  const auto qn = randn(hd, 3, 0.1f, 1.f), kn = randn(hd, 4, 0.1f, 1.f);
+  const int64_t kvd = int64_t(nkv) * hd;
+  // CPU reference: the whole sequence of slot 1 (prior + n1), then the new one of slot 2.
+  const int64_t L1 = prior + n1;
+  auto q1 = randn(L1 * nh * hd, 5), k1 = randn(L1 * kvd, 6), v1 = randn(L1 * kvd, 7);
+  auto q2 = randn(nh * hd, 8), k2 = randn(kvd, 9), v2 = randn(kvd, 10);
+  auto cpu_prep = [&](std::vector<float>& q, std::vector<float>& k, const std::vector<int64_t>& pos) {
+    const int64_t n = static_cast<int64_t>(pos.size());
+    std::vector<float> cs(n * hd / 2), sn(n * hd / 2);
+    cpu::rope_tables(pos.data(), n, hd, 1e6, cs.data(), sn.data());
+    std::vector<float> qq(q.size()), kk(k.size());
+    cpu::rmsnorm_forward(q.data(), qn.data(), n * nh, hd, eps, qq.data(), nullptr);
+    cpu::rmsnorm_forward(k.data(), kn.data(), n * nkv, hd, eps, kk.data(), nullptr);
+    cpu::rope_forward(qq.data(), n, nh, hd, cs.data(), sn.data());
+    cpu::rope_forward(kk.data(), n, nkv, hd, cs.data(), sn.data());
+    q = qq;
+    k = kk;
+  };
+  std::vector<int64_t> pos1(L1);
+  for (int64_t i = 0; i < L1; ++i) pos1[i] = i;
+  const std::vector<float> q1raw = q1, k1raw = k1;
+  cpu_prep(q1, k1, pos1);
+  cpu_prep(q2, k2, {0});
+  std::vector<float> want(T * nh * hd);
+  cpu::attention_forward(q1.data() + prior * nh * hd, k1.data(), v1.data(), n1, L1, nh, nkv, hd, scale, want.data(),
+                         nullptr);
+  cpu::attention_forward(q2.data(), k2.data(), v2.data(), 1, 1, nh, nkv, hd, scale, want.data() + n1 * nh * hd, nullptr);
+
+  // GPU: the prior positions go in through a first step of the same kernels.
+  DeviceArray<float> kc(size_t(slots) * max_len * kvd), vc(size_t(slots) * max_len * kvd);
+  kc.fill_bytes(0xFF);  // NaN poison: reading a position that was never written shows up
+  vc.fill_bytes(0xFF);
+  auto dqn = dev(qn), dkn = dev(kn);
+  auto run = [&](std::vector<float> q, const std::vector<float>& k, const std::vector<float>& v,
+                 const std::vector<int32_t>& slot, const std::vector<int32_t>& pos, bool decode) {
+    const int64_t n = static_cast<int64_t>(slot.size());
+    std::vector<int64_t> p64(pos.begin(), pos.end());
+    std::vector<float> cs(n * hd / 2), sn(n * hd / 2);
+    cpu::rope_tables(p64.data(), n, hd, 1e6, cs.data(), sn.data());
+    auto dq = dev(q), dk = dev(k), dv = dev(v), dc = dev(cs), ds = dev(sn);
+    auto dslot = dev(slot), dpos = dev(pos);
+    cuda::kern::qk_norm_rope_store(dq.data(), dk.data(), dv.data(), dqn.data(), dkn.data(), eps, dc.data(), ds.data(),
+                                   dslot.data(), dpos.data(), n, nh, nkv, hd, kc.data(), vc.data(), max_len, nullptr);
+    DeviceArray<float> out(n * nh * hd);
+    int64_t ctx = 1;
+    for (int32_t p : pos) ctx = std::max<int64_t>(ctx, p + 1);
+    cuda::kern::attention(dq.data(), kc.data(), vc.data(), dslot.data(), dpos.data(), n, nh, nkv, hd, scale, max_len, ctx,
+                          decode, out.data(), nullptr);
+    return std::make_pair(dq.download(), out.download());
+  };
+  std::vector<int32_t> s0(prior, 1), p0(prior);
+  for (int64_t i = 0; i < prior; ++i) p0[i] = static_cast<int32_t>(i);
+  run(std::vector<float>(q1raw.begin(), q1raw.begin() + prior * nh * hd),
+      std::vector<float>(k1raw.begin(), k1raw.begin() + prior * kvd), std::vector<float>(v1.begin(), v1.begin() + prior * kvd),
+      s0, p0, false);
+  std::vector<float> qs(q1raw.begin() + prior * nh * hd, q1raw.end()), ks(k1raw.begin() + prior * kvd, k1raw.end()),
+      vs(v1.begin() + prior * kvd, v1.end());
+  const auto q2raw = randn(nh * hd, 8), k2raw = randn(kvd, 9);
+  qs.insert(qs.end(), q2raw.begin(), q2raw.end());
+  ks.insert(ks.end(), k2raw.begin(), k2raw.end());
+  vs.insert(vs.end(), v2.begin(), v2.end());
+  std::vector<int32_t> slot(n1, 1), pos(n1);
+  for (int64_t i = 0; i < n1; ++i) pos[i] = static_cast<int32_t>(prior + i);
+  slot.push_back(2);
+  pos.push_back(0);
+  for (bool decode : {false, true}) {
+    const auto [qg, out] = run(qs, ks, vs, slot, pos, decode);
+    std::vector<float> qwant(q1.begin() + prior * nh * hd, q1.end());
+    qwant.insert(qwant.end(), q2.begin(), q2.end());
+    EXPECT_LT(rel_l2(qg, qwant), 1e-6) << "q after norm + RoPE";
+    EXPECT_LT(rel_l2(out, want), 1e-5) << "attention, decode launch = " << decode;
+  }
+  // The cache holds the roped keys of slot 1 at every position and the values as given.
+  const auto kh = kc.download(), vh = vc.download();
+  std::vector<float> kslot(kh.begin() + 1 * max_len * kvd, kh.begin() + (1 * max_len + L1) * kvd);
+  std::vector<float> vslot(vh.begin() + 1 * max_len * kvd, vh.begin() + (1 * max_len + L1) * kvd);
+  EXPECT_LT(rel_l2(kslot, k1), 1e-6);
+  EXPECT_EQ(vslot, v1);
+}
+
+TEST(CudaModelKernels, RouterSwigluCombineMatchCpu) {
+  QUADS_REQUIRE_GPU();
+  const int64_t T = 50;
+  const int E = 64, k = 8;
+  const auto logits = randn(T * E, 11, 2.f);
+  std::vector<float> probs(T * E), w(T * k);
+  std::vector<int32_t> idx(T * k);
+  cpu::router_topk_forward(logits.data(), T, E, k, true, probs.data(), idx.data(), w.data());
+  auto dl = dev(logits);
+  DeviceArray<float> dp(T * E), dw(T * k);
+  DeviceArray<int32_t> di(T * k);
+  cuda::kern::router_topk(dl.data(), T, E, k, true, dp.data(), di.data(), dw.data(), nullptr);
+  EXPECT_EQ(di.download(), idx);
+  EXPECT_LT(max_abs(dw.download(), w), 1e-6);
+  EXPECT_LT(rel_l2(dp.download(), probs), 1e-6);
+
+  const int64_t I = 96, H = 40;
+  const auto gu = randn(T * 2 * I, 12, 3.f);
+  std::vector<float> h(T * I);
+  cpu::swiglu_forward(gu.data(), T, I, h.data());
+  std::vector<float> g(T * I), u(T * I);
+  for (int64_t r = 0; r < T; ++r)
+    for (int64_t i = 0; i < I; ++i) {
+      g[r * I + i] = gu[r * 2 * I + i];
+      u[r * I + i] = gu[r * 2 * I + I + i];
+    }
+  auto dg = dev(g), du = dev(u);
+  DeviceArray<float> dh(T * I);
+  cuda::kern::swiglu(dg.data(), du.data(), T, I, dh.data(), nullptr);
+  EXPECT_LT(rel_l2(dh.download(), h), 1e-6);
+
+  // Permutation (the host's cpu::moe_permute), gather, combine + residual.
+  std::vector<int64_t> eoff(E + 1);
+  std::vector<int32_t> perm(T * k), inv(T * k);
+  cpu::moe_permute(idx.data(), T, k, E, eoff.data(), perm.data(), inv.data());
+  const auto x = randn(T * H, 13), ye = randn(T * k * H, 14), resid = randn(T * H, 15);
+  std::vector<float> xe(T * k * H), y(T * H);
+  cpu::moe_gather(x.data(), perm.data(), T * k, k, H, xe.data());
+  cpu::moe_combine_forward(ye.data(), inv.data(), w.data(), T, k, H, y.data());
+  std::vector<float> want = resid;
+  cpu::add_inplace(want.data(), y.data(), T * H);
+  auto dx = dev(x), dye = dev(ye), dres = dev(resid), dwc = dev(w);
+  auto dperm = dev(perm), dinv = dev(inv);
+  DeviceArray<float> dxe(T * k * H);
+  cuda::kern::gather_rows(dx.data(), dperm.data(), T * k, k, H, dxe.data(), nullptr);
+  EXPECT_EQ(dxe.download(), xe);
+  cuda::kern::moe_combine_add(dye.data(), dinv.data(), dwc.data(), T, k, H, dres.data(), nullptr);
+  EXPECT_EQ(dres.download(), want) << "same operations in the same order: bitwise";
+}
+
+TEST(CudaModelKernels, Bf16ArgmaxEmbedding) {
+  QUADS_REQUIRE_GPU();
+  auto x = randn(1000, 16, 100.f);
+  x[3] = std::nanf("");
+  auto dx = dev(x);
+  DeviceArray<float> r(1000);
+  cuda::kern::bf16_round(dx.data(), r.data(), 1000, nullptr);
+  const auto got = r.download();
+  for (size_t i = 0; i < x.size(); ++i) ASSERT_TRUE(cuda::testing::same_float(got[i], num::bf16_round(x[i]))) << i;
+  std::vector<float> m(3 * 700, -1.f);
+  m[5] = 3.f;
+  m[700 + 699] = 2.f;
+  m[700 + 10] = 2.f;  // tie: the lower index wins
+  m[1400 + 0] = std::nanf("");
+  m[1400 + 1] = 0.5f;
+  auto dm = dev(m);
+  DeviceArray<int32_t> am(3);
+  cuda::kern::argmax_rows(dm.data(), 3, 700, am.data(), nullptr);
+  EXPECT_EQ(am.download(), (std::vector<int32_t>{5, 10, 1}));
+  const auto table = randn(20 * 8, 17);
+  const std::vector<int32_t> toks{3, 19, 0, 3};
+  std::vector<float> want(4 * 8);
+  cpu::embedding_forward(table.data(), toks.data(), 4, 8, want.data());
+  auto dt = dev(table);
+  auto dtok = dev(toks);
+  DeviceArray<float> out(32);
+  cuda::kern::embedding(dt.data(), dtok.data(), 4, 8, out.data(), nullptr);
+  EXPECT_EQ(out.download(), want);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The whole model on the fixture
+
+TEST(CudaModelGpu, Fp32LogitsMatchCpuAndTransformers) {
+  QUADS_REQUIRE_GPU();
+  const auto ids = input_ids();
+  cuda::GpuModel g(fixture_weights(), model::PrecisionConfig::preset("fp32"));
+  EXPECT_EQ(g.linear_mode("model.layers.0.self_attn.q_proj"), cuda::GpuLinearMode::Fake);
+  const auto got = gpu_logits(g, ids, 1000);
+  const auto cpu = cpu_logits("fp32", ids);
+  const auto ref = read_f32(fixture("logits.f32"));
+  const double e_cpu = rel_l2(got, cpu), e_ref = rel_l2(got, ref);
+  std::printf("fp32: rel L2 vs CPU %.3g, vs transformers float64 %.3g\n", e_cpu, e_ref);
+  EXPECT_LT(e_cpu, 1e-5);
+  EXPECT_LT(e_ref, 1e-5);
+}
+
+TEST(CudaModelGpu, Bf16AndNvfp4LogitsMatchCpu) {
+  QUADS_REQUIRE_GPU();
+  const auto ids = input_ids();
+  // bf16: operands rounded to BF16 on both sides, FP32 accumulation in a different order: a
+  // rounding boundary of a BF16 activation can flip (one BF16 ulp, 2^-8 relative) downstream.
+  // nvfp4: identical codes and scales for weights; activations are quantized per token from
+  // float32 inputs that differ in the last bits, so an E2M1 code flips only where an input lies
+  // within that distance of a rounding boundary (rare); the rest is FP32 summation order.
+  for (const auto& [preset, tol] : std::vector<std::pair<std::string, double>>{{"bf16", 1e-3}, {"nvfp4", 2e-3},
+                                                                                {"nvfp4-2d", 2e-3}, {"fp8", 1e-3}}) {
+    cuda::GpuModel g(fixture_weights(), model::PrecisionConfig::preset(preset));
+    const auto got = gpu_logits(g, ids, 1000);
+    const auto cpu = cpu_logits(preset, ids);
+    const double e = rel_l2(got, cpu);
+    std::printf("%s: rel L2 of the logits vs the CPU model %.3g (q_proj runs as %s, down_proj as %s)\n", preset.c_str(),
+                e, cuda::gpu_linear_mode_name(g.linear_mode("model.layers.0.self_attn.q_proj")),
+                cuda::gpu_linear_mode_name(g.linear_mode("model.layers.0.mlp.experts.0.down_proj")));
+    EXPECT_LT(e, tol) << preset;
+  }
+  cuda::GpuModel g(fixture_weights(), model::PrecisionConfig::preset("nvfp4"));
+  EXPECT_EQ(g.linear_mode("model.layers.0.self_attn.q_proj"), cuda::GpuLinearMode::W4A4);
+  EXPECT_EQ(g.linear_mode("model.layers.1.mlp.experts.3.gate_proj"), cuda::GpuLinearMode::W4A4);
+  EXPECT_EQ(g.linear_mode("model.layers.0.mlp.gate"), cuda::GpuLinearMode::BF16);  // router stays high
+  EXPECT_EQ(g.linear_mode("lm_head"), cuda::GpuLinearMode::BF16);
+}
+
+// RAC with static channels calibrated on the CPU model: the W4A4 linears run the gather GEMM on
+// W's own codes, the fake-quant ones (the fixture's down_proj, K = 32) an SGEMM on W_eff[:, S].
+TEST(CudaModelGpu, RacMatchesCpu) {
+  QUADS_REQUIRE_GPU();
+  const auto ids = input_ids();
+  const auto prec = model::PrecisionConfig::preset("nvfp4");
+  model::Weights w = fixture_weights();
+  model::Model m(w, prec);
+  const int n = model::rac_calibrate(m, model::Batch::of({ids}), model::RacConfig{});
+  ASSERT_GT(n, 0);
+  model::KVCache cache(w.cfg, 1);
+  model::StepItem it;
+  it.tokens = ids;
+  it.all_logits = true;
+  const auto cpu = m.step(cache, {it});
+  cuda::GpuModel g(fixture_weights(), prec);
+  const auto plain = gpu_logits(g, ids, 1000);
+  g.set_rac(m);
+  const auto got = gpu_logits(g, ids, 1000);
+  const double e = rel_l2(got, cpu), moved = rel_l2(got, plain);
+  std::printf("nvfp4+RAC: rel L2 vs the CPU model %.3g; RAC moved the logits by %.3g\n", e, moved);
+  EXPECT_LT(e, 2e-3);
+  EXPECT_GT(moved, 5 * e) << "RAC must visibly change the logits for this test to mean anything";
+  const auto by_token = gpu_logits(g, ids, 1);
+  EXPECT_LT(rel_l2(by_token, got), 2e-3);
+  // Per-channel (not whole-block) selections are refused with the linear's name.
+  model::rac_calibrate(m, model::Batch::of({ids}), model::RacConfig{0.3, model::RacGranularity::Channel});
+  bool aligned = true;
+  for (const auto& L : m.linears()) {
+    if (L.rac_channels.empty()) continue;
+    for (size_t i = 0; i < L.rac_channels.size(); ++i) aligned &= L.rac_channels[i] % 16 == int32_t(i % 16);
+  }
+  if (!aligned) {
+    EXPECT_THROW(g.set_rac(m), Error);
+  }
+}
+
+TEST(CudaModelGpu, PrefillAndDecodeAgree) {
+  QUADS_REQUIRE_GPU();
+  const auto ids = input_ids();
+  for (const std::string preset : {"fp32", "nvfp4"}) {
+    cuda::GpuModel g(fixture_weights(), model::PrecisionConfig::preset(preset));
+    const auto whole = gpu_logits(g, ids, 1000);
+    const auto by_token = gpu_logits(g, ids, 1);
+    const auto chunks = gpu_logits(g, ids, 5);
+    const double tol = preset == "fp32" ? 1e-5 : 2e-3;
+    EXPECT_LT(rel_l2(by_token, whole), tol) << preset;
+    EXPECT_LT(rel_l2(chunks, whole), tol) << preset;
+    // Deterministic: the same step twice gives the same bits.
+    EXPECT_EQ(gpu_logits(g, ids, 5), chunks) << preset;
+  }
+}
+
+TEST(CudaModelGpu, SlotsAreIndependentAndCopied) {
+  QUADS_REQUIRE_GPU();
+  const auto ids = input_ids();
+  cuda::GpuModel g(fixture_weights(), model::PrecisionConfig::preset("fp32"));
+  const auto alone = gpu_logits(g, ids, 1000);
+  const int64_t V = g.config().vocab_size;
+  // Two sequences packed in one step (slot 2: the first 10 tokens, slot 0: all), then slot 2
+  // copied to slot 1 and continued there.
+  g.reset_cache(3, 64);
+  model::StepItem a, b;
+  a.slot = 2;
+  a.tokens.assign(ids.begin(), ids.begin() + 10);
+  b.slot = 0;
+  b.tokens = ids;
+  b.all_logits = true;
+  const auto both = g.step({a, b});
+  ASSERT_EQ(both.size(), size_t(1 + ids.size()) * V);
+  const std::vector<float> b_rows(both.begin() + V, both.end());
+  EXPECT_LT(rel_l2(b_rows, alone), 1e-5);
+  const std::vector<float> a_row(both.begin(), both.begin() + V), a_want(alone.begin() + 9 * V, alone.begin() + 10 * V);
+  EXPECT_LT(rel_l2(a_row, a_want), 1e-5);
+  g.copy(2, 1);
+  EXPECT_EQ(g.length(1), 10);
+  model::StepItem c;
+  c.slot = 1;
+  c.tokens.assign(ids.begin() + 10, ids.end());
+  c.all_logits = true;
+  const auto rest = g.step({c});
+  const std::vector<float> rest_want(alone.begin() + 10 * V, alone.end());
+  EXPECT_LT(rel_l2(rest, rest_want), 1e-5);
+  // Errors name what is wrong.
+  model::StepItem bad;
+  bad.slot = 1;
+  bad.tokens = {static_cast<int32_t>(V)};
+  EXPECT_THROW(g.step({bad}), Error);
+  bad.tokens = std::vector<int32_t>(100, 1);
+  EXPECT_THROW(g.step({bad}), Error);  // past max_len
+}
+
+// Greedy generation through the rollout engine with the GPU backend: the fixture's transformers
+// continuation in fp32, and the CPU engine's tokens in bf16 / nvfp4 up to the first step where
+// the CPU's top-2 logit margin is below 0.02 (too close for a different summation order to be
+// sure of it; on the fixture the smallest margins are 0.034 (bf16) and 0.048 (nvfp4), so all 16
+// tokens are compared).
+TEST(CudaModelGpu, GreedyGenerationMatches) {
+  QUADS_REQUIRE_GPU();
+  const auto j = read_json(fixture("greedy.json"));
+  rollout::Request r;
+  r.prompt = j["prompt"].get<std::vector<int32_t>>();
+  const auto want = j["greedy"].get<std::vector<int32_t>>();
+  r.max_new_tokens = static_cast<int>(want.size() - r.prompt.size());
+  r.sampling.greedy = true;
+  {
+    rollout::RolloutEngine eng(fixture_weights(), model::PrecisionConfig::preset("fp32"));
+    eng.set_backend(cuda::make_gpu_backend(fixture_weights(), eng.precision()));
+    const auto out = eng.generate({r, r, r});  // three copies: prefill shared, slots copied
+    for (const auto& o : out) EXPECT_EQ(o.ids(), want);
+  }
+  for (const std::string preset : {"bf16", "nvfp4"}) {
+    const auto prec = model::PrecisionConfig::preset(preset);
+    rollout::RolloutEngine cpu(fixture_weights(), prec);
+    const auto ref = cpu.generate({r})[0];
+    // The CPU's top-2 margins along its own greedy path.
+    model::Weights w = fixture_weights();
+    model::Model m(w, prec);
+    const auto ids = ref.ids();
+    model::KVCache cache(w.cfg, 1);
+    model::StepItem it;
+    it.tokens = ids;
+    it.all_logits = true;
+    const auto lg = m.step(cache, {it});
+    const int64_t V = w.cfg.vocab_size;
+    size_t sure = 0;
+    for (size_t t = r.prompt.size() - 1; t + 1 < ids.size(); ++t, ++sure) {
+      std::vector<float> row(lg.begin() + t * V, lg.begin() + (t + 1) * V);
+      std::partial_sort(row.begin(), row.begin() + 2, row.end(), std::greater<float>());
+      if (row[0] - row[1] < 0.02f) break;  // far above the logit deviations measured above
+    }
+    rollout::RolloutEngine eng(fixture_weights(), prec);
+    eng.set_backend(cuda::make_gpu_backend(fixture_weights(), prec));
+    const auto got = eng.generate({r})[0];
+    std::printf("%s: GPU greedy = CPU greedy for the first %zu tokens required (%zu generated)\n", preset.c_str(), sure,
+                ref.tokens.size());
+    EXPECT_GE(sure, size_t(8)) << preset;
+    for (size_t i = 0; i < sure; ++i) ASSERT_EQ(got.tokens[i], ref.tokens[i]) << preset << " token " << i;
+    for (size_t i = 0; i < sure; ++i) EXPECT_NEAR(got.logprobs[i], ref.logprobs[i], 1e-2) << preset << " token " << i;
+  }
+}
