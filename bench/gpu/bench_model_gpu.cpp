@@ -121,6 +121,43 @@ double run_prefill(cuda::GpuModel& g, int B, int64_t len) {
   return double(B) * len / (now() - t0);
 }
 
+// One precision's rows of the table; returns false (after printing the error) on failure.
+bool bench_precision(const model::ModelConfig& cfg, const std::string& p, double bw, bool quick) {
+  const int new_tokens = quick ? 16 : 128;
+  const int64_t prompt = 128;
+  const double peer[3] = {20, 310, 905};
+  const int batches[3] = {1, 16, 64};
+  try {
+    const double t0 = now();
+    const bool rac = p.size() > 4 && p.substr(p.size() - 4) == "+rac";
+    cuda::GpuModel g(cfg, model::PrecisionConfig::preset(rac ? p.substr(0, p.size() - 4) : p));
+    g.randomize(42, 0.02f);
+    if (rac) g.set_rac_first_channels(model::RacConfig{}.ratio);
+    std::fprintf(stderr, "%s: %.2f GB of GEMM weights on the device, set up in %.1f s\n", p.c_str(),
+                 g.weight_bytes() / 1e9, now() - t0);
+    run_decode(g, 2, 8, 4);  // warm-up
+    for (int i = 0; i < 3; ++i) {
+      const int B = batches[i];
+      const DecodeResult r = run_decode(g, B, prompt, new_tokens);
+      const double bound = B * bw * 1e9 / r.bytes_per_step;
+      std::printf("| %s | %d | %.0f | %.0f | %.2f | %.0f | %.1f | %.0f | %.1f |\n", p.c_str(), B, r.e2e_tps,
+                  r.decode_tps, r.bytes_per_step / 1e9, bound, 100.0 * r.decode_tps / bound, peer[i],
+                  r.e2e_tps / peer[i]);
+      std::fflush(stdout);
+    }
+    const int pb = quick ? 4 : 16;
+    const double tps = run_prefill(g, pb, 1024);
+    std::printf("| %s | prefill %dx1024 | %.0f prompt tok/s | | | | | 184000 | %.2f |\n", p.c_str(), pb, tps,
+                tps / 184000.0);
+    std::fflush(stdout);
+    return true;
+  } catch (const std::exception& e) {  // the other precisions still run
+    std::printf("| %s | failed: %s |\n", p.c_str(), e.what());
+    std::fflush(stdout);
+    return false;
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -141,39 +178,13 @@ int main(int argc, char** argv) {
     }
     const model::ModelConfig cfg = peer_config();
     const double bw = copy_gbs();
-    const int new_tokens = quick ? 16 : 128;
-    const int64_t prompt = 128;
-    const double peer[3] = {20, 310, 905};
-    const int batches[3] = {1, 16, 64};
     std::printf("\nPeer model (%s) on %s; copy bandwidth %.0f GB/s\n", cfg.describe().c_str(),
                 cuda::device_name(0).c_str(), bw);
     std::printf("| precision | batch | new tok/s (prefill+decode) | decode tok/s | weight GB read/step | bound tok/s | "
                 "%% of bound | transformers bf16 tok/s | x peer |\n|---|---|---|---|---|---|---|---|---|\n");
-    for (const std::string& p : precisions) {
-      const double t0 = now();
-      const bool rac = p.size() > 4 && p.substr(p.size() - 4) == "+rac";
-      cuda::GpuModel g(cfg, model::PrecisionConfig::preset(rac ? p.substr(0, p.size() - 4) : p));
-      g.randomize(42, 0.02f);
-      if (rac) g.set_rac_first_channels(model::RacConfig{}.ratio);
-      std::fprintf(stderr, "%s: %.2f GB of GEMM weights on the device, set up in %.1f s\n", p.c_str(),
-                   g.weight_bytes() / 1e9, now() - t0);
-      run_decode(g, 2, 8, 4);  // warm-up
-      for (int i = 0; i < 3; ++i) {
-        const int B = batches[i];
-        const DecodeResult r = run_decode(g, B, prompt, new_tokens);
-        const double bound = B * bw * 1e9 / r.bytes_per_step;
-        std::printf("| %s | %d | %.0f | %.0f | %.2f | %.0f | %.1f | %.0f | %.1f |\n", p.c_str(), B, r.e2e_tps,
-                    r.decode_tps, r.bytes_per_step / 1e9, bound, 100.0 * r.decode_tps / bound, peer[i],
-                    r.e2e_tps / peer[i]);
-        std::fflush(stdout);
-      }
-      const int pb = quick ? 4 : 16;
-      const double tps = run_prefill(g, pb, 1024);
-      std::printf("| %s | prefill %dx1024 | %.0f prompt tok/s | | | | | 184000 | %.2f |\n", p.c_str(), pb, tps,
-                  tps / 184000.0);
-      std::fflush(stdout);
-    }
-    return 0;
+    int failures = 0;
+    for (const std::string& p : precisions) failures += !bench_precision(cfg, p, bw, quick);
+    return failures ? 1 : 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_model_gpu: %s\n", e.what());
     return 1;

@@ -1,0 +1,129 @@
+// RolloutEngine with a StepBackend (the hook the GPU engine uses, cuda/model_gpu.h): a backend
+// that runs the CPU model on its own cache must give bitwise the engine's own results, and the
+// engine must drive the backend's cache (reset, prefill copies, slot reuse) as it drives its own.
+#include <gtest/gtest.h>
+
+#include <memory>
+
+#include "common/fixtures.h"
+#include "model/model.h"
+#include "rollout/engine.h"
+
+using namespace quads;
+using namespace quads::rollout;
+
+namespace {
+
+const model::Weights& weights() {
+  static const model::Weights w = model::Weights::load(fixtures_dir() + "/tiny_qwen3moe_a");
+  return w;
+}
+
+struct Calls {
+  int resets = 0, steps = 0, copies = 0, clears = 0, syncs = 0;
+  int slots = 0;
+  int64_t max_len = 0, max_seen = 0;
+};
+
+// The CPU model behind the backend interface, with a cache that refuses to grow past max_len.
+class CpuBackend : public StepBackend {
+ public:
+  CpuBackend(const model::Weights& w, const model::PrecisionConfig& p, Calls* calls)
+      : w_(w), m_(w_, p), calls_(calls) {}
+  std::string name() const override { return "cpu-test"; }
+  void sync(const model::Weights& w) override {
+    w_.data = w.data;
+    m_.sync();
+    ++calls_->syncs;
+  }
+  void reset(int num_slots, int64_t max_len) override {
+    cache_ = std::make_unique<model::KVCache>(w_.cfg, num_slots);
+    calls_->slots = num_slots;
+    calls_->max_len = max_len;
+    ++calls_->resets;
+  }
+  std::vector<float> step(const std::vector<model::StepItem>& items) override {
+    ++calls_->steps;
+    for (const auto& it : items) {
+      const int64_t len = cache_->length(it.slot) + static_cast<int64_t>(it.tokens.size());
+      EXPECT_LE(len, calls_->max_len) << "the engine sized the cache too small";
+      calls_->max_seen = std::max(calls_->max_seen, len);
+    }
+    return m_.step(*cache_, items);
+  }
+  void copy(int src, int dst) override {
+    cache_->copy(src, dst);
+    ++calls_->copies;
+  }
+  void clear(int slot) override {
+    cache_->clear(slot);
+    ++calls_->clears;
+  }
+
+ private:
+  model::Weights w_;
+  model::Model m_;
+  Calls* calls_;
+  std::unique_ptr<model::KVCache> cache_;
+};
+
+std::vector<Request> requests() {
+  std::vector<Request> r(5);
+  for (int i = 0; i < 5; ++i) {
+    r[i].prompt = {static_cast<int32_t>(10 + i), 200, 33, static_cast<int32_t>(7 * i + 1)};
+    r[i].max_new_tokens = 6 + i;
+    r[i].seed = 100 + i;
+    r[i].sampling.temperature = 0.9;
+  }
+  r[3].prompt = r[1].prompt;  // shared prefill: the engine copies slot 1's cache
+  r[4].sampling.greedy = true;
+  return r;
+}
+
+}  // namespace
+
+TEST(RolloutStepBackend, CpuModelBehindTheInterfaceIsBitwiseTheEngine) {
+  for (const std::string preset : {"fp32", "nvfp4"}) {
+    const auto prec = model::PrecisionConfig::preset(preset);
+    EngineOptions o;
+    o.max_batch = 3;  // fewer slots than requests: slots are cleared and reused
+    RolloutEngine plain(weights(), prec, o);
+    const std::vector<Result> want = plain.generate(requests());
+
+    Calls calls;
+    RolloutEngine eng(weights(), prec, o);
+    eng.set_backend(std::make_unique<CpuBackend>(weights(), prec, &calls));
+    ASSERT_NE(eng.backend(), nullptr);
+    const std::vector<Result> got = eng.generate(requests());
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].tokens, want[i].tokens) << preset << " request " << i;
+      EXPECT_EQ(got[i].logprobs, want[i].logprobs) << preset << " request " << i;
+      EXPECT_EQ(got[i].finish, want[i].finish);
+    }
+    EXPECT_EQ(calls.resets, 1);
+    EXPECT_EQ(calls.slots, 3);
+    EXPECT_EQ(calls.max_len, 4 + 10);  // longest prompt + max_new_tokens
+    EXPECT_GE(calls.copies, 1);        // the shared prompt
+    EXPECT_EQ(calls.clears, 5);        // every finished sequence gives its slot back
+    EXPECT_EQ(calls.steps, eng.stats().steps);
+    EXPECT_EQ(eng.stats().shared_prompts, plain.stats().shared_prompts);
+  }
+}
+
+TEST(RolloutStepBackend, SyncReachesTheBackend) {
+  const auto prec = model::PrecisionConfig::preset("fp32");
+  Calls calls;
+  RolloutEngine eng(weights(), prec);
+  eng.set_backend(std::make_unique<CpuBackend>(weights(), prec, &calls));
+  model::Weights w2 = weights();
+  for (auto& x : w2.data) x *= 0.5f;
+  eng.sync(w2);
+  EXPECT_EQ(calls.syncs, 1);
+  RolloutEngine ref(w2, prec);
+  Request r = requests()[4];
+  EXPECT_EQ(eng.generate({r})[0].tokens, ref.generate({r})[0].tokens);
+  eng.set_backend(nullptr);
+  EXPECT_EQ(eng.backend(), nullptr);
+  EXPECT_EQ(eng.generate({r})[0].tokens, ref.generate({r})[0].tokens);
+}
