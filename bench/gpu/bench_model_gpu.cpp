@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "cuda/check.h"
 #include "cuda/device.h"
 #include "cuda/model_gpu.h"
@@ -76,9 +78,12 @@ struct DecodeResult {
   double e2e_tps = 0;     // new tokens / (prefill + decode) seconds
   double decode_tps = 0;  // decode steps only
   double bytes_per_step = 0;
+  int new_tokens = 0;     // per sequence (fewer than asked when the time budget ran out)
 };
 
-DecodeResult run_decode(cuda::GpuModel& g, int B, int64_t prompt_len, int new_tokens) {
+// Greedy generation of new_tokens per sequence, stopping early after max_seconds of decoding
+// (keeps the script's run bounded whatever the speed).
+DecodeResult run_decode(cuda::GpuModel& g, int B, int64_t prompt_len, int new_tokens, double max_seconds = 1e9) {
   const int V = g.config().vocab_size;
   g.reset_cache(B, prompt_len + new_tokens + 1);
   std::vector<model::StepItem> items(B);
@@ -91,15 +96,17 @@ DecodeResult run_decode(cuda::GpuModel& g, int B, int64_t prompt_len, int new_to
   std::vector<int32_t> next = g.step_greedy(items);
   const double t1 = now();
   g.reset_stats();
-  for (int s = 1; s < new_tokens; ++s) {
+  int done = 1;
+  for (; done < new_tokens && now() - t1 < max_seconds; ++done) {
     for (int b = 0; b < B; ++b) items[b].tokens.assign(1, next[b]);
     next = g.step_greedy(items);
   }
   QUADS_CUDA_CHECK(cudaDeviceSynchronize());
   const double t2 = now();
   DecodeResult r;
-  r.e2e_tps = double(B) * new_tokens / (t2 - t0);
-  r.decode_tps = double(B) * (new_tokens - 1) / (t2 - t1);
+  r.new_tokens = done;
+  r.e2e_tps = double(B) * done / (t2 - t0);
+  r.decode_tps = double(B) * (done - 1) / (t2 - t1);
   r.bytes_per_step = g.stats().weight_bytes / std::max<int64_t>(g.stats().steps, 1);
   return r;
 }
@@ -138,9 +145,10 @@ bool bench_precision(const model::ModelConfig& cfg, const std::string& p, double
     run_decode(g, 2, 8, 4);  // warm-up
     for (int i = 0; i < 3; ++i) {
       const int B = batches[i];
-      const DecodeResult r = run_decode(g, B, prompt, new_tokens);
+      const DecodeResult r = run_decode(g, B, prompt, new_tokens, 15.0);
       const double bound = B * bw * 1e9 / r.bytes_per_step;
-      std::printf("| %s | %d | %.0f | %.0f | %.2f | %.0f | %.1f | %.0f | %.1f |\n", p.c_str(), B, r.e2e_tps,
+      std::printf("| %s | %d%s | %.0f | %.0f | %.2f | %.0f | %.1f | %.0f | %.1f |\n", p.c_str(), B,
+                  r.new_tokens < new_tokens ? fmt::format(" ({} new: time budget)", r.new_tokens).c_str() : "", r.e2e_tps,
                   r.decode_tps, r.bytes_per_step / 1e9, bound, 100.0 * r.decode_tps / bound, peer[i],
                   r.e2e_tps / peer[i]);
       std::fflush(stdout);

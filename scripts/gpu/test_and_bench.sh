@@ -57,7 +57,7 @@ rc=0
 # tests down with it. The model tests print their measured deviations (lines with "rel L2").
 run_tests() {  # name filter
   local r=0
-  timeout 240 "$tests" --gtest_filter="$2" >"$logdir/tests_$1.log" 2>&1 || r=$?
+  timeout 150 "$tests" --gtest_filter="$2" >"$logdir/tests_$1.log" 2>&1 || r=$?
   grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[==========\]|Failure|error|Expected|Which is|expected|actual|rel L2|greedy" \
     "$logdir/tests_$1.log" | head -60
   echo "tests ($1) exit code: $r"
@@ -73,9 +73,9 @@ fi
 bench=${QUADS_GPU_BENCH:-1}
 if [ "$bench" = 1 ] || [ "$bench" = model ]; then
   # shellcheck disable=SC2086
-  timeout 300 "$bin/bench_model_gpu" ${QUADS_GPU_BENCH_ARGS:-} 2>&1 | tee "$logdir/bench_model.log"
+  timeout 200 "$bin/bench_model_gpu" ${QUADS_GPU_BENCH_ARGS:-} 2>&1 | tee "$logdir/bench_model.log"
 fi
 if [ "$bench" = 1 ] || [ "$bench" = kernels ]; then
-  timeout 150 "$bin/bench_cuda" 2>&1 | tee "$logdir/bench.log"
+  timeout 100 "$bin/bench_cuda" 2>&1 | tee "$logdir/bench.log"
 fi
 exit $rc
