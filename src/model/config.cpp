@@ -172,12 +172,54 @@ ModelConfig ModelConfig::from_json(const json& j, const std::string& src) {
     QUADS_CHECK(get_int(j, "shared_expert_intermediate_size", src) == 0,
                 "{}: field 'shared_expert_intermediate_size' > 0: shared experts are not part of Qwen3-MoE", src);
   }
-  if (has(j, "quantization_config"))
-    fail("{}: field 'quantization_config' is set: pre-quantized checkpoints are not loaded (quads quantizes "
-         "float weights itself)",
-         src);
+  if (has(j, "quantization_config")) c.quantization = parse_quantization(j.at("quantization_config"), src);
   c.validate(src);
   return c;
+}
+
+QuantizationInfo ModelConfig::parse_quantization(const json& qc, const std::string& src) {
+  QUADS_CHECK(qc.is_object(), "{}: field 'quantization_config' must be an object, got {}", src, qc.dump());
+  // hf_quant_config.json and older exports nest the settings under "quantization".
+  const bool nested = qc.contains("quantization") && qc.at("quantization").is_object();
+  const json& q = nested ? qc.at("quantization") : qc;
+  const std::string at = nested ? "quantization_config.quantization" : "quantization_config";
+  QuantizationInfo info;
+  info.method = qc.contains("quant_method") && qc.at("quant_method").is_string() ? qc.at("quant_method").get<std::string>()
+                                                                                   : std::string("modelopt");
+  if (!qc.contains("quant_method")) {
+    // hf_quant_config.json has no quant_method; it is ModelOpt's own file (producer + quant_algo).
+    QUADS_CHECK(q.contains("quant_algo"), "{}: field 'quantization_config.quant_method' is missing", src);
+  }
+  QUADS_CHECK(info.method == "modelopt",
+              "{}: field 'quantization_config.quant_method' is '{}': only NVIDIA ModelOpt NVFP4 checkpoints "
+              "('modelopt') are loaded",
+              src, info.method);
+  QUADS_CHECK(q.contains("quant_algo") && q.at("quant_algo").is_string(), "{}: field '{}.quant_algo' is missing", src,
+              at);
+  info.algo = q.at("quant_algo").get<std::string>();
+  QUADS_CHECK(info.algo == "NVFP4" || info.algo == "nvfp4",
+              "{}: field '{}.quant_algo' is '{}': only NVFP4 is loaded (FP8, W4A8_AWQ, MIXED_PRECISION, ... are not)",
+              src, at, info.algo);
+  info.algo = "NVFP4";
+  if (q.contains("group_size") && !q.at("group_size").is_null()) {
+    QUADS_CHECK(q.at("group_size").is_number_integer() && q.at("group_size").get<int>() == 16,
+                "{}: field '{}.group_size' is {}: NVFP4 needs 16", src, at, q.at("group_size").dump());
+  }
+  for (const char* kv : {"kv_cache_quant_algo", "kv_cache_scheme"}) {
+    for (const json* o : {&q, &qc})
+      if (o->contains(kv))
+        QUADS_CHECK(o->at(kv).is_null(), "{}: field '{}' is {}: KV-cache quantization is not loaded", src, kv,
+                    o->at(kv).dump());
+  }
+  for (const char* ex : {"exclude_modules", "ignore"}) {
+    if (!q.contains(ex) || q.at(ex).is_null()) continue;
+    QUADS_CHECK(q.at(ex).is_array(), "{}: field '{}.{}' must be a list", src, at, ex);
+    for (const auto& m : q.at(ex)) {
+      QUADS_CHECK(m.is_string(), "{}: field '{}.{}' holds {}, not a module name", src, at, ex, m.dump());
+      info.exclude_modules.push_back(m.get<std::string>());
+    }
+  }
+  return info;
 }
 
 void ModelConfig::validate(const std::string& src) const {
@@ -219,6 +261,7 @@ ModelConfig ModelConfig::load(const std::string& path) {
 
 json ModelConfig::to_json() const {
   json j = raw.is_object() ? raw : json::object();
+  j.erase("quantization_config");  // the weights we hold are float32; an export adds its own
   j["model_type"] = "qwen3_moe";
   if (!j.contains("architectures")) j["architectures"] = {"Qwen3MoeForCausalLM"};
   j["vocab_size"] = vocab_size;

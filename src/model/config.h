@@ -5,6 +5,12 @@
 // implement (rope scaling, sliding window, attention bias, an activation other than SiLU, ...) is
 // an error naming the field; fields that cannot change the computation (dtype, token ids, dropout
 // at inference, ...) are kept as they are and written back on save.
+//
+// Pre-quantized checkpoints: a `quantization_config` of NVIDIA ModelOpt NVFP4 (quant_method
+// "modelopt", quant_algo "NVFP4" flat or under "quantization", group size 16, no KV-cache
+// quantization) is read into `quantization`; Weights::load then dequantizes the NVFP4 weights into
+// the float32 masters. Any other quantization method or algorithm is an error naming the field.
+// to_json() leaves quantization_config out: the weights in memory are float32.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -12,6 +18,14 @@
 #include <nlohmann/json.hpp>
 
 namespace quads::model {
+
+struct QuantizationInfo {
+  std::string method;   // "" (a float checkpoint) or "modelopt"
+  std::string algo;     // "NVFP4"
+  int group_size = 16;
+  std::vector<std::string> exclude_modules;  // kept in high precision (exclude_modules / ignore)
+  bool quantized() const { return !method.empty(); }
+};
 
 struct ModelConfig {
   int vocab_size = 0;
@@ -33,6 +47,7 @@ struct ModelConfig {
   double router_aux_loss_coef = 0.001;
   bool output_router_logits = false;  // HF adds the aux loss to the training loss only when true
   int max_position_embeddings = 0;
+  QuantizationInfo quantization;  // how the checkpoint's weights are stored (not how quads runs them)
 
   // The json it came from (or an empty object), re-emitted with our fields updated by to_json().
   nlohmann::json raw = nlohmann::json::object();
@@ -49,6 +64,10 @@ struct ModelConfig {
   // heads, top-k <= experts, supported rope/attention/activation settings).
   static ModelConfig from_json(const nlohmann::json& j, const std::string& source = "config.json");
   static ModelConfig load(const std::string& path);  // a config.json file
+  // Reads a quantization description: config.json's quantization_config, or the contents of a
+  // ModelOpt hf_quant_config.json ({"producer", "quantization": {...}}). Throws naming the field of
+  // anything but ModelOpt NVFP4 with group size 16 and no KV-cache quantization.
+  static QuantizationInfo parse_quantization(const nlohmann::json& q, const std::string& source);
   void validate(const std::string& source = "config") const;
 
   // Writes the transformers v5 spelling (num_local_experts, rope_parameters) plus the v4 aliases

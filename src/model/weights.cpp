@@ -11,7 +11,9 @@
 #include <fmt/format.h>
 
 #include "common/error.h"
+#include "io/quantized_checkpoint.h"
 #include "io/safetensors.h"
+#include "numerics/quantize.h"
 
 namespace quads::model {
 
@@ -147,11 +149,28 @@ std::string shape_s(const std::vector<int64_t>& s) { return io::shape_str(s); }
 
 }  // namespace
 
+namespace {
+
+// read_hf_tensors with tensors already handled skipped (`handled`: names) and parameters already
+// set marked in `filled`.
+void read_tensors(const std::vector<std::string>& files, const ModelConfig& cfg, const Layout& layout, float* dst,
+                  bool require_all, bool allow_unknown, const std::set<std::string>& handled,
+                  std::vector<uint8_t> filled);
+
+}  // namespace
+
 void read_hf_tensors(const std::vector<std::string>& files, const ModelConfig& cfg, const Layout& layout, float* dst,
                      bool require_all, bool allow_unknown) {
+  read_tensors(files, cfg, layout, dst, require_all, allow_unknown, {}, std::vector<uint8_t>(layout.params.size(), 0));
+}
+
+namespace {
+
+void read_tensors(const std::vector<std::string>& files, const ModelConfig& cfg, const Layout& layout, float* dst,
+                  bool require_all, bool allow_unknown, const std::set<std::string>& handled,
+                  std::vector<uint8_t> filled) {
   std::map<std::string, const ParamInfo*> by_name;
   for (const auto& p : layout.params) by_name[p.name] = &p;
-  std::vector<uint8_t> filled(layout.params.size(), 0);
   auto mark = [&](const ParamInfo* p, const std::string& file, const std::string& tensor) {
     const size_t i = static_cast<size_t>(p - layout.params.data());
     QUADS_CHECK(!filled[i], "{}: tensor '{}' sets parameter '{}' a second time", file, tensor, p->name);
@@ -166,6 +185,7 @@ void read_hf_tensors(const std::vector<std::string>& files, const ModelConfig& c
     for (const auto& t : f->tensors()) {
       const std::string& name = t.name;
       if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;  // a buffer, recomputed
+      if (handled.count(name)) continue;
       if (cfg.tie_word_embeddings && name == "lm_head.weight") {
         QUADS_CHECK(is_float_dtype(t.dtype), "{}: tensor '{}' has dtype {}, expected F32, BF16 or F16", path, name,
                     io::dtype_name(t.dtype));
@@ -257,15 +277,61 @@ void read_hf_tensors(const std::vector<std::string>& files, const ModelConfig& c
   }
 }
 
+}  // namespace
+
 // ---------------------------------------------------------------------------------------------
 // Weights
 
 Weights::Weights(const ModelConfig& c) : cfg(c), layout(Layout::build(c)), data(layout.total, 0.f) {}
 
 Weights Weights::load(const std::string& dir) {
-  const ModelConfig c = ModelConfig::load((fs::path(dir) / "config.json").string());
+  ModelConfig c = ModelConfig::load((fs::path(dir) / "config.json").string());
+  const fs::path hq = fs::path(dir) / "hf_quant_config.json";
+  if (!c.quantization.quantized() && fs::exists(hq)) {
+    std::ifstream f(hq);
+    json j;
+    try {
+      j = json::parse(f);
+    } catch (const json::exception& e) {
+      fail("{}: invalid JSON ({})", hq.string(), e.what());
+    }
+    c.quantization = ModelConfig::parse_quantization(j, hq.string());
+  }
   Weights w(c);
-  read_hf_tensors(checkpoint_files(dir), w.cfg, w.layout, w.data.data(), /*require_all=*/true);
+  const std::vector<std::string> files = checkpoint_files(dir);
+  if (!c.quantization.quantized()) {
+    read_hf_tensors(files, w.cfg, w.layout, w.data.data(), /*require_all=*/true);
+    return w;
+  }
+  // ModelOpt NVFP4: every (U8 NAME, F8_E4M3 NAME_scale, F32 NAME_scale_2) triple is decoded by the
+  // one quantization path (io::load_quantized_weight + num::dequantize; E2M1 x E4M3 x F32 values
+  // are exact in float32); input scales are calibration data the float model does not use; the
+  // excluded modules are read as stored.
+  io::QuantizeOptions qopt;
+  qopt.format = io::CheckpointFormat::NVFP4;
+  std::set<std::string> handled;
+  std::vector<uint8_t> filled(w.layout.params.size(), 0);
+  for (const std::string& file : files) {
+    auto f = io::SafeTensorsFile::open(file);
+    for (const std::string& name : io::quantized_weight_names(*f, qopt)) {
+      const ParamInfo* p = w.layout.find(name);
+      QUADS_CHECK(p, "{}: quantized tensor '{}' is not a parameter of this model ({})", file, name, c.describe());
+      const num::QTensor q = io::load_quantized_weight(*f, name, qopt);
+      QUADS_CHECK(p->shape.size() == 2 && p->shape[0] == q.rows && p->shape[1] == q.cols,
+                  "{}: tensor '{}' holds [{}, {}] weights, the model expects {}", file, name, q.rows, q.cols,
+                  shape_s(p->shape));
+      const size_t i = static_cast<size_t>(p - w.layout.params.data());
+      QUADS_CHECK(!filled[i], "{}: tensor '{}' sets parameter '{}' a second time", file, name, p->name);
+      filled[i] = 1;
+      num::dequantize(q, w.data.data() + p->offset);
+      for (const char* suffix : {"", "_scale", "_scale_2"}) handled.insert(name + suffix);
+      const std::string sfx = ".weight";
+      if (name.size() > sfx.size() && name.compare(name.size() - sfx.size(), sfx.size(), sfx) == 0)
+        handled.insert(name.substr(0, name.size() - sfx.size()) + ".input_scale");
+    }
+  }
+  read_tensors(files, w.cfg, w.layout, w.data.data(), /*require_all=*/true, /*allow_unknown=*/false, handled,
+               std::move(filled));
   return w;
 }
 

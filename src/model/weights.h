@@ -75,6 +75,10 @@ class Weights {
   // Every parameter must be present exactly once; unknown tensors are an error (naming them),
   // except rotary inv_freq buffers. With tied embeddings a stored lm_head.weight must equal the
   // embedding or is an error.
+  // ModelOpt NVFP4 checkpoints (`quads export --format nvfp4`, or ModelOpt's own: config.json
+  // quantization_config or hf_quant_config.json, see ModelConfig::parse_quantization): the NVFP4
+  // weights are dequantized exactly into the float32 masters, input_scale tensors are skipped, the
+  // excluded modules are read as stored; cfg.quantization says how the file was stored.
   static Weights load(const std::string& dir);
 
   // Random weights for tests: matrices N(0, stddev), norm weights 1 + N(0, norm_stddev).
