@@ -3,6 +3,7 @@
 // DIR/report.md, DIR/pass1.png, DIR/logp_gap.png, DIR/metrics.jsonl/.csv, and the table on stdout.
 //   quads compare --out runs/default
 //   quads compare --config configs/harder.toml --out runs/harder --seeds 3 --set rl.lr=5e-4
+//   quads compare --model HF_DIR --data train.jsonl [--eval-data eval.jsonl] --out runs/mine [--analyze]
 #include <omp.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "cli/command.h"
+#include "common/error.h"
 #include "rl/compare.h"
 #include "rl/config.h"
 #include "rl/report.h"
@@ -23,11 +25,11 @@
 namespace {
 
 struct Options {
-  std::string config, out, base;
+  std::string config, out, base, model, data, eval_data;
   std::vector<std::string> set;
   int64_t seeds = 0;
   int jobs = 0;
-  bool resume = false, replay = false, no_diag = false, sweep = false;
+  bool resume = false, replay = false, no_diag = false, sweep = false, analyze = false;
 };
 
 // The RAC ratio sweep on the base model only (rl/sweep.h).
@@ -48,8 +50,16 @@ int run(const Options& o) {
   if (o.replay) set.push_back("rl.routing_replay=true");
   if (o.no_diag) set.push_back("rl.diagnostics=false");
   if (o.seeds > 0) set.push_back("rl.seeds=" + std::to_string(o.seeds));
-  rl::RunConfig cfg = rl::load_config(o.config, set);
-  if (o.sweep) return run_sweep(cfg, o.out);
+  rl::RunConfig cfg = rl::load_config(o.config, set, [&](rl::RunConfig& c) {
+    if (!o.model.empty()) c.data.model = o.model;
+    if (!o.data.empty()) c.data.train = o.data;
+    if (!o.eval_data.empty()) c.data.eval = o.eval_data;
+    if (o.analyze) c.analysis.enabled = true;
+  });
+  if (o.sweep) {
+    QUADS_CHECK(!cfg.uses_dataset(), "--rac-sweep works on the generated tasks' SFT base, not with data.model");
+    return run_sweep(cfg, o.out);
+  }
   rl::CompareOptions co;
   co.out_dir = o.out;
   co.base_dir = o.base;
@@ -68,6 +78,10 @@ std::function<int()> setup(CLI::App& app) {
   app.add_option("--config", o->config, "run configuration (TOML); without it the built-in default");
   app.add_option("--out", o->out, "output folder")->required();
   app.add_option("--base", o->base, "an existing base checkpoint (quads sft) instead of DIR/base");
+  app.add_option("--model", o->model, "your own base model: HF checkpoint folder with tokenizer.json (sets data.model; no SFT)");
+  app.add_option("--data", o->data, "training prompts, JSONL {\"prompt\", \"answer\"} (sets data.train)");
+  app.add_option("--eval-data", o->eval_data, "evaluation prompts, JSONL (sets data.eval; default: held out of --data)");
+  app.add_flag("--analyze", o->analyze, "first run `analyze layers` on the base model into OUT/analysis (sets analysis.enabled)");
   app.add_option("--set", o->set, "override a config key, e.g. --set rl.lr=1e-3 (repeatable)");
   app.add_option("--seeds", o->seeds, "seeds per mode (overrides rl.seeds)");
   app.add_option("--jobs", o->jobs, "runs in flight at once (default: the OpenMP thread count; results do not depend on it)");

@@ -1,7 +1,9 @@
 // quads rl: one GRPO run in one mode from a base checkpoint.
 //   quads rl --out runs/nvfp4 --mode nvfp4 [--base DIR] [--config FILE.toml] [--set rl.steps=50]
 //            [--seed N] [--resume] [--routing-replay]
-// Without --base the base model is trained first (or reused) in OUT/base. Writes OUT/metrics.jsonl
+//   quads rl --out runs/mine --mode quads --model HF_DIR --data train.jsonl [--eval-data eval.jsonl]
+// Without --base the base model is trained first (or reused) in OUT/base. With --model (data.model)
+// that checkpoint is the base and the prompts come from the JSONL data (docs/quads.md). Writes OUT/metrics.jsonl
 // (one row per step and per evaluation), OUT/checkpoint/ and OUT/summary.json.
 #include <cstdio>
 #include <filesystem>
@@ -10,6 +12,7 @@
 #include <vector>
 
 #include "cli/command.h"
+#include "common/error.h"
 #include "rl/compare.h"
 #include "rl/config.h"
 #include "rl/modes.h"
@@ -20,7 +23,7 @@
 namespace {
 
 struct Options {
-  std::string config, out, mode = "quads", base;
+  std::string config, out, mode = "quads", base, model, data, eval_data;
   std::vector<std::string> set;
   int64_t seed = -1;
   bool resume = false, replay = false, no_diag = false;
@@ -31,12 +34,18 @@ int run(const Options& o) {
   std::vector<std::string> set = o.set;
   if (o.replay) set.push_back("rl.routing_replay=true");
   if (o.no_diag) set.push_back("rl.diagnostics=false");
-  rl::RunConfig cfg = rl::load_config(o.config, set);
+  rl::RunConfig cfg = rl::load_config(o.config, set, [&](rl::RunConfig& c) {
+    if (!o.model.empty()) c.data.model = o.model;
+    if (!o.data.empty()) c.data.train = o.data;
+    if (!o.eval_data.empty()) c.data.eval = o.eval_data;
+  });
   (void)rl::mode_spec(o.mode);
+  QUADS_CHECK(!cfg.uses_dataset() || o.base.empty(), "--base {} and --model / data.model {} both name a base model",
+              o.base, cfg.data.model);
   std::filesystem::create_directories(o.out);
   rl::save_resolved_config(cfg, o.out);
   std::string base = o.base;
-  if (base.empty()) {
+  if (base.empty() && !cfg.uses_dataset()) {
     base = o.out + "/base";
     rl::SftResult s = rl::ensure_base(cfg, base, true);
     std::fprintf(stderr, "base model %s: pass@1 %.3f%s\n", base.c_str(), s.pass1, s.cached ? " (reused)" : "");
@@ -64,6 +73,9 @@ std::function<int()> setup(CLI::App& app) {
                  "bf16 | fp8 | nvfp4 | nvfp4-tis | quads | qat-only | rac-only | qat-sym | fp32")
       ->capture_default_str();
   app.add_option("--base", o->base, "base checkpoint folder (quads sft); default: train or reuse OUT/base");
+  app.add_option("--model", o->model, "your own base model: HF checkpoint folder with tokenizer.json (sets data.model; no SFT)");
+  app.add_option("--data", o->data, "training prompts, JSONL {\"prompt\", \"answer\"} (sets data.train)");
+  app.add_option("--eval-data", o->eval_data, "evaluation prompts, JSONL (sets data.eval; default: held out of --data)");
   app.add_option("--set", o->set, "override a config key, e.g. --set rl.lr=1e-3 (repeatable)");
   app.add_option("--seed", o->seed, "run seed (default: rl.seed)");
   app.add_flag("--resume", o->resume, "continue from OUT/checkpoint (bitwise the same as an uninterrupted run)");

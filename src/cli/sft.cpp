@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cli/command.h"
+#include "common/error.h"
 #include "rl/compare.h"
 #include "rl/config.h"
 #include "rl/sft.h"
@@ -23,6 +24,8 @@ struct Options {
 int run(const Options& o) {
   using namespace quads;
   rl::RunConfig cfg = rl::load_config(o.config, o.set);
+  QUADS_CHECK(!cfg.uses_dataset(), "quads sft trains the base of the generated tasks; with data.model = {} that "
+              "checkpoint is the base already (quads rl / compare --model)", cfg.data.model);
   rl::SftResult r = rl::run_sft(cfg, o.out, true);
   std::printf("base model written to %s: final loss %.4f, pass@1 %.3f (fp32, greedy, %lld tasks), %.0f s\n",
               o.out.c_str(), r.final_loss, r.pass1, static_cast<long long>(cfg.rl.eval_size), r.seconds);

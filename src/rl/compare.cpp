@@ -21,6 +21,8 @@
 #include "rl/policy.h"
 #include "rl/report.h"
 #include "rl/sft.h"
+#include "rl/task_source.h"
+#include "analysis/layers.h"
 
 namespace fs = std::filesystem;
 
@@ -111,7 +113,56 @@ std::string observations(const ojson& summary, double margin) {
   return md;
 }
 
+std::string read_file_text(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
 }  // namespace
+
+std::vector<std::string> analyze_base(const RunConfig& cfg, const std::string& base_dir, const std::string& out_dir) {
+  const AnalysisSection& A = cfg.analysis;
+  RunInputs in = load_run_inputs(cfg, base_dir);
+  const int n = static_cast<int>(A.batches * A.batch_size);
+  std::vector<std::vector<int32_t>> seqs = in.source->calibration(n);
+  QUADS_CHECK(!seqs.empty(), "analysis: the task source gave no prompts");
+  std::vector<model::Batch> batches;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    if (i % static_cast<size_t>(A.batch_size) == 0) batches.emplace_back();
+    auto& s = seqs[i];
+    if (static_cast<int64_t>(s.size()) > A.max_len) s.resize(static_cast<size_t>(A.max_len));
+    batches.back().add(s);
+  }
+  analysis::LayersOptions lo;
+  lo.topk = static_cast<int>(A.topk);
+  lo.rac_ratio = cfg.quads.rac_ratio;
+  auto report = analysis::analyze_layers(in.weights, batches, lo);
+  report["model"] = in.base_dir;
+  const nlohmann::json d = in.source->describe();
+  report["data"] = d.contains("train") ? d["train"].value("path", "") : std::string("generated tasks (worked solutions)");
+  return analysis::write_layers_report(report, out_dir + "/analysis");
+}
+
+std::string analysis_section(const std::string& out_dir) {
+  const fs::path dir = fs::path(out_dir) / "analysis";
+  if (!fs::exists(dir / "summary.txt")) return "";
+  std::string md = "\n## Error analysis of the base model\n\n";
+  md += "Where the NVFP4 rollout error comes from, per layer (docs/analysis.md; `analysis/layers.json` has "
+        "every number):\n\n";
+  const std::pair<const char*, const char*> plots[] = {
+      {"layer_error.png", "relative output error per layer and variant"},
+      {"w_vs_a.png", "the weights' share of the W4A4 error per layer"},
+      {"logp_gap_entropy.png", "mean |log-prob gap| by the next token's entropy"}};
+  for (const auto& [file, title] : plots)
+    if (fs::exists(dir / file)) md += fmt::format("![{}](analysis/{})\n\n", title, file);
+  md += "[summary.txt](analysis/summary.txt):\n\n```\n";
+  std::string text = read_file_text((dir / "summary.txt").string());
+  if (!text.empty() && text.back() != '\n') text += '\n';
+  md += text + "```\n";
+  return md;
+}
 
 std::string summary_table(const ojson& summary) {
   const size_t n = summary.value("seeds", size_t{1});
@@ -154,9 +205,18 @@ CompareOutcome run_compare(const RunConfig& cfg, const CompareOptions& opt) {
   save_resolved_config(cfg, opt.out_dir);
   for (const auto& m : cfg.modes) (void)mode_spec(m);  // fail early on a mode without a ModeSpec
 
-  const std::string base_dir = opt.base_dir.empty() ? opt.out_dir + "/base" : opt.base_dir;
+  std::string base_dir = opt.base_dir.empty() ? opt.out_dir + "/base" : opt.base_dir;
   SftResult sft;
-  if (opt.base_dir.empty()) {
+  nlohmann::json data_info;
+  if (cfg.uses_dataset()) {
+    // Your own checkpoint is the base: no SFT. Load it and the data once to fail early.
+    QUADS_CHECK(opt.base_dir.empty(), "compare: --base {} and data.model {} both name a base model; give one",
+                opt.base_dir, cfg.data.model);
+    base_dir = cfg.data.model;
+    data_info = load_run_inputs(cfg, base_dir).source->describe();
+    sft.cached = true;
+    sft.pass1 = std::nan("");
+  } else if (opt.base_dir.empty()) {
     sft = ensure_base(cfg, base_dir, opt.progress);
   } else {
     (void)load_base(base_dir);  // fail early on a folder that is not a base checkpoint
@@ -170,7 +230,13 @@ CompareOutcome run_compare(const RunConfig& cfg, const CompareOptions& opt) {
       if (!j.is_discarded()) sft.pass1 = j.value("pass1_fp32", 0.0);
     }
   }
-  if (opt.progress)
+  if (cfg.analysis.enabled) {
+    if (opt.progress) std::fprintf(stderr, "analysis of the base model into %s/analysis\n", opt.out_dir.c_str());
+    (void)analyze_base(cfg, base_dir, opt.out_dir);
+  }
+  if (opt.progress && cfg.uses_dataset())
+    std::fprintf(stderr, "base model %s (no SFT), data %s\n", base_dir.c_str(), cfg.data.train.c_str());
+  else if (opt.progress)
     std::fprintf(stderr, "base model %s: pass@1 %.3f (fp32, greedy)%s\n", base_dir.c_str(), sft.pass1,
                  sft.cached ? ", reused" : fmt::format(", trained in {:.0f} s", sft.seconds).c_str());
 
@@ -261,7 +327,10 @@ CompareOutcome run_compare(const RunConfig& cfg, const CompareOptions& opt) {
 
   ojson summary = make_summary(per_mode);
   for (size_t i = 0; i < per_mode.size(); ++i) add_extras(summary["modes"][per_mode[i].first], rows_by_mode[i]);
-  summary["base"] = {{"dir", base_dir}, {"pass1_fp32", sft.pass1}, {"sft_seconds", sft.seconds}, {"reused", sft.cached}};
+  if (cfg.uses_dataset())
+    summary["base"] = {{"dir", base_dir}, {"sft", false}, {"data", data_info}};
+  else
+    summary["base"] = {{"dir", base_dir}, {"pass1_fp32", sft.pass1}, {"sft_seconds", sft.seconds}, {"reused", sft.cached}};
   CompareOutcome out;
   out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   summary["seconds_total"] = out.seconds;
@@ -279,6 +348,17 @@ CompareOutcome run_compare(const RunConfig& cfg, const CompareOptions& opt) {
   if (auto p = md.find(wrong); p != std::string::npos)
     md.replace(p, wrong.size(), "*max abs* is the per-step maximum |gap|, averaged over RL steps.");
   md += observations(summary, cfg.rl.collapse_margin);
+  if (cfg.uses_dataset()) {
+    md += "\n## Model and data\n\n";
+    md += fmt::format("- model: `{}` (the base of every run; no SFT)\n", base_dir);
+    md += fmt::format("- train: `{}`, {} examples\n", cfg.data.train, data_info.value("train_examples", 0));
+    md += fmt::format("- eval: {}, {} examples (greedy pass@1, rl::verify_math)\n",
+                      cfg.data.eval.empty() ? "held out of train" : "`" + cfg.data.eval + "`",
+                      data_info.value("eval_examples", 0));
+    md += fmt::format("- prompt format: {}; stop ids {}\n", data_info.value("prompt_format", "?"),
+                      data_info.contains("stop_ids") ? data_info["stop_ids"].dump() : "[]");
+  }
+  md += analysis_section(opt.out_dir);
   write_text_atomic(opt.out_dir + "/report.md", md);
   out.summary = std::move(summary);
   out.table = summary_table(out.summary);

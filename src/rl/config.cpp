@@ -79,6 +79,24 @@ std::vector<Field> fields(RunConfig& c) {
       {"tasks.countdown_numbers", &c.tasks.countdown_numbers},
       {"tasks.sort_length", &c.tasks.sort_length},
       {"tasks.seed", &c.tasks.seed},
+      {"data.model", &c.data.model},
+      {"data.train", &c.data.train},
+      {"data.eval", &c.data.eval},
+      {"data.eval_split", &c.data.eval_split},
+      {"data.prompt_field", &c.data.prompt_field},
+      {"data.answer_field", &c.data.answer_field},
+      {"data.skip_bad_lines", &c.data.skip_bad_lines},
+      {"data.prompt_format", &c.data.prompt_format},
+      {"data.system_prompt", &c.data.system_prompt},
+      {"data.max_prompt_tokens", &c.data.max_prompt_tokens},
+      {"data.skip_long_prompts", &c.data.skip_long_prompts},
+      {"data.score_truncated", &c.data.score_truncated},
+      {"data.seed", &c.data.seed},
+      {"analysis.enabled", &c.analysis.enabled},
+      {"analysis.batches", &c.analysis.batches},
+      {"analysis.batch_size", &c.analysis.batch_size},
+      {"analysis.max_len", &c.analysis.max_len},
+      {"analysis.topk", &c.analysis.topk},
   };
 }
 
@@ -410,9 +428,32 @@ void validate(const RunConfig& c, const std::string& origin) {
     for (int64_t l : *lv) check(l >= lo && l <= hi, key, std::to_string(l), fmt::format("levels run from {} to {}", lo, hi));
   }
   nonneg(t.seed, "tasks.seed");
+
+  const auto& d = c.data;
+  check(d.model.empty() || !d.train.empty(), "data.train", "\"\"", "a model folder (data.model) needs a training set");
+  check(!d.model.empty() || (d.train.empty() && d.eval.empty()), "data.model", "\"\"",
+        "datasets (data.train / data.eval) need a model folder with an HF tokenizer (the generated tasks use the "
+        "SFT base)");
+  check(d.eval_split > 0 && d.eval_split < 1, "data.eval_split", fmt::format("{}", d.eval_split), "must be in (0, 1)");
+  check(!d.prompt_field.empty(), "data.prompt_field", "\"\"", "must name a field");
+  check(!d.answer_field.empty(), "data.answer_field", "\"\"", "must name a field");
+  one_of(d.prompt_format, "data.prompt_format", {"auto", "chat", "raw"});
+  pos(d.max_prompt_tokens, "data.max_prompt_tokens");
+  nonneg(d.seed, "data.seed");
+
+  const auto& a = c.analysis;
+  pos(a.batches, "analysis.batches");
+  pos(a.batch_size, "analysis.batch_size");
+  pos(a.max_len, "analysis.max_len");
+  pos(a.topk, "analysis.topk");
 }
 
 RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  return load_config(path, overrides, {});
+}
+
+RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides,
+                      const std::function<void(RunConfig&)>& adjust) {
   RunConfig cfg;
   std::string origin = "built-in default config";
   if (!path.empty()) {
@@ -424,7 +465,8 @@ RunConfig load_config(const std::string& path, const std::vector<std::string>& o
     origin = path;
   }
   for (const auto& o : overrides) apply_override(cfg, o);
-  validate(cfg, overrides.empty() ? origin : origin + " with --set overrides");
+  if (adjust) adjust(cfg);
+  validate(cfg, origin + (overrides.empty() ? "" : " with --set overrides") + (adjust ? " and command-line options" : ""));
   return cfg;
 }
 

@@ -9,6 +9,7 @@
 //   RunConfig cfg = load_config(path_or_empty, overrides);   // "" = built-in default
 //   save_resolved_config(cfg, run_dir);                      // config.toml + config.json
 #include <cstdint>
+#include <functional>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <string_view>
@@ -93,6 +94,38 @@ struct TasksSection {
   bool operator==(const TasksSection&) const = default;
 };
 
+// Your own model and data (docs/quads.md, "Your own model and data"). With `model` empty the runs
+// use the generated tasks and the SFT base, as before; with a model folder (HF checkpoint:
+// config.json + safetensors + tokenizer.json, or a ModelOpt NVFP4 export) that folder is the base
+// (no SFT) and the prompts come from the JSONL files, rewarded by rl::verify_math.
+struct DataSection {
+  std::string model;                     // checkpoint folder; empty: generated tasks
+  std::string train;                     // JSONL of training prompts (needed with model)
+  std::string eval;                      // JSONL of evaluation prompts; empty: held out from train
+  double eval_split = 0.1;               // without eval: share of train held out (seeded by data.seed)
+  std::string prompt_field = "prompt";   // "a.b" reaches into nested objects
+  std::string answer_field = "answer";
+  bool skip_bad_lines = false;           // false: a bad line is an error naming file:line
+  std::string prompt_format = "auto";    // auto (chat when the tokenizer has <|im_start|>/<|im_end|>)
+                                         // | chat | raw
+  std::string system_prompt;             // chat format: an optional system turn
+  int64_t max_prompt_tokens = 256;       // longer prompts: an error naming file:line, or skipped
+  bool skip_long_prompts = false;
+  bool score_truncated = false;          // false: a response without a stop token earns 0
+  int64_t seed = 1234;                   // epoch shuffles and the held-out split
+  bool operator==(const DataSection&) const = default;
+};
+
+// The error analysis of the base model that `quads compare` can run first (analysis/layers.h).
+struct AnalysisSection {
+  bool enabled = false;      // also: quads compare --analyze
+  int64_t batches = 2;       // >= 2 for channel persistence
+  int64_t batch_size = 8;    // prompts per batch
+  int64_t max_len = 64;      // tokens per prompt at most
+  int64_t topk = 16;
+  bool operator==(const AnalysisSection&) const = default;
+};
+
 // Mode names the config accepts (their meaning: src/rl/modes.h). Keep in step with all_modes().
 inline const std::vector<std::string>& known_modes() {
   static const std::vector<std::string> m{"bf16",     "fp8",      "nvfp4",   "nvfp4-tis", "quads",
@@ -107,7 +140,10 @@ struct RunConfig {
   RlSection rl;
   QuadsSection quads;
   TasksSection tasks;
+  DataSection data;
+  AnalysisSection analysis;
   bool operator==(const RunConfig&) const = default;
+  bool uses_dataset() const { return !data.model.empty(); }
 
   // Conversions for the other modules.
   TaskMix task_mix() const;
@@ -126,12 +162,16 @@ void apply_override(RunConfig& cfg, std::string_view assignment);
 void validate(const RunConfig& cfg, const std::string& origin);
 // File (or the built-in default when path is empty), then overrides in order, then validate.
 RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+// The same with `adjust` applied after the overrides and before validation (command-line
+// shortcuts such as --model/--data that set keys directly, paths with any characters).
+RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides,
+                      const std::function<void(RunConfig&)>& adjust);
 
 std::string to_toml(const RunConfig& cfg);  // parse_config(to_toml(c)) == c
 nlohmann::json to_json(const RunConfig& cfg);
 // Writes dir/config.toml and dir/config.json atomically (dir must exist).
 void save_resolved_config(const RunConfig& cfg, const std::string& dir);
-// Every dotted key in file order, e.g. "modes", "model.hidden", ..., "tasks.seed".
+// Every dotted key in file order, e.g. "modes", "model.hidden", ..., "analysis.topk".
 std::vector<std::string> config_keys();
 
 }  // namespace quads::rl

@@ -16,6 +16,7 @@
 #include "rl/grpo.h"
 #include "rl/modes.h"
 #include "rl/policy.h"
+#include "rl/task_source.h"
 #include "rollout/engine.h"
 #include "train/adamw.h"
 #include "train/losses.h"
@@ -167,7 +168,7 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
   const auto t_start = Clock::now();
   const ModeSpec& spec = mode_spec(opt.mode);
   QUADS_CHECK(!opt.out_dir.empty(), "rl: no output folder given");
-  QUADS_CHECK(!opt.base_dir.empty(), "rl: no base model folder given");
+  QUADS_CHECK(cfg.uses_dataset() || !opt.base_dir.empty(), "rl: no base model folder given");
   fs::create_directories(opt.out_dir);
   const RlSection& R = cfg.rl;
   const int P = static_cast<int>(R.prompts_per_step), G = static_cast<int>(R.group_size);
@@ -175,20 +176,26 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
   const int nmb = static_cast<int>(R.minibatches);
   QUADS_CHECK(N % nmb == 0, "rl: rl.minibatches = {} must divide prompts_per_step * group_size = {}", nmb, N);
 
-  BaseModel base = load_base(opt.base_dir);
-  const CharTokenizer& tok = base.tok;
-  const model::ModelConfig& mc = base.weights.cfg;
+  RunInputs inputs = load_run_inputs(cfg, opt.base_dir);
+  const TaskSource& src = *inputs.source;
+  const model::Weights& base_w = inputs.weights;
+  const model::ModelConfig& mc = base_w.cfg;
   const int64_t V = mc.vocab_size;
   const int K = std::max(1, mc.num_experts_per_tok);
-  TaskSet tasks(cfg.task_mix(), static_cast<uint64_t>(cfg.tasks.seed), static_cast<int>(R.eval_size));
+  {
+    nlohmann::json info = src.describe();
+    info["model"] = inputs.base_dir;
+    info["model_config"] = mc.describe();
+    write_text_atomic(opt.out_dir + "/data.json", info.dump(2) + "\n");
+  }
 
   // Trainer: float32 masters in the trainer's numerics. Reference: the base, frozen.
-  model::Weights W = base.weights;
+  model::Weights W = base_w;
   model::Model trainer(W, trainer_precision(spec));
   std::optional<model::Weights> ref_w;
   std::optional<model::Model> ref;
   if (R.kl_coef > 0) {
-    ref_w.emplace(base.weights);
+    ref_w.emplace(base_w);
     ref.emplace(*ref_w, trainer_precision(spec));
   }
   train::AdamWConfig ac;
@@ -200,8 +207,8 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
   // Rollout side, with its own copy of the weights; fp32 engine for the reference evaluation.
   rollout::EngineOptions eo;
   eo.max_batch = std::max(N, 1);
-  rollout::RolloutEngine engine(base.weights, rollout_precision(spec), eo);
-  rollout::RolloutEngine engine32(base.weights, model::PrecisionConfig::preset("fp32"), eo);
+  rollout::RolloutEngine engine(base_w, rollout_precision(spec), eo);
+  rollout::RolloutEngine engine32(base_w, model::PrecisionConfig::preset("fp32"), eo);
   model::RacConfig rac;
   rac.ratio = cfg.quads.rac_ratio;
   rac.granularity = model::RacConfig::parse_granularity(cfg.quads.granularity);
@@ -209,9 +216,10 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
   QUADS_CHECK(cfg.quads.rac_selection == "static" || cfg.quads.rac_selection == "dynamic",
               "rl: quads.rac_selection = {} (static | dynamic)", cfg.quads.rac_selection);
   rac.dynamic = cfg.quads.rac_selection == "dynamic";
-  // Calibration batch for static RAC: fixed worked solutions from the training stream.
+  // Calibration batch for static RAC: fixed sequences of the source (worked solutions of the
+  // generated tasks, training prompts of a dataset).
   model::Batch calib;
-  for (const Task& t : tasks.train_batch(uint64_t(1) << 62, 16)) calib.add(make_sft_example(t, tok).tokens);
+  for (auto& seq : src.calibration(16)) calib.add(std::move(seq));
 
   PgConfig pg = cfg.pg_config();
   pg.tis = R.tis || spec.tis;
@@ -247,20 +255,19 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
 
   auto evaluate_now = [&](int64_t step) {
     const auto t = Clock::now();
-    EvalResult er = evaluate(engine, tasks.eval_set(), tok, R.max_new_tokens, R.eval_temperature,
-                             mix(static_cast<uint64_t>(opt.seed), 0xE7A1));
+    SourceEval er = evaluate_source(engine, src, R.max_new_tokens, R.eval_temperature,
+                                    mix(static_cast<uint64_t>(opt.seed), 0xE7A1));
     engine32.sync(W);
-    EvalResult e32 = evaluate(engine32, tasks.eval_set(), tok, R.max_new_tokens, R.eval_temperature,
-                              mix(static_cast<uint64_t>(opt.seed), 0xE7A1));
+    SourceEval e32 = evaluate_source(engine32, src, R.max_new_tokens, R.eval_temperature,
+                                     mix(static_cast<uint64_t>(opt.seed), 0xE7A1));
     nlohmann::json row = {{metric::kKind, "eval"},
                           {metric::kMode, opt.mode},
                           {metric::kSeed, opt.seed},
                           {metric::kStep, step},
                           {metric::kPass1, er.score.pass1},
                           {"pass1_fp32", e32.score.pass1}};
-    for (int f = 0; f < kNumFamilies; ++f)
-      if (er.score.family_count[f] > 0)
-        row[std::string("pass1_") + family_name(static_cast<Family>(f))] = er.score.family_pass1[f];
+    for (size_t g = 0; g < er.score.group_names.size(); ++g)
+      if (er.score.group_count[g] > 0) row["pass1_" + er.score.group_names[g]] = er.score.group_pass1[g];
     row["t_eval"] = since(t);
     row[metric::kElapsed] = elapsed();
     emit(std::move(row));
@@ -287,12 +294,12 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
 
     // ---- rollout
     auto t = Clock::now();
-    const std::vector<Task> batch = tasks.train_batch((static_cast<uint64_t>(opt.seed) << 32) + step * P, P);
+    const std::vector<Problem> batch = src.train_batch(opt.seed, step, P);
     std::vector<std::vector<int32_t>> prompts;
-    for (const Task& tk : batch) prompts.push_back(tok.encode_prompt(tk.prompt));
+    for (const Problem& pb : batch) prompts.push_back(pb.prompt);
     rollout::Request proto;
     proto.max_new_tokens = static_cast<int>(R.max_new_tokens);
-    proto.stop_ids = {tok.eos_id()};
+    proto.stop_ids = src.stop_ids();
     proto.sampling = sp;
     const std::vector<rollout::Result> res =
         engine.generate(rollout::group_requests(prompts, G, mix(static_cast<uint64_t>(opt.seed), step), proto));
@@ -301,7 +308,7 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
     std::vector<float> rewards(N);
     int64_t truncated = 0;
     for (int i = 0; i < N; ++i) {
-      Verdict v = verify_ids(batch[i / G], res[i].tokens, tok);
+      Verdict v = src.verify(batch[i / G], res[i].tokens);
       rewards[i] = v.reward;
       truncated += v.outcome == Outcome::Truncated;
     }

@@ -1,6 +1,8 @@
 #pragma once
 // One GRPO run in one mode (rl/modes.h): a rollout engine and a trainer with separate weights.
 // Every step (DESIGN.md, "One RL step"):
+// Inputs (rl/task_source.h): the base folder with the generated tasks, or with [data] model set,
+// that model folder with its HF tokenizer and the JSONL datasets (out_dir/data.json records which).
 //   sync      engine.sync(trainer master weights): copy + quantize once (shared num:: path);
 //             with RAC, rank the residual channels on a fixed calibration batch (static RAC)
 //   rollout   P prompts x G samples at rl.temperature; rewards by the task verifier
@@ -17,7 +19,8 @@
 // Rows go to out_dir/metrics.jsonl (keys: rl/report.h, plus the ones listed in docs/quads.md).
 //
 // Determinism: everything random is a pure function of (run seed, step): the prompts of step s are
-// training tasks [seed * 2^32 + s * P, ... + P), sample j of step s has sampling seed
+// training tasks [seed * 2^32 + s * P, ... + P) (a dataset: positions s*P .. s*P+P-1 of seeded
+// per-epoch shuffles, TaskSource::train_batch), sample j of step s has sampling seed
 // hash(seed, s) + j. So a run is bitwise repeatable, and a checkpoint (trainer weights, AdamW
 // moments and step count, the step, the metrics so far) resumes it bitwise identically.
 // Checkpoints: out_dir/checkpoint/ written as checkpoint.tmp/ and renamed into place.
@@ -38,7 +41,7 @@ namespace quads::rl {
 struct RunOptions {
   std::string mode = "bf16";
   int64_t seed = 1;
-  std::string base_dir;  // base checkpoint (quads sft)
+  std::string base_dir;  // base checkpoint (quads sft); unused when cfg.data.model is set
   std::string out_dir;   // run folder
   bool resume = false;   // continue from out_dir/checkpoint if there is one
   bool progress = true;

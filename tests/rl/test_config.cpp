@@ -55,6 +55,14 @@ TEST(RlConfig, DefaultFileMatchesBuiltInDefault) {
 TEST(RlConfig, ExampleConfigsLoad) {
   for (const char* name : {"configs/smoke.toml", "configs/compare_3seeds.toml", "configs/dr_grpo.toml"})
     EXPECT_NO_THROW(load_config(repo_file(name))) << name;
+  // The own-model example gets --model and --data from the command line (load_config's adjust).
+  RunConfig own = load_config(repo_file("configs/own_model.toml"), {}, [](RunConfig& c) {
+    c.data.model = "m";
+    c.data.train = "t.jsonl";
+  });
+  EXPECT_TRUE(own.uses_dataset());
+  EXPECT_TRUE(own.analysis.enabled);
+  EXPECT_EQ(own.data.system_prompt, "Please reason step by step, and put your final answer within \\boxed{}.");
   EXPECT_EQ(load_config(repo_file("configs/compare_3seeds.toml")).rl.seeds, 3);
   RunConfig c = parse_config("[rl]\nsteps = 7\n", "x.toml");
   RunConfig d;
