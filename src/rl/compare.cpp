@@ -235,7 +235,11 @@ CompareOutcome run_compare(const RunConfig& cfg, const CompareOptions& opt) {
     (void)analyze_base(cfg, base_dir, opt.out_dir);
   }
   if (opt.progress && cfg.uses_dataset())
-    std::fprintf(stderr, "base model %s (no SFT), data %s\n", base_dir.c_str(), cfg.data.train.c_str());
+    std::fprintf(stderr, "base model %s (no SFT), data %s: %d training and %d evaluation prompts, %d bad line(s) and "
+                 "%d long prompt(s) skipped\n",
+                 base_dir.c_str(), cfg.data.train.c_str(), data_info.value("train_examples", 0),
+                 data_info.value("eval_examples", 0), data_info.value("skipped_bad_lines", 0),
+                 data_info.value("skipped_long_prompts", 0));
   else if (opt.progress)
     std::fprintf(stderr, "base model %s: pass@1 %.3f (fp32, greedy)%s\n", base_dir.c_str(), sft.pass1,
                  sft.cached ? ", reused" : fmt::format(", trained in {:.0f} s", sft.seconds).c_str());

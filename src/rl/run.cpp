@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -187,6 +188,9 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
     info["model"] = inputs.base_dir;
     info["model_config"] = mc.describe();
     write_text_atomic(opt.out_dir + "/data.json", info.dump(2) + "\n");
+    if (opt.progress && info.value("skipped_bad_lines", 0) + info.value("skipped_long_prompts", 0) > 0)
+      std::fprintf(stderr, "data: skipped %d bad line(s) and %d long prompt(s) (listed in %s/data.json)\n",
+                   info.value("skipped_bad_lines", 0), info.value("skipped_long_prompts", 0), opt.out_dir.c_str());
   }
 
   // Trainer: float32 masters in the trainer's numerics. Reference: the base, frozen.

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 
@@ -222,7 +221,8 @@ std::vector<DatasetTasks::Item> DatasetTasks::load(const std::string& path, cons
   o.skip_bad_lines = d_.skip_bad_lines;
   const io::Dataset ds = io::load_jsonl(path, o);
   *skipped_bad += ds.skipped;
-  for (const auto& w : ds.warnings) std::fprintf(stderr, "warning: %s set: skipped %s\n", role, w.c_str());
+  // Recorded in data.json (the first 100); the commands print a one-line count.
+  for (const auto& w : ds.warnings) info_["skipped"].push_back(fmt::format("{} set: {}", role, w));
   std::vector<Item> out;
   for (const io::Example& ex : ds.examples) {
     Item it;
@@ -238,6 +238,7 @@ std::vector<DatasetTasks::Item> DatasetTasks::load(const std::string& path, cons
       QUADS_CHECK(d_.skip_bad_lines, "dataset {}: the prompt is empty (set skip_bad_lines to skip bad lines)",
                   it.where);
       ++*skipped_bad;
+      if (info_["skipped"].size() < 200) info_["skipped"].push_back(fmt::format("{} set: {}: empty prompt", role, it.where));
       continue;
     }
     for (int32_t t : it.prompt)
@@ -249,6 +250,8 @@ std::vector<DatasetTasks::Item> DatasetTasks::load(const std::string& path, cons
                   "data.skip_long_prompts = true to skip such prompts)",
                   it.where, it.prompt.size(), d_.max_prompt_tokens);
       ++*skipped_long;
+      if (info_["skipped"].size() < 200)
+        info_["skipped"].push_back(fmt::format("{} set: {}: {} prompt tokens", role, it.where, it.prompt.size()));
       continue;
     }
     out.push_back(std::move(it));

@@ -70,7 +70,8 @@ class TaskSource {
   virtual std::vector<std::vector<int32_t>> calibration(int n) const = 0;
   // pass@1 over eval_set() from its verdicts (same order), with the per-group breakdown.
   virtual SourceScore score(std::span<const Verdict> verdicts) const = 0;
-  // What the run used (recorded in the run folder as data.json).
+  // What the run used (recorded in the run folder as data.json); a dataset lists its skipped
+  // lines under "skipped" ("train set: file:line: reason", the first 100 per file).
   virtual nlohmann::json describe() const = 0;
 };
 

@@ -154,6 +154,7 @@ TEST_F(RlData, DatasetSourcePromptsStopsAndRewards) {
   EXPECT_TRUE(src.chat());
   EXPECT_EQ(src.train_size(), 7u);  // 8 examples, the bad line skipped
   EXPECT_EQ(src.describe()["skipped_bad_lines"], 1);
+  EXPECT_EQ(src.describe()["skipped"][0], "train set: " + file("train.jsonl") + ":4: no field 'answer'");
   // <|im_end|> (2), <|endoftext|> (0) and the config's eos_token_id (0 again, once).
   EXPECT_EQ(src.stop_ids(), (std::vector<int32_t>{2, 0}));
   ASSERT_EQ(src.eval_set().size(), 3u);
