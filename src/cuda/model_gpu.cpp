@@ -72,6 +72,13 @@ struct DevLinear {
   int64_t rac_nsel = 0, rac_cols = 0;
   model::OperandQuant rac_quant;
   DeviceArray<float> rac_w;
+  // Gate linears of a layer that fuses gate and up (LayerIdx::fused_gu): both weights stacked
+  // [2I, H] for one GEMM, BF16 or NVFP4 (codes, scales, and a global amax per row: the gate's on
+  // the first I rows, the up's on the others; per-row W amax is read by the same W4A4 kernel).
+  DeviceArray<uint16_t> gu_b;
+  DeviceArray<uint8_t> gu_codes, gu_scales;
+  DeviceArray<float> gu_amax;
+  Nvfp4View gu_v;
 
   double bytes() const {
     switch (mode) {
@@ -120,6 +127,8 @@ struct GpuModel::Impl {
     int64_t inter = 0;
     bool sparse = false;
     bool experts_uniform = true;  // every expert's gate/up and down share one activation quantizer
+    bool fused_gu = false;        // gate and up run as one [2I, H] GEMM per expert
+    int nexperts = 1;             // 1 for a dense MLP
   };
   std::vector<LayerIdx> layers;
   int lm_head = -1;
@@ -218,8 +227,63 @@ struct GpuModel::Impl {
         add(p + "mlp.up_proj", l, I, H, o.mlp + I * H);
         add(p + "mlp.down_proj", l, H, I, o.mlp + 2 * I * H);
       }
+      x.nexperts = o.sparse ? cfg.num_experts : 1;
+      setup_fused_gu(x);
     }
     lm_head = add("lm_head", -1, cfg.vocab_size, H, lay.lm_head);
+  }
+
+  // Gate and up share their operand (same per-token activation quantizer) and have the same
+  // weight numerics in BF16 or W4A4 with a per-tensor weight scale: one GEMM with N = 2I gives
+  // every output element from the same operands (only the GEMM's summation order may differ).
+  void setup_fused_gu(LayerIdx& x) {
+    const DevLinear& G0 = lin[x.mlp];
+    bool ok = x.experts_uniform && G0.num.act.row_local() &&
+              (G0.mode == GpuLinearMode::BF16 ||
+               (G0.mode == GpuLinearMode::W4A4 && G0.num.weight.cfg.global == num::Global::PerTensor));
+    for (int e = 0; e < x.nexperts && ok; ++e) ok = lin[x.mlp + 3 * e].num == lin[x.mlp + 3 * e + 1].num;
+    x.fused_gu = ok;
+    if (!ok) return;
+    for (int e = 0; e < x.nexperts; ++e) {
+      DevLinear& G = lin[x.mlp + 3 * e];
+      const int64_t n = 2 * G.out * G.in;
+      if (G.mode == GpuLinearMode::BF16) {
+        G.gu_b.resize(n);
+      } else {
+        G.gu_codes.resize(n / 2);
+        G.gu_scales.resize(n / 16);
+        G.gu_amax.resize(2 * G.out);
+        G.gu_v.codes = G.gu_codes.data();
+        G.gu_v.scales = G.gu_scales.data();
+        G.gu_v.amax = G.gu_amax.data();
+        G.gu_v.amax_per_row = true;
+        G.gu_v.rows = 2 * G.out;
+        G.gu_v.k = G.in;
+      }
+    }
+  }
+
+  void refresh_fused_gu() {
+    for (const LayerIdx& x : layers) {
+      if (!x.fused_gu) continue;
+      for (int e = 0; e < x.nexperts; ++e) {
+        DevLinear& G = lin[x.mlp + 3 * e];
+        const DevLinear& U = lin[x.mlp + 3 * e + 1];
+        const int64_t n = G.out * G.in;
+        const auto d2d = cudaMemcpyDeviceToDevice;
+        if (G.mode == GpuLinearMode::BF16) {
+          QUADS_CUDA_CHECK(cudaMemcpyAsync(G.gu_b.data(), G.wb.data(), sizeof(uint16_t) * n, d2d, stream));
+          QUADS_CUDA_CHECK(cudaMemcpyAsync(G.gu_b.data() + n, U.wb.data(), sizeof(uint16_t) * n, d2d, stream));
+        } else {
+          QUADS_CUDA_CHECK(cudaMemcpyAsync(G.gu_codes.data(), G.wq.codes.data(), n / 2, d2d, stream));
+          QUADS_CUDA_CHECK(cudaMemcpyAsync(G.gu_codes.data() + n / 2, U.wq.codes.data(), n / 2, d2d, stream));
+          QUADS_CUDA_CHECK(cudaMemcpyAsync(G.gu_scales.data(), G.wq.scales.data(), n / 16, d2d, stream));
+          QUADS_CUDA_CHECK(cudaMemcpyAsync(G.gu_scales.data() + n / 16, U.wq.scales.data(), n / 16, d2d, stream));
+          kern::broadcast(G.wq.amax.data(), G.gu_amax.data(), G.out, stream);
+          kern::broadcast(U.wq.amax.data(), G.gu_amax.data() + G.out, U.out, stream);
+        }
+      }
+    }
   }
 
   // Re-quantizes every linear from `master`.
@@ -250,6 +314,7 @@ struct GpuModel::Impl {
       }
     }
     for (DevLinear& L : lin) refresh_rac_weights(L);
+    refresh_fused_gu();
     QUADS_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
 
@@ -382,6 +447,26 @@ struct GpuModel::Impl {
     return op;
   }
 
+  static Nvfp4View rows_of(const Nvfp4View& v, int64_t r0, int64_t n) {
+    Nvfp4View x = v;
+    x.codes += r0 * v.k / 2;
+    x.scales += r0 * v.k / 16;
+    if (x.amax_per_row) x.amax += r0;
+    x.rows = n;
+    return x;
+  }
+
+  // Y [n, 2I] = rows r0 .. r0+n of the operand times [W_gate; W_up]^T (gate columns first).
+  void gemm_gu(const DevLinear& G, const DevLinear& U, const Operand& op, int64_t r0, int64_t n, float* Y) {
+    QUADS_CHECK(op.mode == G.mode && op.k == G.in && r0 + n <= op.rows, "GpuModel: operand mismatch at {}", G.name);
+    stats.weight_bytes += G.bytes() + U.bytes();
+    if (n == 0) return;
+    if (G.mode == GpuLinearMode::BF16)
+      gemm_bf16(*blas, op.b + r0 * G.in, G.gu_b.data(), Y, n, 2 * G.out, G.in, stream);
+    else
+      w4a4_gemm_emulated(rows_of(op.v, r0, n), G.gu_v, Y, false, stream);
+  }
+
   // Y [n, out] = rows r0 .. r0+n of the operand times W^T.
   void gemm(const DevLinear& L, const Operand& op, int64_t r0, int64_t n, float* Y) {
     QUADS_CHECK(op.mode == L.mode && op.k == L.in && r0 + n <= op.rows, "GpuModel: operand mismatch at {}", L.name);
@@ -389,15 +474,7 @@ struct GpuModel::Impl {
     if (n == 0) return;
     switch (L.mode) {
       case GpuLinearMode::BF16: gemm_bf16(*blas, op.b + r0 * L.in, L.wb.data(), Y, n, L.out, L.in, stream); break;
-      case GpuLinearMode::W4A4: {
-        Nvfp4View xv = op.v;
-        xv.codes += r0 * L.in / 2;
-        xv.scales += r0 * L.in / 16;
-        if (xv.amax_per_row) xv.amax += r0;
-        xv.rows = n;
-        w4a4_gemm_emulated(xv, L.wv, Y, false, stream);
-        break;
-      }
+      case GpuLinearMode::W4A4: w4a4_gemm_emulated(rows_of(op.v, r0, n), L.wv, Y, false, stream); break;
       case GpuLinearMode::Fake: {
         const float alpha = 1.f, beta = 0.f;
         QUADS_GPU_CUBLAS(cublasSetStream(cublas, stream));
@@ -413,13 +490,15 @@ struct GpuModel::Impl {
   // ---- MLP over R rows grouped by expert (eoff: nE + 1 row offsets); dense: one group.
   void mlp(const LayerIdx& li, int nE, const std::vector<int64_t>& eoff, const float* X, int64_t R, float* Y) {
     const int64_t H = cfg.hidden_size, I = li.inter;
-    float* gp = grow(g, size_t(R * I));
+    float* gp = grow(g, size_t(R * 2 * I));  // [R, 2I] when gate and up are fused, else [R, I]
     float* up = grow(u, size_t(R * I));
     float* hp = grow(h, size_t(R * I));
     // One operand for all rows when every expert rounds its input the same way, row by row
     // (per-token scales): the rows of one expert then come out exactly as if quantized alone.
     const DevLinear& G0 = lin[li.mlp];
     const bool shared_in = li.experts_uniform && G0.num.act.row_local();
+    bool fused = li.fused_gu && shared_in;
+    for (int e = 0; e < nE && fused; ++e) fused = lin[li.mlp + 3 * e].rac_nsel == 0 && lin[li.mlp + 3 * e + 1].rac_nsel == 0;
     Operand all;
     if (shared_in) all = prepare(G0, X, R);
     for (int e = 0; e < nE; ++e) {
@@ -427,6 +506,11 @@ struct GpuModel::Impl {
       if (n == 0) continue;
       const DevLinear& Lg = lin[li.mlp + 3 * e];
       const DevLinear& Lu = lin[li.mlp + 3 * e + 1];
+      if (fused) {
+        gemm_gu(Lg, Lu, all, r0, n, gp + r0 * 2 * I);
+        stats.expert_gemms += 1;
+        continue;
+      }
       if (shared_in) {
         gemm(Lg, all, r0, n, gp + r0 * I);
         gemm(Lu, all, r0, n, up + r0 * I);
@@ -438,7 +522,10 @@ struct GpuModel::Impl {
       }
       stats.expert_gemms += 2;
     }
-    kern::swiglu(gp, up, R, I, hp, stream);
+    if (fused)
+      kern::swiglu(gp, gp + I, 2 * I, R, I, hp, stream);
+    else
+      kern::swiglu(gp, up, I, R, I, hp, stream);
     const DevLinear& D0 = lin[li.mlp + 2];
     const bool shared_h = li.experts_uniform && D0.num.act.row_local();
     if (shared_h) all = prepare(D0, hp, R);
@@ -520,7 +607,7 @@ struct GpuModel::Impl {
     float* tp = grow(tmp, T * H);
     float* xep = grow(xe, R * H);
     float* yep = grow(ye, R * H);
-    grow(g, R * maxI);
+    grow(g, R * 2 * maxI);
     grow(u, R * maxI);
     grow(h, R * maxI);
     if (E > 0) {

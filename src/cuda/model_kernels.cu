@@ -212,12 +212,19 @@ __global__ void router_topk_kernel(const float* __restrict__ logits, int64_t T, 
     for (int s = 0; s < k; ++s) w[t * k + s] = __fdiv_rn(w[t * k + s], tot);
 }
 
-__global__ void swiglu_kernel(const float* __restrict__ g, const float* __restrict__ u, int64_t n,
-                              float* __restrict__ h) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const float gi = g[i];
-    h[i] = __fmul_rn(__fdiv_rn(gi, __fadd_rn(1.f, expf(-gi))), u[i]);
+__global__ void swiglu_kernel(const float* __restrict__ g, const float* __restrict__ u, int64_t ld, int64_t n,
+                              int64_t I, float* __restrict__ h) {
+  const int64_t total = n * I;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / I, c = i - r * I;
+    const float gi = g[r * ld + c];
+    h[i] = __fmul_rn(__fdiv_rn(gi, __fadd_rn(1.f, expf(-gi))), u[r * ld + c]);
   }
+}
+
+__global__ void broadcast_kernel(const float* __restrict__ src, float* __restrict__ dst, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    dst[i] = *src;
 }
 
 __global__ void moe_combine_add_kernel(const float* __restrict__ ye, const int32_t* __restrict__ inv,
@@ -374,9 +381,15 @@ void router_topk(const float* logits, int64_t T, int E, int k, bool norm_topk, f
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
-void swiglu(const float* g, const float* u, int64_t n, int64_t I, float* h, cudaStream_t s) {
+void swiglu(const float* g, const float* u, int64_t ld, int64_t n, int64_t I, float* h, cudaStream_t s) {
   if (n * I == 0) return;
-  swiglu_kernel<<<grid_for(n * I), kThreads, 0, s>>>(g, u, n * I, h);
+  swiglu_kernel<<<grid_for(n * I), kThreads, 0, s>>>(g, u, ld, n, I, h);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void broadcast(const float* src, float* dst, int64_t n, cudaStream_t s) {
+  if (n == 0) return;
+  broadcast_kernel<<<grid_for(n), kThreads, 0, s>>>(src, dst, n);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 

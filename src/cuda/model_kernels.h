@@ -42,8 +42,12 @@ void attention(const float* q, const float* kcache, const float* vcache, const i
 void router_topk(const float* logits, int64_t T, int E, int k, bool norm_topk, float* probs, int32_t* idx, float* w,
                  cudaStream_t s);
 
-// h = silu(g) * u with g, u [n, I] (separate buffers; cpu::swiglu_forward on the fused [n, 2I]).
-void swiglu(const float* g, const float* u, int64_t n, int64_t I, float* h, cudaStream_t s);
+// h [n, I] = silu(g) * u, row r of g and u at r * ld (cpu::swiglu_forward: the fused [n, 2I] product
+// is g = gu, u = gu + I, ld = 2I; separate [n, I] buffers have ld = I).
+void swiglu(const float* g, const float* u, int64_t ld, int64_t n, int64_t I, float* h, cudaStream_t s);
+
+// dst[i] = *src for i < n (a device scalar broadcast: per-row global scales of a fused weight).
+void broadcast(const float* src, float* dst, int64_t n, cudaStream_t s);
 
 // x[t] += sum over slots s (in order) of w[t, s] * ye[inv[t*k + s]] (cpu::moe_combine_forward then
 // cpu::add_inplace: the sum is formed first, then added).

@@ -241,10 +241,17 @@ TEST(CudaModelKernels, RouterSwigluCombineMatchCpu) {
       g[r * I + i] = gu[r * 2 * I + i];
       u[r * I + i] = gu[r * 2 * I + I + i];
     }
-  auto dg = dev(g), du = dev(u);
-  DeviceArray<float> dh(T * I);
-  cuda::kern::swiglu(dg.data(), du.data(), T, I, dh.data(), nullptr);
+  auto dg = dev(g), du = dev(u), dgu = dev(gu);
+  DeviceArray<float> dh(T * I), dh2(T * I);
+  cuda::kern::swiglu(dg.data(), du.data(), I, T, I, dh.data(), nullptr);  // separate gate / up
+  cuda::kern::swiglu(dgu.data(), dgu.data() + I, 2 * I, T, I, dh2.data(), nullptr);  // the fused layout
   EXPECT_LT(rel_l2(dh.download(), h), 1e-6);
+  EXPECT_EQ(dh2.download(), dh.download());
+  std::vector<float> one{-2.5f};
+  auto d1 = dev(one);
+  DeviceArray<float> dm(1000);
+  cuda::kern::broadcast(d1.data(), dm.data(), 1000, nullptr);
+  for (float v : dm.download()) ASSERT_EQ(v, -2.5f);
 
   // Permutation (the host's cpu::moe_permute), gather, combine + residual.
   std::vector<int64_t> eoff(E + 1);
