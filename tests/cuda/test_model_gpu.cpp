@@ -281,6 +281,22 @@ TEST(CudaModelKernels, Bf16ArgmaxEmbedding) {
   cuda::kern::bf16_round(dx.data(), r.data(), 1000, nullptr);
   const auto got = r.download();
   for (size_t i = 0; i < x.size(); ++i) ASSERT_TRUE(cuda::testing::same_float(got[i], num::bf16_round(x[i]))) << i;
+  DeviceArray<uint16_t> bits(1000);
+  cuda::kern::to_bf16(dx.data(), bits.data(), 1000, nullptr);
+  const auto hb = bits.download();
+  for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(hb[i], num::bf16_from_f32(x[i])) << i;
+  // add_inplace and sub: one IEEE operation per element, bitwise the CPU's.
+  const auto y = randn(1000, 18, 3.f);
+  auto dy = dev(y);
+  cuda::kern::add_inplace(dy.data(), dx.data(), 1000, nullptr);
+  std::vector<float> sum = y;
+  cpu::add_inplace(sum.data(), x.data(), 1000);
+  const auto gsum = dy.download();
+  for (size_t i = 0; i < x.size(); ++i) ASSERT_TRUE(cuda::testing::same_float(gsum[i], sum[i])) << i;
+  DeviceArray<float> diff(1000);
+  cuda::kern::sub(dy.data(), dx.data(), diff.data(), 1000, nullptr);
+  const auto gd = diff.download();
+  for (size_t i = 0; i < x.size(); ++i) ASSERT_TRUE(cuda::testing::same_float(gd[i], sum[i] - x[i])) << i;
   std::vector<float> m(3 * 700, -1.f);
   m[5] = 3.f;
   m[700 + 699] = 2.f;
