@@ -205,11 +205,22 @@ QuantizationInfo ModelConfig::parse_quantization(const json& qc, const std::stri
     QUADS_CHECK(q.at("group_size").is_number_integer() && q.at("group_size").get<int>() == 16,
                 "{}: field '{}.group_size' is {}: NVFP4 needs 16", src, at, q.at("group_size").dump());
   }
-  for (const char* kv : {"kv_cache_quant_algo", "kv_cache_scheme"}) {
-    for (const json* o : {&q, &qc})
-      if (o->contains(kv))
-        QUADS_CHECK(o->at(kv).is_null(), "{}: field '{}' is {}: KV-cache quantization is not loaded", src, kv,
-                    o->at(kv).dump());
+  // KV-cache quantization: FP8 (ModelOpt's only KV format with NVFP4 weights) is accepted and its
+  // scales skipped, since quads runs its own KV cache; anything else is an error.
+  for (const json* o : {&q, &qc}) {
+    if (o->contains("kv_cache_quant_algo") && !o->at("kv_cache_quant_algo").is_null()) {
+      const json& v = o->at("kv_cache_quant_algo");
+      QUADS_CHECK(v.is_string() && (v.get<std::string>() == "FP8" || v.get<std::string>() == "fp8"),
+                  "{}: field 'kv_cache_quant_algo' is {}: only an FP8 KV cache (or none) is accepted", src, v.dump());
+      info.kv_cache_algo = "FP8";
+    }
+    if (o->contains("kv_cache_scheme") && !o->at("kv_cache_scheme").is_null()) {
+      const json& v = o->at("kv_cache_scheme");
+      QUADS_CHECK(v.is_object() && v.value("num_bits", 0) == 8 && v.value("type", "") == "float",
+                  "{}: field 'kv_cache_scheme' is {}: only an FP8 KV cache (8-bit float) or none is accepted", src,
+                  v.dump());
+      info.kv_cache_algo = "FP8";
+    }
   }
   for (const char* ex : {"exclude_modules", "ignore"}) {
     if (!q.contains(ex) || q.at(ex).is_null()) continue;

@@ -7,8 +7,8 @@
 // at inference, ...) are kept as they are and written back on save.
 //
 // Pre-quantized checkpoints: a `quantization_config` of NVIDIA ModelOpt NVFP4 (quant_method
-// "modelopt", quant_algo "NVFP4" flat or under "quantization", group size 16, no KV-cache
-// quantization) is read into `quantization`; Weights::load then dequantizes the NVFP4 weights into
+// "modelopt", quant_algo "NVFP4" flat or under "quantization", group size 16, KV cache unquantized
+// or FP8) is read into `quantization`; Weights::load then dequantizes the NVFP4 weights into
 // the float32 masters. Any other quantization method or algorithm is an error naming the field.
 // to_json() leaves quantization_config out: the weights in memory are float32.
 #include <cstdint>
@@ -24,6 +24,9 @@ struct QuantizationInfo {
   std::string algo;     // "NVFP4"
   int group_size = 16;
   std::vector<std::string> exclude_modules;  // kept in high precision (exclude_modules / ignore)
+  std::string kv_cache_algo;  // "" or "FP8": the file's KV-cache scales (k_scale / v_scale) are
+                              // skipped; quads' own KV cache runs in float
+
   bool quantized() const { return !method.empty(); }
 };
 
@@ -66,7 +69,7 @@ struct ModelConfig {
   static ModelConfig load(const std::string& path);  // a config.json file
   // Reads a quantization description: config.json's quantization_config, or the contents of a
   // ModelOpt hf_quant_config.json ({"producer", "quantization": {...}}). Throws naming the field of
-  // anything but ModelOpt NVFP4 with group size 16 and no KV-cache quantization.
+  // anything but ModelOpt NVFP4 with group size 16 and an unquantized or FP8 KV cache.
   static QuantizationInfo parse_quantization(const nlohmann::json& q, const std::string& source);
   void validate(const std::string& source = "config") const;
 

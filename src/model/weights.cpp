@@ -305,8 +305,8 @@ Weights Weights::load(const std::string& dir) {
   }
   // ModelOpt NVFP4: every (U8 NAME, F8_E4M3 NAME_scale, F32 NAME_scale_2) triple is decoded by the
   // one quantization path (io::load_quantized_weight + num::dequantize; E2M1 x E4M3 x F32 values
-  // are exact in float32); input scales are calibration data the float model does not use; the
-  // excluded modules are read as stored.
+  // are exact in float32); input scales (and FP8 KV-cache scales) are calibration data the float
+  // model does not use; the excluded modules are read as stored.
   io::QuantizeOptions qopt;
   qopt.format = io::CheckpointFormat::NVFP4;
   std::set<std::string> handled;
@@ -328,6 +328,18 @@ Weights Weights::load(const std::string& dir) {
       const std::string sfx = ".weight";
       if (name.size() > sfx.size() && name.compare(name.size() - sfx.size(), sfx.size(), sfx) == 0)
         handled.insert(name.substr(0, name.size() - sfx.size()) + ".input_scale");
+    }
+  }
+  if (!c.quantization.kv_cache_algo.empty()) {
+    // FP8 KV-cache scales (self_attn.k_proj.k_scale, self_attn.k_scale, ...): calibration data of
+    // other engines' KV caches.
+    for (const std::string& file : files) {
+      auto f = io::SafeTensorsFile::open(file);
+      for (const auto& t : f->tensors()) {
+        const std::string& n = t.name;
+        for (const char* sfx : {".k_scale", ".v_scale"})
+          if (n.size() > 8 && n.compare(n.size() - 8, 8, sfx) == 0) handled.insert(n);
+      }
     }
   }
   read_tensors(files, w.cfg, w.layout, w.data.data(), /*require_all=*/true, /*allow_unknown=*/false, handled,

@@ -15,6 +15,7 @@
 
 #include "common/error.h"
 #include "io/export.h"
+#include "io/safetensors.h"
 #include "model/model_test_util.h"
 #include "numerics/quantize.h"
 
@@ -175,7 +176,7 @@ TEST(ModelLoadNvfp4, QuantizationConfigErrorsNameTheField) {
   e = load_error(dir);
   EXPECT_NE(e.find("quantization_config.quantization.group_size"), std::string::npos) << e;
   edit_config(dir, [](nlohmann::json& j) {
-    j["quantization_config"] = {{"quant_method", "modelopt"}, {"quant_algo", "NVFP4"}, {"kv_cache_quant_algo", "FP8"}};
+    j["quantization_config"] = {{"quant_method", "modelopt"}, {"quant_algo", "NVFP4"}, {"kv_cache_quant_algo", "INT8"}};
   });
   e = load_error(dir);
   EXPECT_NE(e.find("kv_cache_quant_algo"), std::string::npos) << e;
@@ -186,5 +187,29 @@ TEST(ModelLoadNvfp4, QuantizationConfigErrorsNameTheField) {
   const model::Weights c = model::Weights::load(dir.string());
   EXPECT_EQ(c.cfg.quantization.exclude_modules, std::vector<std::string>{"lm_head"});
   EXPECT_EQ(a.data, c.data);
+  // An FP8 KV cache (ModelOpt's usual companion of NVFP4) is accepted: its scales are skipped,
+  // and without it they are unknown tensors.
+  {
+    auto f = io::SafeTensorsFile::open((dir / "model.safetensors").string());
+    std::vector<io::TensorData> keep;
+    for (const auto& t : f->tensors()) keep.push_back(io::TensorData::raw(t.name, t.dtype, t.shape, t.data, t.nbytes));
+    const float ks = 0.01f;
+    keep.push_back(io::TensorData::from_f32("model.layers.0.self_attn.k_proj.k_scale", {}, &ks));
+    keep.push_back(io::TensorData::from_f32("model.layers.0.self_attn.v_proj.v_scale", {}, &ks));
+    auto meta = f->metadata();
+    f.reset();
+    io::write_safetensors((dir / "model.safetensors").string(), keep, meta);
+  }
+  edit_config(dir, [](nlohmann::json& j) {
+    j["quantization_config"] = {{"quant_method", "modelopt"}, {"quant_algo", "NVFP4"}, {"kv_cache_quant_algo", "FP8"}};
+  });
+  const model::Weights kv = model::Weights::load(dir.string());
+  EXPECT_EQ(kv.cfg.quantization.kv_cache_algo, "FP8");
+  EXPECT_EQ(a.data, kv.data);
+  edit_config(dir, [](nlohmann::json& j) {
+    j["quantization_config"] = {{"quant_method", "modelopt"}, {"quant_algo", "NVFP4"}};
+  });
+  e = load_error(dir);
+  EXPECT_NE(e.find("k_scale"), std::string::npos) << e;
   fs::remove_all(dir);
 }
