@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -264,6 +265,28 @@ TEST_F(RlLoopRun, CompareWritesSummaryReportAndTable) {
   const model::Weights a = model::Weights::load(base());
   const model::Weights b = model::Weights::load(dir("compare") + "/base");
   EXPECT_EQ(0, std::memcmp(a.data.data(), b.data.data(), a.data.size() * sizeof(float)));
+}
+
+// compare --analyze on the generated tasks: the SFT base analyzed on worked solutions, and the
+// report section built from DIR/analysis.
+TEST_F(RlLoopRun, AnalyzeBaseOnGeneratedTasks) {
+  rl::RunConfig cfg = tiny_config();
+  cfg.analysis.batches = 2;
+  cfg.analysis.batch_size = 3;
+  cfg.analysis.max_len = 20;
+  cfg.analysis.topk = 4;
+  const std::string out = dir("analyze");
+  const auto files = rl::analyze_base(cfg, base(), out);
+  EXPECT_NE(std::find(files.begin(), files.end(), "summary.txt"), files.end());
+  std::ifstream f(out + "/analysis/layers.json");
+  const auto j = nlohmann::json::parse(f);
+  EXPECT_EQ(j["data"], "generated tasks (worked solutions)");
+  EXPECT_EQ(j["model"], base());
+  EXPECT_EQ(j["batches"], 2);
+  EXPECT_EQ(j["topk"], 4);
+  const std::string md = rl::analysis_section(out);
+  EXPECT_NE(md.find("## Error analysis of the base model"), std::string::npos);
+  EXPECT_NE(md.find("quads analyze layers"), std::string::npos) << md;  // the summary's first line
 }
 
 }  // namespace
