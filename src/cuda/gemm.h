@@ -57,6 +57,23 @@ void w4a4_gemm_emulated(const Nvfp4View& x, const Nvfp4View& w, float* y, bool a
 void w4a4_gemm_gather(const Nvfp4View& xr, const Nvfp4View& w, const int32_t* blocks, float* y,
                       bool accumulate = true, cudaStream_t stream = nullptr, const W4A4Options& opt = {});
 
+// One expert's NVFP4 weight [n, k] (device pointers), an entry of the grouped GEMM's device table.
+struct Nvfp4Weight {
+  const uint8_t* codes = nullptr;
+  const uint8_t* scales = nullptr;
+  const float* amax = nullptr;  // 1 value, or n with w_amax_per_row
+};
+
+// Grouped (MoE experts, one launch): for every group e < groups, rows eoff[e] .. eoff[e+1] of X
+// times W_e^T into the same rows of y [x.rows, n]. eoff (int32, groups + 1 entries) and w_table
+// (groups entries) live on the device, so the host needs no group sizes (no sync): the grid covers
+// max_rows rows per group (a host bound on eoff[e+1] - eoff[e], e.g. the token count) and tiles
+// past a group's end exit at once; empty groups cost one CTA launch each per tile. Same kernel as
+// w4a4_gemm_emulated without split K, so each output is the same sum in the same order as a
+// per-expert call with splits = 1. Rows past eoff[groups] are not written.
+void w4a4_gemm_grouped(const Nvfp4View& x, const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n, int groups,
+                       const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t stream = nullptr);
+
 // out[m, 16 i + j] = x[m, 16 blocks[i] + j] for i < nsel, zeros up to out_cols (a multiple of 16):
 // the compact input of w4a4_gemm_gather's quantizer.
 void gather_blocks(const float* x, int64_t m, int64_t k, const int32_t* blocks, int64_t nsel, float* out,

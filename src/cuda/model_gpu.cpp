@@ -7,7 +7,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <map>
+#include <set>
+#include <tuple>
 
 #include <fmt/format.h>
 
@@ -103,10 +108,22 @@ struct Operand {
   Nvfp4View v;                  // W4A4
 };
 
+// Bumped whenever a scratch buffer moves: a captured CUDA graph holds raw pointers and is only
+// replayed while this is unchanged.
+size_t g_alloc_gen = 0;
+
 template <typename T>
 T* grow(DeviceArray<T>& a, size_t n) {
-  if (a.size() < n) a.resize(n + n / 4 + 256);
+  if (a.size() < n) {
+    a.resize(n + n / 4 + 256);
+    ++g_alloc_gen;
+  }
   return a.data();
+}
+
+bool env_is(const char* name, const char* value) {
+  const char* v = std::getenv(name);
+  return v && std::strcmp(v, value) == 0;
 }
 
 template <typename T>
@@ -152,18 +169,202 @@ struct GpuModel::Impl {
   DeviceArray<uint16_t> bop;
   DeviceQTensor xq;  // W4A4 activation operand (rows set per use)
 
+  // MoE on the device (default): routing by kern::moe_route, one grouped GEMM per projection per
+  // layer, no host sync in a step. QUADS_GPU_MOE=legacy keeps the old path (expert ids to the
+  // host, cpu::moe_permute, one GEMM per active expert); QUADS_GPU_GRAPHS=0 turns graphs off.
+  bool legacy_moe = false, graphs_on = true;
+  struct Grouped {
+    bool ok = false;  // the layer's experts run as grouped GEMMs
+    bool amax_row_g = false, amax_row_d = false;
+    DeviceArray<Nvfp4Weight> gu, g, u, d;        // W4A4 tables (gu: the fused [2I, H] weights)
+    DeviceArray<const uint16_t*> bgu, bg, bu, bd;  // BF16 tables
+    double expert_bytes = 0;                     // weight bytes of one expert (gate + up + down)
+  };
+  std::vector<Grouped> grouped;  // per layer
+  DeviceArray<int32_t> ecount, eoff_d, bad_d;
+  DeviceArray<unsigned long long> active_d;  // per layer: experts with rows, summed over steps
+  std::vector<int32_t> heoff;
+  DeviceArray<uint8_t> cublas_ws;
+  GpuModelStats stats_out;
+
+  // CUDA graphs of decode steps, keyed by (tokens, logits rows, attention context bucket).
+  struct Graph {
+    cudaGraphExec_t exec = nullptr;
+    size_t gen = 0;
+    double weight_bytes = 0;
+    int64_t expert_gemms = 0;
+  };
+  std::map<std::tuple<int64_t, int64_t, int64_t>, Graph> graphs;
+  std::set<std::tuple<int64_t, int64_t, int64_t>> seen;
+  bool graph_failed = false;
+
   Impl(const model::ModelConfig& c, const model::PrecisionConfig& p) : cfg(c), prec(p) {
     cfg.validate("GpuModel config");
     QUADS_CHECK(device_count() > 0, "GpuModel: no CUDA device");
     lay = model::Layout::build(cfg);
     QUADS_GPU_CUBLAS(cublasCreate(&cublas));
     QUADS_GPU_CUBLAS(cublasSetMathMode(cublas, CUBLAS_DEFAULT_MATH));  // no TF32: FP32 GEMMs stay FP32
+    // A workspace of our own: cuBLAS must not allocate while a graph is being captured.
+    cublas_ws.resize(size_t(32) << 20);
+    QUADS_GPU_CUBLAS(cublasSetWorkspace(cublas, cublas_ws.data(), cublas_ws.bytes()));
+    // A stream of our own (graphs cannot capture the legacy default stream); a blocking one, so
+    // synchronous copies on the default stream still wait for it.
+    QUADS_CUDA_CHECK(cudaStreamCreate(&stream));
+    legacy_moe = env_is("QUADS_GPU_MOE", "legacy");
+    graphs_on = !env_is("QUADS_GPU_GRAPHS", "0");
     blas = std::make_unique<Blas>();
     build_linears();
     master.resize(lay.total);
+    build_grouped();
+    const int E = std::max(cfg.num_experts, 1);
+    ecount.resize(E);
+    eoff_d.resize(E + 1);
+    bad_d.resize(1);
+    bad_d.fill_bytes(0);
+    active_d.resize(std::max(cfg.num_hidden_layers, 1));
+    active_d.fill_bytes(0);
   }
   ~Impl() {
+    clear_graphs();
     if (cublas) cublasDestroy(cublas);
+    if (stream) cudaStreamDestroy(stream);
+  }
+
+  void clear_graphs() {
+    for (auto& kv : graphs)
+      if (kv.second.exec) cudaGraphExecDestroy(kv.second.exec);
+    graphs.clear();
+    seen.clear();
+  }
+
+  // Device tables of the expert weights for the grouped GEMMs, for every sparse layer whose
+  // experts share one mode (W4A4 or BF16) and a per-token activation quantizer.
+  void build_grouped() {
+    grouped.clear();
+    grouped.resize(layers.size());
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const LayerIdx& li = layers[l];
+      Grouped& G = grouped[l];
+      if (!li.sparse) continue;
+      const DevLinear &G0 = lin[li.mlp], &U0 = lin[li.mlp + 1], &D0 = lin[li.mlp + 2];
+      const GpuLinearMode mode = G0.mode;
+      bool ok = li.experts_uniform && G0.num.act.row_local() && D0.num.act.row_local() &&
+                (mode == GpuLinearMode::W4A4 || mode == GpuLinearMode::BF16) && U0.mode == mode && D0.mode == mode;
+      if (mode == GpuLinearMode::BF16) ok &= G0.in % 8 == 0 && D0.in % 8 == 0;
+      for (int e = 0; e < li.nexperts && ok; ++e)
+        for (int j = 0; j < 3; ++j) {
+          const DevLinear& a = lin[li.mlp + 3 * e + j];
+          const DevLinear& b = lin[li.mlp + j];
+          ok &= a.mode == b.mode && a.out == b.out && a.in == b.in;
+          if (mode == GpuLinearMode::W4A4) ok &= a.wv.amax_per_row == b.wv.amax_per_row;
+        }
+      if (!ok) continue;
+      G.ok = true;
+      G.expert_bytes = G0.bytes() + U0.bytes() + D0.bytes();
+      if (mode == GpuLinearMode::W4A4) {
+        std::vector<Nvfp4Weight> gu, g, u, d;
+        auto ent = [](const Nvfp4View& v) {
+          Nvfp4Weight w;
+          w.codes = v.codes;
+          w.scales = v.scales;
+          w.amax = v.amax;
+          return w;
+        };
+        for (int e = 0; e < li.nexperts; ++e) {
+          const DevLinear& Ge = lin[li.mlp + 3 * e];
+          if (li.fused_gu) gu.push_back(ent(Ge.gu_v));
+          g.push_back(ent(Ge.wv));
+          u.push_back(ent(lin[li.mlp + 3 * e + 1].wv));
+          d.push_back(ent(lin[li.mlp + 3 * e + 2].wv));
+        }
+        G.amax_row_g = G0.wv.amax_per_row || U0.wv.amax_per_row;
+        G.amax_row_d = D0.wv.amax_per_row;
+        if (G0.wv.amax_per_row != U0.wv.amax_per_row) {
+          G.ok = false;
+          continue;
+        }
+        if (li.fused_gu) G.gu.upload(gu);
+        G.g.upload(g);
+        G.u.upload(u);
+        G.d.upload(d);
+      } else {
+        std::vector<const uint16_t*> gu, g, u, d;
+        for (int e = 0; e < li.nexperts; ++e) {
+          const DevLinear& Ge = lin[li.mlp + 3 * e];
+          if (li.fused_gu) gu.push_back(Ge.gu_b.data());
+          g.push_back(Ge.wb.data());
+          u.push_back(lin[li.mlp + 3 * e + 1].wb.data());
+          d.push_back(lin[li.mlp + 3 * e + 2].wb.data());
+        }
+        if (li.fused_gu) G.bgu.upload(gu);
+        G.bg.upload(g);
+        G.bu.upload(u);
+        G.bd.upload(d);
+      }
+    }
+  }
+
+  // The layer's experts run grouped in this step (RAC on an expert needs the per-expert path).
+  bool grouped_now(int l) const {
+    const LayerIdx& li = layers[l];
+    if (legacy_moe || !grouped[l].ok) return false;
+    for (int e = 0; e < li.nexperts; ++e)
+      for (int j = 0; j < 3; ++j)
+        if (lin[li.mlp + 3 * e + j].rac_nsel > 0) return false;
+    return true;
+  }
+
+  // The MLP of sparse layer l over the R = T * k rows X in expert order (eoff_d on the device):
+  // one GEMM launch per projection. Same operands and per-row rounding as mlp(); each expert's
+  // rows come out as a per-expert GEMM's (the W4A4 kernel without split K, BF16 our own sum).
+  void mlp_grouped(int l, int64_t T, const float* X, int64_t R, float* Y) {
+    const LayerIdx& li = layers[l];
+    const Grouped& Gt = grouped[l];
+    const int E = li.nexperts;
+    const int64_t H = cfg.hidden_size, I = li.inter;
+    float* gp = grow(g, size_t(R * 2 * I));
+    float* up = grow(u, size_t(R * I));
+    float* hp = grow(h, size_t(R * I));
+    const DevLinear& G0 = lin[li.mlp];
+    const DevLinear& D0 = lin[li.mlp + 2];
+    const Operand all = prepare(G0, X, R);
+    const int32_t* eo = eoff_d.data();
+    const bool w4 = G0.mode == GpuLinearMode::W4A4;
+    if (li.fused_gu) {
+      if (w4)
+        w4a4_gemm_grouped(all.v, Gt.gu.data(), true, 2 * I, E, eo, T, gp, stream);
+      else
+        kern::gemm_bf16_grouped(all.b, Gt.bgu.data(), 2 * I, H, E, eo, gp, stream);
+      kern::swiglu(gp, gp + I, 2 * I, R, I, hp, stream);
+      stats.expert_gemms += 1;
+    } else {
+      if (w4) {
+        w4a4_gemm_grouped(all.v, Gt.g.data(), Gt.amax_row_g, I, E, eo, T, gp, stream);
+        w4a4_gemm_grouped(all.v, Gt.u.data(), Gt.amax_row_g, I, E, eo, T, up, stream);
+      } else {
+        kern::gemm_bf16_grouped(all.b, Gt.bg.data(), I, H, E, eo, gp, stream);
+        kern::gemm_bf16_grouped(all.b, Gt.bu.data(), I, H, E, eo, up, stream);
+      }
+      kern::swiglu(gp, up, I, R, I, hp, stream);
+      stats.expert_gemms += 2;
+    }
+    const Operand od = prepare(D0, hp, R);
+    if (w4)
+      w4a4_gemm_grouped(od.v, Gt.d.data(), Gt.amax_row_d, H, E, eo, T, Y, stream);
+    else
+      kern::gemm_bf16_grouped(od.b, Gt.bd.data(), H, I, E, eo, Y, stream);
+    stats.expert_gemms += 1;
+  }
+
+  // Raises a router error recorded by kern::moe_route (after the step's final sync).
+  void check_route() {
+    if (legacy_moe) return;
+    int32_t bad = 0;
+    QUADS_CUDA_CHECK(cudaMemcpy(&bad, bad_d.data(), sizeof(int32_t), cudaMemcpyDeviceToHost));
+    if (bad) {
+      bad_d.fill_bytes(0);
+      fail("GpuModel: a router chose an expert outside 0..{} (NaN logits?)", cfg.num_experts - 1);
+    }
   }
 
   int add(const std::string& name, int layer, int64_t out, int64_t in, size_t off) {
@@ -634,9 +835,25 @@ struct GpuModel::Impl {
     const float* M = master.data();
     const float scale = static_cast<float>(1.0 / std::sqrt(double(hd)));
     const size_t cache_layer = size_t(slots) * max_len * kvd;
-    kern::embedding(M + lay.embed, tokens.data(), T, H, xp, stream);
     std::vector<int32_t> hidx(E > 0 ? T * K : 0), hperm(E > 0 ? T * K : 0), hinv(E > 0 ? T * K : 0);
     std::vector<int64_t> eoff;
+    float* xsp = grow(xs, nout * H);
+    float* xfp = grow(xf, nout * H);
+    float* lg = grow(logits, nout * V);
+
+    // A decode step with every MoE layer grouped has no host sync: it can be a CUDA graph. The
+    // attention context is rounded up to a power of two (it only sizes shared memory), so one
+    // graph serves many steps.
+    bool graphable = decode && graphs_on && !graph_failed && !legacy_moe;
+    for (int l = 0; l < cfg.num_hidden_layers && graphable; ++l) graphable = !layers[l].sparse || grouped_now(l);
+    if (graphable) {
+      int64_t c = 256;
+      while (c < max_ctx) c *= 2;
+      max_ctx = std::max(max_ctx, std::min(c, max_len));
+    }
+
+    auto body = [&]() {
+    kern::embedding(M + lay.embed, tokens.data(), T, H, xp, stream);
     for (int l = 0; l < cfg.num_hidden_layers; ++l) {
       const model::LayerOffsets& o = lay.layers[l];
       const LayerIdx& li = layers[l];
@@ -663,6 +880,25 @@ struct GpuModel::Impl {
         const Operand orr = prepare(Lr, xnp, T);
         gemm(Lr, orr, 0, T, rlogits.data());
         kern::router_topk(rlogits.data(), T, E, K, cfg.norm_topk_prob, probs.data(), idx.data(), w.data(), stream);
+        if (!legacy_moe) {
+          kern::moe_route(idx.data(), T * K, E, ecount.data(), eoff_d.data(), perm.data(), inv.data(),
+                          grouped_now(l) ? active_d.data() + l : nullptr, bad_d.data(), stream);
+          kern::gather_rows(xnp, perm.data(), T * K, K, H, xep, stream);
+          if (grouped_now(l)) {
+            mlp_grouped(l, T, xep, T * K, yep);
+          } else {
+            // RAC or mixed expert numerics: the per-expert path with the offsets from the device.
+            heoff.resize(E + 1);
+            QUADS_CUDA_CHECK(cudaMemcpyAsync(heoff.data(), eoff_d.data(), sizeof(int32_t) * (E + 1),
+                                             cudaMemcpyDeviceToHost, stream));
+            QUADS_CUDA_CHECK(cudaStreamSynchronize(stream));
+            check_route();
+            eoff.assign(heoff.begin(), heoff.end());
+            mlp(li, E, eoff, xep, T * K, yep);
+          }
+          kern::moe_combine_add(yep, inv.data(), w.data(), T, K, H, xp, stream);
+          continue;
+        }
         QUADS_CUDA_CHECK(cudaMemcpyAsync(hidx.data(), idx.data(), sizeof(int32_t) * T * K, cudaMemcpyDeviceToHost, stream));
         QUADS_CUDA_CHECK(cudaStreamSynchronize(stream));
         for (int32_t e : hidx) QUADS_CHECK(e >= 0 && e < E, "GpuModel: router of layer {} chose expert {} (NaN logits?)", l, e);
@@ -679,15 +915,91 @@ struct GpuModel::Impl {
         kern::add_inplace(xp, yep, T * H, stream);
       }
     }
-    float* xsp = grow(xs, nout * H);
-    float* xfp = grow(xf, nout * H);
-    float* lg = grow(logits, nout * V);
     kern::gather_rows(xp, sel.data(), nout, 1, H, xsp, stream);
     kern::rmsnorm(xsp, M + lay.final_norm, nout, H, eps, xfp, stream);
     const DevLinear& Llm = lin[lm_head];
     const Operand olm = prepare(Llm, xfp, nout);
     gemm(Llm, olm, 0, nout, lg);
+    };
+
+    if (!graphable) {
+      body();
+      return nout;
+    }
+    const auto key = std::make_tuple(T, nout, max_ctx);
+    auto it = graphs.find(key);
+    if (it != graphs.end() && it->second.gen != g_alloc_gen) {  // a buffer moved since the capture
+      cudaGraphExecDestroy(it->second.exec);
+      graphs.erase(it);
+      it = graphs.end();
+    }
+    if (it != graphs.end()) {
+      QUADS_CUDA_CHECK(cudaGraphLaunch(it->second.exec, stream));
+      stats.weight_bytes += it->second.weight_bytes;
+      stats.expert_gemms += it->second.expert_gemms;
+      return nout;
+    }
+    if (!seen.count(key)) {  // the first step of a shape runs eagerly (and sizes every buffer)
+      seen.insert(key);
+      body();
+      return nout;
+    }
+    capture(body, key);
     return nout;
+  }
+
+  // Captures `body_fn` into the graph for `key` and launches it; on any capture failure graphs are
+  // turned off for this model (a warning on stderr) and the step runs eagerly.
+  template <typename F>
+  void capture(F& body_fn, const std::tuple<int64_t, int64_t, int64_t>& key) {
+    const GpuModelStats before = stats;
+    const size_t gen0 = g_alloc_gen;
+    cudaGraph_t graph = nullptr;
+    std::string why;
+    bool ok = cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess;
+    if (!ok) why = "cudaStreamBeginCapture failed";
+    if (ok) {
+      try {
+        body_fn();
+      } catch (const std::exception& e) {
+        ok = false;
+        why = e.what();
+      }
+      const cudaError_t st = cudaStreamEndCapture(stream, &graph);
+      if (st != cudaSuccess) {
+        ok = false;
+        if (why.empty()) why = cudaGetErrorString(st);
+      }
+    }
+    if (ok && gen0 != g_alloc_gen) {
+      ok = false;
+      why = "a buffer was reallocated during the capture";
+    }
+    cudaGraphExec_t exec = nullptr;
+    if (ok && cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
+      ok = false;
+      why = "cudaGraphInstantiate failed";
+    }
+    if (graph) cudaGraphDestroy(graph);
+    (void)cudaGetLastError();  // capture errors are not sticky; clear the last one
+    Graph gr;
+    gr.exec = exec;
+    gr.gen = gen0;
+    gr.weight_bytes = stats.weight_bytes - before.weight_bytes;  // host-side counts of one step
+    gr.expert_gemms = stats.expert_gemms - before.expert_gemms;
+    stats.weight_bytes = before.weight_bytes;
+    stats.expert_gemms = before.expert_gemms;
+    if (!ok) {
+      if (exec) cudaGraphExecDestroy(exec);
+      graph_failed = true;
+      std::fprintf(stderr, "GpuModel: CUDA graph capture failed (%s); decode steps run eagerly\n", why.c_str());
+      body_fn();
+      return;
+    }
+    graphs[key] = gr;
+    QUADS_CUDA_CHECK(cudaGraphLaunch(exec, stream));  // the capture itself ran nothing
+    stats.weight_bytes += gr.weight_bytes;
+    stats.expert_gemms += gr.expert_gemms;
   }
 };
 
@@ -712,6 +1024,7 @@ void GpuModel::sync(const model::Weights& w) {
                 "GpuModel::sync: tensor {} does not match the model's {}", w.layout.params[i].name, m.lay.params[i].name);
   m.master.upload(w.data);
   m.requantize();
+  m.clear_graphs();
 }
 
 void GpuModel::randomize(uint64_t seed, float stddev) {
@@ -725,6 +1038,7 @@ void GpuModel::randomize(uint64_t seed, float stddev) {
       kern::fill_normal(m.master.data() + p.offset, static_cast<int64_t>(p.numel), 0, 1.f, 0.f, m.stream);
   }
   m.requantize();
+  m.clear_graphs();
 }
 
 void GpuModel::set_rac(const model::Model& m) {
@@ -741,6 +1055,7 @@ void GpuModel::set_rac(const model::Model& m) {
   QUADS_CUDA_CHECK(cudaDeviceSynchronize());
   for (size_t i = 0; i < cl.size(); ++i) g.set_rac(g.lin[i], cl[i].rac_channels, cl[i].rac_quant);
   QUADS_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+  g.clear_graphs();
 }
 
 void GpuModel::set_rac_first_channels(double ratio) {
@@ -754,6 +1069,7 @@ void GpuModel::set_rac_first_channels(double ratio) {
     g.set_rac(L, ch, q);
   }
   QUADS_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+  g.clear_graphs();
 }
 
 void GpuModel::reset_cache(int num_slots, int64_t max_len) {
@@ -766,6 +1082,7 @@ void GpuModel::reset_cache(int num_slots, int64_t max_len) {
   m.slots = num_slots;
   m.max_len = max_len;
   m.len.assign(num_slots, 0);
+  m.clear_graphs();
 }
 
 int GpuModel::num_slots() const { return impl_->slots; }
@@ -801,6 +1118,7 @@ std::vector<float> GpuModel::step(const std::vector<model::StepItem>& items) {
   std::vector<float> out(size_t(nout) * m.cfg.vocab_size);
   if (nout)
     QUADS_CUDA_CHECK(cudaMemcpy(out.data(), m.logits.data(), sizeof(float) * out.size(), cudaMemcpyDeviceToHost));
+  m.check_route();
   return out;
 }
 
@@ -813,6 +1131,7 @@ std::vector<int32_t> GpuModel::step_greedy(const std::vector<model::StepItem>& i
     kern::argmax_rows(m.logits.data(), nout, m.cfg.vocab_size, m.argmax.data(), m.stream);
     QUADS_CUDA_CHECK(cudaMemcpy(out.data(), m.argmax.data(), sizeof(int32_t) * nout, cudaMemcpyDeviceToHost));
   }
+  m.check_route();
   return out;
 }
 
@@ -828,8 +1147,19 @@ size_t GpuModel::weight_bytes() const {
   return static_cast<size_t>(b);
 }
 
-const GpuModelStats& GpuModel::stats() const { return impl_->stats; }
-void GpuModel::reset_stats() { impl_->stats = {}; }
+// Grouped MoE layers count their weight bytes on the device (experts with rows per layer).
+const GpuModelStats& GpuModel::stats() const {
+  Impl& m = *impl_;
+  m.stats_out = m.stats;
+  const std::vector<unsigned long long> active = m.active_d.download();
+  for (size_t l = 0; l < m.grouped.size() && l < active.size(); ++l)
+    m.stats_out.weight_bytes += double(active[l]) * m.grouped[l].expert_bytes;
+  return m.stats_out;
+}
+void GpuModel::reset_stats() {
+  impl_->stats = {};
+  impl_->active_d.fill_bytes(0);
+}
 
 namespace {
 

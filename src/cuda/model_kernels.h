@@ -54,6 +54,22 @@ void broadcast(const float* src, float* dst, int64_t n, cudaStream_t s);
 void moe_combine_add(const float* ye, const int32_t* inv, const float* w, int64_t T, int k, int64_t D, float* x,
                      cudaStream_t s);
 
+// Device-side cpu::moe_permute over n = T * k expert ids idx (no host sync): eoff [E + 1] row offsets
+// per expert (int32), perm [n] (row -> flat index token * k + slot, in flat order within an
+// expert), inv [n] (flat index -> row); counts [E] is scratch. active (optional) is incremented by
+// the number of experts with rows; bad (optional) is set to 1 when an id is outside 0..E-1 (those
+// entries then point at row 0, so later kernels stay in bounds; the caller reports the error).
+void moe_route(const int32_t* idx, int64_t n, int E, int32_t* counts, int32_t* eoff, int32_t* perm, int32_t* inv,
+               unsigned long long* active, int32_t* bad, cudaStream_t s);
+
+// Grouped BF16 GEMM for MoE experts: for every group e, rows eoff[e] .. eoff[e+1] of x [*, K]
+// (BF16 bits) times W_e^T (w_table[e]: device pointer to BF16 [N, K]) into the same rows of
+// y [*, N], FP32 accumulation (exact products, fixed order: deterministic). A GEMV-style kernel for
+// decode (few rows per expert): each weight row is streamed once per 8 activation rows. K % 8 == 0,
+// 16-byte aligned rows.
+void gemm_bf16_grouped(const uint16_t* x, const uint16_t* const* w_table, int64_t N, int64_t K, int groups,
+                       const int32_t* eoff, float* y, cudaStream_t s);
+
 // y += x (n floats).
 void add_inplace(float* y, const float* x, int64_t n, cudaStream_t s);
 // out = x - y (n floats; out may alias y): RAC's residual X - X_eff.

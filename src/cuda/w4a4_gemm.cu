@@ -41,6 +41,9 @@ struct Params {
   int accumulate;
   float* partial;      // split K: [splits, M, N] raw sums
   int kb_per_split;    // stages per split
+  // grouped: expert blockIdx.z owns rows eoff[e] .. eoff[e+1] of X and y, its weight is wtab[e]
+  const int32_t* eoff;
+  const Nvfp4Weight* wtab;
 };
 
 // The kernels need sm_80 (cp.async, mma.sync m16n8k16); a build for an older target compiles them
@@ -121,7 +124,7 @@ struct Smem {
   static constexpr int STAGE = A + B + AS + BS;
 };
 
-template <int BM, int BN, int WM, int WN, int STAGES, bool GATHER>
+template <int BM, int BN, int WM, int WN, int STAGES, bool GATHER, bool GROUPED>
 __global__ void __launch_bounds__(32 * (BM / WM) * (BN / WN))
 w4a4_kernel(const Params p) {
   constexpr int NWN = BN / WN;
@@ -136,9 +139,26 @@ w4a4_kernel(const Params p) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int wm = warp / NWN, wn = warp % NWN;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * BM, n0 = static_cast<int64_t>(blockIdx.x) * BN;
+  int64_t m0 = static_cast<int64_t>(blockIdx.y) * BM, mend = p.M;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * BN;
   const int64_t kb_total = (p.K + kBK - 1) / kBK;
-  const int64_t kb0 = static_cast<int64_t>(blockIdx.z) * p.kb_per_split;
+  int64_t kb0 = static_cast<int64_t>(blockIdx.z) * p.kb_per_split;
+  const uint8_t* wq = p.wq;
+  const uint8_t* ws = p.ws;
+  const float* wamax = p.wamax;
+  if constexpr (GROUPED) {
+    // The grid covers the largest possible group; tiles past this expert's rows leave at once
+    // (uniformly for the whole CTA, before any barrier).
+    const int e = blockIdx.z;
+    const int64_t mb = p.eoff[e];
+    mend = p.eoff[e + 1];
+    m0 += mb;
+    if (m0 >= mend) return;
+    wq = p.wtab[e].codes;
+    ws = p.wtab[e].scales;
+    wamax = p.wtab[e].amax;
+    kb0 = 0;
+  }
   const int64_t kb1 = min(kb_total, kb0 + p.kb_per_split);
   const int nkb = kb1 > kb0 ? static_cast<int>(kb1 - kb0) : 0;
   const int64_t xrow = p.K / 2, xsrow = p.K / 16, wrow = p.Kw / 2, wsrow = p.Kw / 16;
@@ -153,13 +173,13 @@ w4a4_kernel(const Params p) {
     for (int c = tid; c < BM * 4; c += NT) {
       const int r = c >> 2, part = c & 3;
       const int64_t gr = m0 + r, kc = k0 + part * 32;
-      const bool ok = gr < p.M && kc < p.K;
+      const bool ok = gr < mend && kc < p.K;
       cp_async16(sa + r * 64 + part * 16, p.xq + (ok ? gr * xrow + kc / 2 : 0), ok ? 16 : 0);
     }
     for (int c = tid; c < BM * 2; c += NT) {
       const int r = c >> 1, h = c & 1;
       const int64_t gr = m0 + r, kc = k0 + h * 64;
-      const bool ok = gr < p.M && kc < p.K;
+      const bool ok = gr < mend && kc < p.K;
       cp_async4(sas + r * 8 + h * 4, p.xs + (ok ? gr * xsrow + kc / 16 : 0), ok ? 4 : 0);
     }
     if constexpr (!GATHER) {
@@ -167,13 +187,13 @@ w4a4_kernel(const Params p) {
         const int r = c >> 2, part = c & 3;
         const int64_t gn = n0 + r, kc = k0 + part * 32;
         const bool ok = gn < p.N && kc < p.K;
-        cp_async16(sb + r * 64 + part * 16, p.wq + (ok ? gn * wrow + kc / 2 : 0), ok ? 16 : 0);
+        cp_async16(sb + r * 64 + part * 16, wq + (ok ? gn * wrow + kc / 2 : 0), ok ? 16 : 0);
       }
       for (int c = tid; c < BN * 2; c += NT) {
         const int r = c >> 1, h = c & 1;
         const int64_t gn = n0 + r, kc = k0 + h * 64;
         const bool ok = gn < p.N && kc < p.K;
-        cp_async4(sbs + r * 8 + h * 4, p.ws + (ok ? gn * wsrow + kc / 16 : 0), ok ? 4 : 0);
+        cp_async4(sbs + r * 8 + h * 4, ws + (ok ? gn * wsrow + kc / 16 : 0), ok ? 4 : 0);
       }
     } else {
       for (int c = tid; c < BN * 8; c += NT) {
@@ -298,7 +318,7 @@ w4a4_kernel(const Params p) {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int64_t row = m0 + wm * WM + i * 16 + g + 8 * hr;
-      if (row >= p.M) continue;
+      if (row >= mend) continue;
       const float rf = p.partial ? 0.f : p.xamax[p.xamax_row ? row : 0] * kInv * 16384.f;
 #pragma unroll
       for (int j = 0; j < NTL; ++j)
@@ -310,7 +330,7 @@ w4a4_kernel(const Params p) {
           if (p.partial) {
             p.partial[(static_cast<int64_t>(blockIdx.z) * p.M + row) * p.N + col] = v;
           } else {
-            const float out = v * rf * (p.wamax[p.wamax_row ? col : 0] * kInv);
+            const float out = v * rf * (wamax[p.wamax_row ? col : 0] * kInv);
             float* dst = p.y + row * p.N + col;
             *dst = p.accumulate ? *dst + out : out;
           }
@@ -351,11 +371,11 @@ int sm_count() {
   return sms;
 }
 
-template <int BM, int BN, int WM, int WN, int STAGES, bool GATHER>
-void launch(Params p, int splits_req, cudaStream_t s) {
+template <int BM, int BN, int WM, int WN, int STAGES, bool GATHER, bool GROUPED = false>
+void launch(Params p, int splits_req, cudaStream_t s, int groups = 1) {
   constexpr int threads = 32 * (BM / WM) * (BN / WN);
   const int smem = Smem<BM, BN, GATHER>::STAGE * STAGES;
-  auto kern = w4a4_kernel<BM, BN, WM, WN, STAGES, GATHER>;
+  auto kern = w4a4_kernel<BM, BN, WM, WN, STAGES, GATHER, GROUPED>;
   static bool checked = false;  // per instantiation
   if (!checked) {
     // The code the driver picked for this GPU must be sm_80 or newer (else the kernel is a trap).
@@ -369,6 +389,14 @@ void launch(Params p, int splits_req, cudaStream_t s) {
   }
   const int64_t tiles_n = (p.N + BN - 1) / BN, tiles_m = (p.M + BM - 1) / BM;
   const int64_t kb_total = (p.K + kBK - 1) / kBK;
+  if constexpr (GROUPED) {
+    // No split K: the grid is already E times the tiles of the largest group (p.M).
+    p.kb_per_split = static_cast<int>(std::max<int64_t>(kb_total, 1));
+    const dim3 grid(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_m), static_cast<unsigned>(groups));
+    kern<<<grid, threads, smem, s>>>(p);
+    QUADS_CUDA_LAUNCH_CHECK();
+    return;
+  }
   int splits = splits_req;
   if (splits <= 0) {
     // enough CTAs for about two waves, at least 2 stages of K per split
@@ -406,6 +434,16 @@ void dispatch(const Params& p, const W4A4Options& opt, cudaStream_t s) {
     case W4A4Tile::M64: launch<64, 128, 32, 64, 4, GATHER>(p, opt.splits, s); break;
     default: launch<128, 128, 64, 64, 3, GATHER>(p, opt.splits, s); break;
   }
+}
+
+void dispatch_grouped(const Params& p, int groups, cudaStream_t s) {
+  // p.M is the largest group: decode has a few rows per expert, M16 tiles stream the weights.
+  if (p.M <= 64)
+    launch<16, 128, 16, 64, 4, false, true>(p, 1, s, groups);
+  else if (p.M <= 256)
+    launch<64, 128, 32, 64, 4, false, true>(p, 1, s, groups);
+  else
+    launch<128, 128, 64, 64, 3, false, true>(p, 1, s, groups);
 }
 
 Params make_params(const Nvfp4View& x, const Nvfp4View& w, float* y, bool accumulate) {
@@ -462,6 +500,22 @@ void w4a4_gemm_gather(const Nvfp4View& xr, const Nvfp4View& w, const int32_t* bl
   Params p = make_params(xr, w, y, accumulate);
   p.blk = blocks;
   dispatch<true>(p, opt, s);
+}
+
+void w4a4_gemm_grouped(const Nvfp4View& x, const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n, int groups,
+                       const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t s) {
+  QUADS_CHECK(x.k % 64 == 0, "w4a4_gemm_grouped: K = {} must be a multiple of 64", x.k);
+  QUADS_CHECK(groups > 0 && groups <= 65535, "w4a4_gemm_grouped: {} groups (1..65535)", groups);
+  if (x.rows == 0 || n == 0 || max_rows <= 0) return;
+  Nvfp4View w;
+  w.rows = n;
+  w.k = x.k;
+  w.amax_per_row = w_amax_per_row;
+  Params p = make_params(x, w, y, false);
+  p.M = std::min(max_rows, x.rows);  // grid bound; each CTA reads its own group's row range
+  p.eoff = eoff;
+  p.wtab = w_table;
+  dispatch_grouped(p, groups, s);
 }
 
 void gather_blocks(const float* x, int64_t m, int64_t k, const int32_t* blocks, int64_t nsel, float* out,
