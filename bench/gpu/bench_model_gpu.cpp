@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <sstream>
@@ -136,8 +137,22 @@ bool bench_precision(const model::ModelConfig& cfg, const std::string& p, double
   const int batches[3] = {1, 16, 64};
   try {
     const double t0 = now();
-    const bool rac = p.size() > 4 && p.substr(p.size() - 4) == "+rac";
-    cuda::GpuModel g(cfg, model::PrecisionConfig::preset(rac ? p.substr(0, p.size() - 4) : p));
+    // Suffixes: +rac (RAC on the first channels), +eager (no CUDA graphs: QUADS_GPU_GRAPHS=0),
+    // +legacy (host-routed MoE, one GEMM per expert: QUADS_GPU_MOE=legacy).
+    std::string base = p;
+    bool rac = false, eager = false, legacy = false;
+    for (const auto& [suffix, flag] : {std::pair<std::string, bool*>{"+rac", &rac}, {"+eager", &eager}, {"+legacy", &legacy}}) {
+      const size_t at = base.find(suffix);
+      if (at != std::string::npos) {
+        *flag = true;
+        base.erase(at, suffix.size());
+      }
+    }
+    if (eager) setenv("QUADS_GPU_GRAPHS", "0", 1);
+    if (legacy) setenv("QUADS_GPU_MOE", "legacy", 1);
+    cuda::GpuModel g(cfg, model::PrecisionConfig::preset(base));
+    unsetenv("QUADS_GPU_GRAPHS");
+    unsetenv("QUADS_GPU_MOE");
     g.randomize(42, 0.02f);
     if (rac) g.set_rac_first_channels(model::RacConfig{}.ratio);
     std::fprintf(stderr, "%s: %.2f GB of GEMM weights on the device, set up in %.1f s\n", p.c_str(),
@@ -175,7 +190,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     bool quick = false;
-    std::vector<std::string> precisions{"bf16", "nvfp4", "nvfp4+rac"};
+    std::vector<std::string> precisions{"bf16", "nvfp4", "nvfp4+eager", "nvfp4+rac"};
     for (int i = 1; i < argc; ++i) {
       if (!std::strcmp(argv[i], "--quick")) quick = true;
       else if (!std::strcmp(argv[i], "--precisions") && i + 1 < argc) {
