@@ -126,12 +126,6 @@ bool env_is(const char* name, const char* value) {
   return v && std::strcmp(v, value) == 0;
 }
 
-template <typename T>
-void upload_to(DeviceArray<T>& a, const std::vector<T>& v) {  // synchronous (pageable host memory)
-  grow(a, v.size());
-  if (!v.empty()) QUADS_CUDA_CHECK(cudaMemcpy(a.data(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-}
-
 }  // namespace
 
 struct GpuModel::Impl {
@@ -162,10 +156,10 @@ struct GpuModel::Impl {
   DeviceArray<float> kc, vc;  // [layers, slots, max_len, kvd]
 
   // Scratch (grow-only; one role each within a step)
-  DeviceArray<float> x, xn, q, k, v, attn, tmp, rlogits, probs, w, xe, g, u, h, ye, xs, xf, logits, cosd, sind, fop;
+  DeviceArray<float> x, xn, q, k, v, attn, tmp, rlogits, probs, w, xe, g, u, h, ye, xs, xf, logits, fop;
   DeviceArray<float> rbuf, gbuf;  // RAC: X_eff then the residual; the gathered residual blocks
   DeviceQTensor xrq;              // RAC: the quantized residual (W4A4 linears)
-  DeviceArray<int32_t> tokens, slot_of, pos_of, idx, perm, inv, sel, argmax;
+  DeviceArray<int32_t> idx, perm, inv, argmax;
   DeviceArray<uint16_t> bop;
   DeviceQTensor xq;  // W4A4 activation operand (rows set per use)
 
@@ -182,6 +176,10 @@ struct GpuModel::Impl {
   };
   std::vector<Grouped> grouped;  // per layer
   DeviceArray<int32_t> ecount, eoff_d, bad_d;
+  int32_t* bad_host = nullptr;  // pinned copy of bad_d, queued at the end of every step
+  uint8_t* in_host = nullptr;   // pinned staging of a step's inputs (tokens, slots, positions, rows, RoPE)
+  size_t in_host_bytes = 0;
+  DeviceArray<uint8_t> inbuf;   // their device copy
   DeviceArray<unsigned long long> active_d;  // per layer: experts with rows, summed over steps
   std::vector<int32_t> heoff;
   DeviceArray<uint8_t> cublas_ws;
@@ -221,6 +219,8 @@ struct GpuModel::Impl {
     eoff_d.resize(E + 1);
     bad_d.resize(1);
     bad_d.fill_bytes(0);
+    QUADS_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&bad_host), sizeof(int32_t), cudaHostAllocDefault));
+    *bad_host = 0;
     active_d.resize(std::max(cfg.num_hidden_layers, 1));
     active_d.fill_bytes(0);
   }
@@ -228,6 +228,8 @@ struct GpuModel::Impl {
     clear_graphs();
     if (cublas) cublasDestroy(cublas);
     if (stream) cudaStreamDestroy(stream);
+    if (bad_host) cudaFreeHost(bad_host);
+    if (in_host) cudaFreeHost(in_host);
   }
 
   void clear_graphs() {
@@ -304,10 +306,14 @@ struct GpuModel::Impl {
     }
   }
 
+  static constexpr int64_t kBf16GroupedMaxTokens = 256;
+
   // The layer's experts run grouped in this step (RAC on an expert needs the per-expert path).
-  bool grouped_now(int l) const {
+  bool grouped_now(int l, int64_t T) const {
     const LayerIdx& li = layers[l];
     if (legacy_moe || !grouped[l].ok) return false;
+    // The BF16 grouped kernel is a GEMV on CUDA cores: long prefills go to cuBLAS per expert.
+    if (lin[li.mlp].mode == GpuLinearMode::BF16 && T > kBf16GroupedMaxTokens) return false;
     for (int e = 0; e < li.nexperts; ++e)
       for (int j = 0; j < 3; ++j)
         if (lin[li.mlp + 3 * e + j].rac_nsel > 0) return false;
@@ -356,15 +362,20 @@ struct GpuModel::Impl {
     stats.expert_gemms += 1;
   }
 
-  // Raises a router error recorded by kern::moe_route (after the step's final sync).
-  void check_route() {
-    if (legacy_moe) return;
-    int32_t bad = 0;
-    QUADS_CUDA_CHECK(cudaMemcpy(&bad, bad_d.data(), sizeof(int32_t), cudaMemcpyDeviceToHost));
-    if (bad) {
+  // Raises a router error recorded by kern::moe_route. `copied`: the step's queued copy into
+  // bad_host has completed (the caller synchronized after run()); else copy now.
+  void check_route(bool copied) {
+    if (legacy_moe || cfg.num_experts == 0) return;
+    if (!copied) QUADS_CUDA_CHECK(cudaMemcpy(bad_host, bad_d.data(), sizeof(int32_t), cudaMemcpyDeviceToHost));
+    if (*bad_host) {
+      *bad_host = 0;
       bad_d.fill_bytes(0);
       fail("GpuModel: a router chose an expert outside 0..{} (NaN logits?)", cfg.num_experts - 1);
     }
+  }
+  void queue_route_flag() {
+    if (legacy_moe || cfg.num_experts == 0) return;
+    QUADS_CUDA_CHECK(cudaMemcpyAsync(bad_host, bad_d.data(), sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
   }
 
   int add(const std::string& name, int layer, int64_t out, int64_t in, size_t off) {
@@ -788,12 +799,37 @@ struct GpuModel::Impl {
 
     std::vector<float> hcos(T * hd / 2), hsin(T * hd / 2);
     cpu::rope_tables(pos64.data(), T, hd, cfg.rope_theta, hcos.data(), hsin.data());
-    upload_to(tokens, htok);
-    upload_to(slot_of, hslot);
-    upload_to(pos_of, hpos);
-    upload_to(sel, hsel);
-    upload_to(cosd, hcos);
-    upload_to(sind, hsin);
+    // The step's inputs in one pinned staging buffer and one asynchronous copy (the previous
+    // step's copy is done: every step ends with a synchronizing copy of its results).
+    size_t in_bytes = 0;
+    auto place = [&](size_t bytes) {
+      const size_t at = in_bytes;
+      in_bytes += (bytes + 255) / 256 * 256;
+      return at;
+    };
+    const size_t o_tok = place(4 * htok.size()), o_slot = place(4 * hslot.size()), o_pos = place(4 * hpos.size()),
+                 o_sel = place(4 * hsel.size()), o_cos = place(4 * hcos.size()), o_sin = place(4 * hsin.size());
+    if (in_host_bytes < in_bytes) {
+      QUADS_CUDA_CHECK(cudaStreamSynchronize(stream));
+      if (in_host) cudaFreeHost(in_host);
+      in_host = nullptr;
+      in_host_bytes = in_bytes + in_bytes / 4 + 4096;
+      QUADS_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&in_host), in_host_bytes, cudaHostAllocDefault));
+    }
+    std::memcpy(in_host + o_tok, htok.data(), 4 * htok.size());
+    std::memcpy(in_host + o_slot, hslot.data(), 4 * hslot.size());
+    std::memcpy(in_host + o_pos, hpos.data(), 4 * hpos.size());
+    std::memcpy(in_host + o_sel, hsel.data(), 4 * hsel.size());
+    std::memcpy(in_host + o_cos, hcos.data(), 4 * hcos.size());
+    std::memcpy(in_host + o_sin, hsin.data(), 4 * hsin.size());
+    uint8_t* in_dev = grow(inbuf, in_bytes);
+    QUADS_CUDA_CHECK(cudaMemcpyAsync(in_dev, in_host, in_bytes, cudaMemcpyHostToDevice, stream));
+    const int32_t* d_tok = reinterpret_cast<const int32_t*>(in_dev + o_tok);
+    const int32_t* d_slot = reinterpret_cast<const int32_t*>(in_dev + o_slot);
+    const int32_t* d_pos = reinterpret_cast<const int32_t*>(in_dev + o_pos);
+    const int32_t* d_sel = reinterpret_cast<const int32_t*>(in_dev + o_sel);
+    const float* d_cos = reinterpret_cast<const float*>(in_dev + o_cos);
+    const float* d_sin = reinterpret_cast<const float*>(in_dev + o_sin);
 
     const int E = cfg.num_experts, K = cfg.num_experts_per_tok;
     int64_t maxI = 0;
@@ -845,7 +881,7 @@ struct GpuModel::Impl {
     // attention context is rounded up to a power of two (it only sizes shared memory), so one
     // graph serves many steps.
     bool graphable = decode && graphs_on && !graph_failed && !legacy_moe;
-    for (int l = 0; l < cfg.num_hidden_layers && graphable; ++l) graphable = !layers[l].sparse || grouped_now(l);
+    for (int l = 0; l < cfg.num_hidden_layers && graphable; ++l) graphable = !layers[l].sparse || grouped_now(l, T);
     if (graphable) {
       int64_t c = 256;
       while (c < max_ctx) c *= 2;
@@ -853,7 +889,7 @@ struct GpuModel::Impl {
     }
 
     auto body = [&]() {
-    kern::embedding(M + lay.embed, tokens.data(), T, H, xp, stream);
+    kern::embedding(M + lay.embed, d_tok, T, H, xp, stream);
     for (int l = 0; l < cfg.num_hidden_layers; ++l) {
       const model::LayerOffsets& o = lay.layers[l];
       const LayerIdx& li = layers[l];
@@ -867,10 +903,9 @@ struct GpuModel::Impl {
       gemm(Lv, ov, 0, T, vp);
       float* kcl = kc.data() + l * cache_layer;
       float* vcl = vc.data() + l * cache_layer;
-      kern::qk_norm_rope_store(qp, kp, vp, M + o.q_norm, M + o.k_norm, eps, cosd.data(), sind.data(), slot_of.data(),
-                               pos_of.data(), T, nh, nkv, hd, kcl, vcl, max_len, stream);
-      kern::attention(qp, kcl, vcl, slot_of.data(), pos_of.data(), T, nh, nkv, hd, scale, max_len, max_ctx, decode, ap,
-                      stream);
+      kern::qk_norm_rope_store(qp, kp, vp, M + o.q_norm, M + o.k_norm, eps, d_cos, d_sin, d_slot, d_pos, T, nh, nkv,
+                               hd, kcl, vcl, max_len, stream);
+      kern::attention(qp, kcl, vcl, d_slot, d_pos, T, nh, nkv, hd, scale, max_len, max_ctx, decode, ap, stream);
       const Operand oo = prepare(Lo, ap, T);
       gemm(Lo, oo, 0, T, tp);
       kern::add_inplace(xp, tp, T * H, stream);
@@ -882,9 +917,9 @@ struct GpuModel::Impl {
         kern::router_topk(rlogits.data(), T, E, K, cfg.norm_topk_prob, probs.data(), idx.data(), w.data(), stream);
         if (!legacy_moe) {
           kern::moe_route(idx.data(), T * K, E, ecount.data(), eoff_d.data(), perm.data(), inv.data(),
-                          grouped_now(l) ? active_d.data() + l : nullptr, bad_d.data(), stream);
+                          grouped_now(l, T) ? active_d.data() + l : nullptr, bad_d.data(), stream);
           kern::gather_rows(xnp, perm.data(), T * K, K, H, xep, stream);
-          if (grouped_now(l)) {
+          if (grouped_now(l, T)) {
             mlp_grouped(l, T, xep, T * K, yep);
           } else {
             // RAC or mixed expert numerics: the per-expert path with the offsets from the device.
@@ -892,7 +927,7 @@ struct GpuModel::Impl {
             QUADS_CUDA_CHECK(cudaMemcpyAsync(heoff.data(), eoff_d.data(), sizeof(int32_t) * (E + 1),
                                              cudaMemcpyDeviceToHost, stream));
             QUADS_CUDA_CHECK(cudaStreamSynchronize(stream));
-            check_route();
+            check_route(false);
             eoff.assign(heoff.begin(), heoff.end());
             mlp(li, E, eoff, xep, T * K, yep);
           }
@@ -915,7 +950,7 @@ struct GpuModel::Impl {
         kern::add_inplace(xp, yep, T * H, stream);
       }
     }
-    kern::gather_rows(xp, sel.data(), nout, 1, H, xsp, stream);
+    kern::gather_rows(xp, d_sel, nout, 1, H, xsp, stream);
     kern::rmsnorm(xsp, M + lay.final_norm, nout, H, eps, xfp, stream);
     const DevLinear& Llm = lin[lm_head];
     const Operand olm = prepare(Llm, xfp, nout);
@@ -924,6 +959,7 @@ struct GpuModel::Impl {
 
     if (!graphable) {
       body();
+      queue_route_flag();
       return nout;
     }
     const auto key = std::make_tuple(T, nout, max_ctx);
@@ -937,14 +973,16 @@ struct GpuModel::Impl {
       QUADS_CUDA_CHECK(cudaGraphLaunch(it->second.exec, stream));
       stats.weight_bytes += it->second.weight_bytes;
       stats.expert_gemms += it->second.expert_gemms;
+      queue_route_flag();
       return nout;
     }
     if (!seen.count(key)) {  // the first step of a shape runs eagerly (and sizes every buffer)
       seen.insert(key);
       body();
-      return nout;
+    } else {
+      capture(body, key);
     }
-    capture(body, key);
+    queue_route_flag();
     return nout;
   }
 
@@ -1118,7 +1156,7 @@ std::vector<float> GpuModel::step(const std::vector<model::StepItem>& items) {
   std::vector<float> out(size_t(nout) * m.cfg.vocab_size);
   if (nout)
     QUADS_CUDA_CHECK(cudaMemcpy(out.data(), m.logits.data(), sizeof(float) * out.size(), cudaMemcpyDeviceToHost));
-  m.check_route();
+  m.check_route(nout > 0);
   return out;
 }
 
@@ -1131,7 +1169,7 @@ std::vector<int32_t> GpuModel::step_greedy(const std::vector<model::StepItem>& i
     kern::argmax_rows(m.logits.data(), nout, m.cfg.vocab_size, m.argmax.data(), m.stream);
     QUADS_CUDA_CHECK(cudaMemcpy(out.data(), m.argmax.data(), sizeof(int32_t) * nout, cudaMemcpyDeviceToHost));
   }
-  m.check_route();
+  m.check_route(nout > 0);
   return out;
 }
 
