@@ -167,12 +167,18 @@ struct GpuModel::Impl {
   // layer, no host sync in a step. QUADS_GPU_MOE=legacy keeps the old path (expert ids to the
   // host, cpu::moe_permute, one GEMM per active expert); QUADS_GPU_GRAPHS=0 turns graphs off.
   bool legacy_moe = false, graphs_on = true;
+  struct GroupedProj {  // one projection of all experts: a device table of their weights
+    GpuLinearMode mode = GpuLinearMode::Fake;
+    bool amax_row = false;             // W4A4: per-row weight amax
+    DeviceArray<Nvfp4Weight> q;        // W4A4
+    DeviceArray<const uint16_t*> b;    // BF16
+    DeviceArray<const float*> f;       // fake-quant: W_eff
+  };
   struct Grouped {
-    bool ok = false;  // the layer's experts run as grouped GEMMs
-    bool amax_row_g = false, amax_row_d = false;
-    DeviceArray<Nvfp4Weight> gu, g, u, d;        // W4A4 tables (gu: the fused [2I, H] weights)
-    DeviceArray<const uint16_t*> bgu, bg, bu, bd;  // BF16 tables
-    double expert_bytes = 0;                     // weight bytes of one expert (gate + up + down)
+    bool ok = false;      // the layer's experts run as grouped GEMMs
+    bool gemv = false;    // some projection uses the GEMV-style kernel (BF16 / FP32)
+    GroupedProj gu, g, u, d;  // gu: the fused [2I, H] gate/up weights where the layer fuses them
+    double expert_bytes = 0;  // weight bytes of one expert (gate + up + down)
   };
   std::vector<Grouped> grouped;  // per layer
   DeviceArray<int32_t> ecount, eoff_d, bad_d;
@@ -240,7 +246,7 @@ struct GpuModel::Impl {
   }
 
   // Device tables of the expert weights for the grouped GEMMs, for every sparse layer whose
-  // experts share one mode (W4A4 or BF16) and a per-token activation quantizer.
+  // experts share their numerics, with per-token activation quantizers (one operand for all rows).
   void build_grouped() {
     grouped.clear();
     grouped.resize(layers.size());
@@ -248,60 +254,60 @@ struct GpuModel::Impl {
       const LayerIdx& li = layers[l];
       Grouped& G = grouped[l];
       if (!li.sparse) continue;
-      const DevLinear &G0 = lin[li.mlp], &U0 = lin[li.mlp + 1], &D0 = lin[li.mlp + 2];
-      const GpuLinearMode mode = G0.mode;
-      bool ok = li.experts_uniform && G0.num.act.row_local() && D0.num.act.row_local() &&
-                (mode == GpuLinearMode::W4A4 || mode == GpuLinearMode::BF16) && U0.mode == mode && D0.mode == mode;
-      if (mode == GpuLinearMode::BF16) ok &= G0.in % 8 == 0 && D0.in % 8 == 0;
-      for (int e = 0; e < li.nexperts && ok; ++e)
-        for (int j = 0; j < 3; ++j) {
+      const DevLinear &G0 = lin[li.mlp], &D0 = lin[li.mlp + 2];
+      bool ok = li.experts_uniform && G0.num.act.row_local() && D0.num.act.row_local();
+      for (int j = 0; j < 3; ++j) {
+        const DevLinear& b = lin[li.mlp + j];
+        if (b.mode != GpuLinearMode::W4A4) ok &= b.in % 8 == 0;
+        for (int e = 0; e < li.nexperts && ok; ++e) {
           const DevLinear& a = lin[li.mlp + 3 * e + j];
-          const DevLinear& b = lin[li.mlp + j];
           ok &= a.mode == b.mode && a.out == b.out && a.in == b.in;
-          if (mode == GpuLinearMode::W4A4) ok &= a.wv.amax_per_row == b.wv.amax_per_row;
+          if (b.mode == GpuLinearMode::W4A4) ok &= a.wv.amax_per_row == b.wv.amax_per_row;
         }
+      }
       if (!ok) continue;
       G.ok = true;
-      G.expert_bytes = G0.bytes() + U0.bytes() + D0.bytes();
-      if (mode == GpuLinearMode::W4A4) {
-        std::vector<Nvfp4Weight> gu, g, u, d;
-        auto ent = [](const Nvfp4View& v) {
-          Nvfp4Weight w;
-          w.codes = v.codes;
-          w.scales = v.scales;
-          w.amax = v.amax;
-          return w;
-        };
+      G.expert_bytes = G0.bytes() + lin[li.mlp + 1].bytes() + D0.bytes();
+      auto ent = [](const Nvfp4View& v) {
+        Nvfp4Weight w;
+        w.codes = v.codes;
+        w.scales = v.scales;
+        w.amax = v.amax;
+        return w;
+      };
+      auto table = [&](GroupedProj& P, int j) {
+        const DevLinear& b = lin[li.mlp + j];
+        P.mode = b.mode;
+        P.amax_row = b.mode == GpuLinearMode::W4A4 && b.wv.amax_per_row;
+        G.gemv |= b.mode != GpuLinearMode::W4A4;
+        std::vector<Nvfp4Weight> q;
+        std::vector<const uint16_t*> bb;
+        std::vector<const float*> f;
+        for (int e = 0; e < li.nexperts; ++e) {
+          const DevLinear& a = lin[li.mlp + 3 * e + j];
+          if (b.mode == GpuLinearMode::W4A4) q.push_back(ent(a.wv));
+          if (b.mode == GpuLinearMode::BF16) bb.push_back(a.wb.data());
+          if (b.mode == GpuLinearMode::Fake) f.push_back(a.wf.data());
+        }
+        if (!q.empty()) P.q.upload(q);
+        if (!bb.empty()) P.b.upload(bb);
+        if (!f.empty()) P.f.upload(f);
+      };
+      table(G.g, 0);
+      table(G.u, 1);
+      table(G.d, 2);
+      if (li.fused_gu) {  // BF16 or W4A4 with a per-row amax (see setup_fused_gu)
+        G.gu.mode = G0.mode;
+        G.gu.amax_row = true;
+        std::vector<Nvfp4Weight> q;
+        std::vector<const uint16_t*> bb;
         for (int e = 0; e < li.nexperts; ++e) {
           const DevLinear& Ge = lin[li.mlp + 3 * e];
-          if (li.fused_gu) gu.push_back(ent(Ge.gu_v));
-          g.push_back(ent(Ge.wv));
-          u.push_back(ent(lin[li.mlp + 3 * e + 1].wv));
-          d.push_back(ent(lin[li.mlp + 3 * e + 2].wv));
+          if (G0.mode == GpuLinearMode::W4A4) q.push_back(ent(Ge.gu_v));
+          else bb.push_back(Ge.gu_b.data());
         }
-        G.amax_row_g = G0.wv.amax_per_row || U0.wv.amax_per_row;
-        G.amax_row_d = D0.wv.amax_per_row;
-        if (G0.wv.amax_per_row != U0.wv.amax_per_row) {
-          G.ok = false;
-          continue;
-        }
-        if (li.fused_gu) G.gu.upload(gu);
-        G.g.upload(g);
-        G.u.upload(u);
-        G.d.upload(d);
-      } else {
-        std::vector<const uint16_t*> gu, g, u, d;
-        for (int e = 0; e < li.nexperts; ++e) {
-          const DevLinear& Ge = lin[li.mlp + 3 * e];
-          if (li.fused_gu) gu.push_back(Ge.gu_b.data());
-          g.push_back(Ge.wb.data());
-          u.push_back(lin[li.mlp + 3 * e + 1].wb.data());
-          d.push_back(lin[li.mlp + 3 * e + 2].wb.data());
-        }
-        if (li.fused_gu) G.bgu.upload(gu);
-        G.bg.upload(g);
-        G.bu.upload(u);
-        G.bd.upload(d);
+        if (!q.empty()) G.gu.q.upload(q);
+        if (!bb.empty()) G.gu.b.upload(bb);
       }
     }
   }
@@ -312,8 +318,8 @@ struct GpuModel::Impl {
   bool grouped_now(int l, int64_t T) const {
     const LayerIdx& li = layers[l];
     if (legacy_moe || !grouped[l].ok) return false;
-    // The BF16 grouped kernel is a GEMV on CUDA cores: long prefills go to cuBLAS per expert.
-    if (lin[li.mlp].mode == GpuLinearMode::BF16 && T > kBf16GroupedMaxTokens) return false;
+    // The BF16 / FP32 grouped kernel is a GEMV on CUDA cores: long prefills go to cuBLAS per expert.
+    if (grouped[l].gemv && T > kBf16GroupedMaxTokens) return false;
     for (int e = 0; e < li.nexperts; ++e)
       for (int j = 0; j < 3; ++j)
         if (lin[li.mlp + 3 * e + j].rac_nsel > 0) return false;
@@ -322,7 +328,7 @@ struct GpuModel::Impl {
 
   // The MLP of sparse layer l over the R = T * k rows X in expert order (eoff_d on the device):
   // one GEMM launch per projection. Same operands and per-row rounding as mlp(); each expert's
-  // rows come out as a per-expert GEMM's (the W4A4 kernel without split K, BF16 our own sum).
+  // rows come out as a per-expert GEMM's (the W4A4 kernel without split K, BF16/FP32 our own sum).
   void mlp_grouped(int l, int64_t T, const float* X, int64_t R, float* Y) {
     const LayerIdx& li = layers[l];
     const Grouped& Gt = grouped[l];
@@ -331,35 +337,26 @@ struct GpuModel::Impl {
     float* gp = grow(g, size_t(R * 2 * I));
     float* up = grow(u, size_t(R * I));
     float* hp = grow(h, size_t(R * I));
-    const DevLinear& G0 = lin[li.mlp];
-    const DevLinear& D0 = lin[li.mlp + 2];
-    const Operand all = prepare(G0, X, R);
     const int32_t* eo = eoff_d.data();
-    const bool w4 = G0.mode == GpuLinearMode::W4A4;
-    if (li.fused_gu) {
-      if (w4)
-        w4a4_gemm_grouped(all.v, Gt.gu.data(), true, 2 * I, E, eo, T, gp, stream);
-      else
-        kern::gemm_bf16_grouped(all.b, Gt.bgu.data(), 2 * I, H, E, eo, gp, stream);
-      kern::swiglu(gp, gp + I, 2 * I, R, I, hp, stream);
-      stats.expert_gemms += 1;
-    } else {
-      if (w4) {
-        w4a4_gemm_grouped(all.v, Gt.g.data(), Gt.amax_row_g, I, E, eo, T, gp, stream);
-        w4a4_gemm_grouped(all.v, Gt.u.data(), Gt.amax_row_g, I, E, eo, T, up, stream);
-      } else {
-        kern::gemm_bf16_grouped(all.b, Gt.bg.data(), I, H, E, eo, gp, stream);
-        kern::gemm_bf16_grouped(all.b, Gt.bu.data(), I, H, E, eo, up, stream);
+    auto run = [&](const GroupedProj& P, const Operand& op, int64_t N, int64_t Kd, float* out) {
+      switch (P.mode) {
+        case GpuLinearMode::W4A4: w4a4_gemm_grouped(op.v, P.q.data(), P.amax_row, N, E, eo, T, out, stream); break;
+        case GpuLinearMode::BF16: kern::gemm_bf16_grouped(op.b, P.b.data(), N, Kd, E, eo, out, stream); break;
+        case GpuLinearMode::Fake: kern::gemm_f32_grouped(op.f, P.f.data(), N, Kd, E, eo, out, stream); break;
       }
+      stats.expert_gemms += 1;
+    };
+    const Operand all = prepare(lin[li.mlp], X, R);
+    if (li.fused_gu) {
+      run(Gt.gu, all, 2 * I, H, gp);
+      kern::swiglu(gp, gp + I, 2 * I, R, I, hp, stream);
+    } else {
+      run(Gt.g, all, I, H, gp);
+      run(Gt.u, all, I, H, up);
       kern::swiglu(gp, up, I, R, I, hp, stream);
-      stats.expert_gemms += 2;
     }
-    const Operand od = prepare(D0, hp, R);
-    if (w4)
-      w4a4_gemm_grouped(od.v, Gt.d.data(), Gt.amax_row_d, H, E, eo, T, Y, stream);
-    else
-      kern::gemm_bf16_grouped(od.b, Gt.bd.data(), H, I, E, eo, Y, stream);
-    stats.expert_gemms += 1;
+    const Operand od = prepare(lin[li.mlp + 2], hp, R);
+    run(Gt.d, od, H, I, Y);
   }
 
   // Raises a router error recorded by kern::moe_route. `copied`: the step's queued copy into

@@ -69,6 +69,10 @@ void moe_route(const int32_t* idx, int64_t n, int E, int32_t* counts, int32_t* e
 // 16-byte aligned rows.
 void gemm_bf16_grouped(const uint16_t* x, const uint16_t* const* w_table, int64_t N, int64_t K, int groups,
                        const int32_t* eoff, float* y, cudaStream_t s);
+// The same over float32 operands (fake-quant linears: W_eff and the fake-quantized X); each product
+// rounded then added, as the CPU's GEMM (summation order differs). K % 8 == 0, 32-byte aligned rows.
+void gemm_f32_grouped(const float* x, const float* const* w_table, int64_t N, int64_t K, int groups,
+                      const int32_t* eoff, float* y, cudaStream_t s);
 
 // y += x (n floats).
 void add_inplace(float* y, const float* x, int64_t n, cudaStream_t s);

@@ -92,16 +92,33 @@ __device__ __forceinline__ float warp_sum_f(float v) {
 }
 
 // One warp per weight row n of expert blockIdx.y, for all of the expert's rows, kGroupRows at a
-// time: each lane streams 8 BF16 weights (16 bytes) per step of 256 along K. BF16 x BF16 products
-// are exact in FP32, so fmaf adds each exact product once; lane partials meet in a fixed tree.
-__global__ void bf16_grouped_kernel(const uint16_t* __restrict__ x, const uint16_t* const* __restrict__ wtab,
+// time: each lane takes 8 consecutive elements per step of 256 along K. BF16: 16-byte loads; BF16 x
+// BF16 products are exact in FP32, so fmaf adds each exact product once. FP32 (fake-quant linears):
+// each product rounded, then added (__fmul_rn / __fadd_rn, as the CPU without contraction). Lane
+// partials meet in a fixed tree.
+template <bool F32>
+__device__ __forceinline__ void load8(const void* p, int64_t i, float (&v)[8]) {
+  if constexpr (F32) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p) + i));
+    const float4 b = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p) + i + 4));
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  } else {
+    const uint4 a = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p) + i));
+    v[0] = bf16_lo(a.x), v[1] = bf16_hi(a.x), v[2] = bf16_lo(a.y), v[3] = bf16_hi(a.y);
+    v[4] = bf16_lo(a.z), v[5] = bf16_hi(a.z), v[6] = bf16_lo(a.w), v[7] = bf16_hi(a.w);
+  }
+}
+
+template <bool F32>
+__global__ void grouped_gemv_kernel(const void* __restrict__ x, const void* const* __restrict__ wtab,
                                     const int32_t* __restrict__ eoff, int64_t N, int64_t K, float* __restrict__ y) {
   const int e = blockIdx.y;
   const int64_t mb = eoff[e], me = eoff[e + 1];
   const int lane = threadIdx.x & 31;
   const int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (mb >= me || n >= N) return;  // no barriers in this kernel
-  const uint16_t* wr = wtab[e] + n * K;
+  const void* wr = wtab[e];
+  const int64_t wrow = n * K;
   for (int64_t r0 = mb; r0 < me; r0 += kGroupRows) {
     const int rows = me - r0 < kGroupRows ? static_cast<int>(me - r0) : kGroupRows;
     float acc[kGroupRows];
@@ -109,22 +126,16 @@ __global__ void bf16_grouped_kernel(const uint16_t* __restrict__ x, const uint16
     for (int r = 0; r < kGroupRows; ++r) acc[r] = 0.f;
 #pragma unroll 2
     for (int64_t k = int64_t(lane) * 8; k < K; k += 256) {
-      const uint4 wv = __ldg(reinterpret_cast<const uint4*>(wr + k));
-      const float wf[8] = {bf16_lo(wv.x), bf16_hi(wv.x), bf16_lo(wv.y), bf16_hi(wv.y),
-                           bf16_lo(wv.z), bf16_hi(wv.z), bf16_lo(wv.w), bf16_hi(wv.w)};
+      float wf[8];
+      load8<F32>(wr, wrow + k, wf);
 #pragma unroll
       for (int r = 0; r < kGroupRows; ++r) {
         if (r < rows) {
-          const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + (r0 + r) * K + k));
+          float xf[8];
+          load8<F32>(x, (r0 + r) * K + k, xf);
           float s = acc[r];
-          s = fmaf(bf16_lo(xv.x), wf[0], s);
-          s = fmaf(bf16_hi(xv.x), wf[1], s);
-          s = fmaf(bf16_lo(xv.y), wf[2], s);
-          s = fmaf(bf16_hi(xv.y), wf[3], s);
-          s = fmaf(bf16_lo(xv.z), wf[4], s);
-          s = fmaf(bf16_hi(xv.z), wf[5], s);
-          s = fmaf(bf16_lo(xv.w), wf[6], s);
-          s = fmaf(bf16_hi(xv.w), wf[7], s);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) s = F32 ? __fadd_rn(s, __fmul_rn(xf[j], wf[j])) : fmaf(xf[j], wf[j], s);
           acc[r] = s;
         }
       }
@@ -135,6 +146,18 @@ __global__ void bf16_grouped_kernel(const uint16_t* __restrict__ x, const uint16
       if (lane == 0 && r < rows) y[(r0 + r) * N + n] = v;
     }
   }
+}
+
+template <bool F32>
+void grouped_gemv(const void* x, const void* const* w_table, int64_t N, int64_t K, int groups, const int32_t* eoff,
+                  float* y, cudaStream_t s) {
+  QUADS_CHECK(K % 8 == 0, "grouped expert GEMM: K = {} must be a multiple of 8", K);
+  QUADS_CHECK(groups > 0 && groups <= 65535, "grouped expert GEMM: {} groups (1..65535)", groups);
+  if (N == 0 || K == 0) return;
+  constexpr int threads = 256;
+  const dim3 grid(static_cast<unsigned>((N + threads / 32 - 1) / (threads / 32)), static_cast<unsigned>(groups));
+  grouped_gemv_kernel<F32><<<grid, threads, 0, s>>>(x, w_table, eoff, N, K, y);
+  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -151,13 +174,12 @@ void moe_route(const int32_t* idx, int64_t n, int E, int32_t* counts, int32_t* e
 
 void gemm_bf16_grouped(const uint16_t* x, const uint16_t* const* w_table, int64_t N, int64_t K, int groups,
                        const int32_t* eoff, float* y, cudaStream_t s) {
-  QUADS_CHECK(K % 8 == 0, "gemm_bf16_grouped: K = {} must be a multiple of 8", K);
-  QUADS_CHECK(groups > 0 && groups <= 65535, "gemm_bf16_grouped: {} groups (1..65535)", groups);
-  if (N == 0 || K == 0) return;
-  constexpr int threads = 256;
-  const dim3 grid(static_cast<unsigned>((N + threads / 32 - 1) / (threads / 32)), static_cast<unsigned>(groups));
-  bf16_grouped_kernel<<<grid, threads, 0, s>>>(x, w_table, eoff, N, K, y);
-  QUADS_CUDA_LAUNCH_CHECK();
+  grouped_gemv<false>(x, reinterpret_cast<const void* const*>(w_table), N, K, groups, eoff, y, s);
+}
+
+void gemm_f32_grouped(const float* x, const float* const* w_table, int64_t N, int64_t K, int groups,
+                      const int32_t* eoff, float* y, cudaStream_t s) {
+  grouped_gemv<true>(x, reinterpret_cast<const void* const*>(w_table), N, K, groups, eoff, y, s);
 }
 
 }  // namespace quads::cuda::kern
