@@ -174,7 +174,7 @@ TEST(CudaMoe, GroupedBf16MatchesCpu) {
           s += p;
           a += std::fabs(p);
         }
-        ASSERT_NEAR(got[r * N + n], s, 4e-7 * a + 1e-30) << "expert " << e << " row " << r << " col " << n;
+        ASSERT_NEAR(got[r * N + n], s, 2e-6 * a + 1e-30) << "expert " << e << " row " << r << " col " << n;
       }
   // deterministic
   cuda::kern::gemm_bf16_grouped(dx.data(), dtab.data(), N, K, E, deoff.data(), y.data(), nullptr);
@@ -213,7 +213,7 @@ TEST(CudaMoe, GroupedF32MatchesCpu) {
           s += p;
           a += std::fabs(p);
         }
-        ASSERT_NEAR(got[r * N + n], s, 1e-6 * a + 1e-30) << "expert " << e << " row " << r << " col " << n;
+        ASSERT_NEAR(got[r * N + n], s, 2e-6 * a + 1e-30) << "expert " << e << " row " << r << " col " << n;
       }
 }
 
