@@ -69,10 +69,12 @@ struct Nvfp4Weight {
 // (groups entries) live on the device, so the host needs no group sizes (no sync): the grid covers
 // max_rows rows per group (a host bound on eoff[e+1] - eoff[e], e.g. the token count) and tiles
 // past a group's end exit at once; empty groups cost one CTA launch each per tile. Same kernel as
-// w4a4_gemm_emulated without split K, so each output is the same sum in the same order as a
-// per-expert call with splits = 1. Rows past eoff[groups] are not written.
+// w4a4_gemm_emulated; `splits` K splits per expert (0: chosen from min(groups, x.rows) active
+// experts, so that decode fills the GPU), partials summed in split order: each output is the same
+// sum in the same order as a per-expert w4a4_gemm_emulated with the same split count. Every row
+// of y must belong to a group (eoff[groups] == x.rows).
 void w4a4_gemm_grouped(const Nvfp4View& x, const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n, int groups,
-                       const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t stream = nullptr);
+                       const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t stream = nullptr, int splits = 0);
 
 // out[m, 16 i + j] = x[m, 16 blocks[i] + j] for i < nsel, zeros up to out_cols (a multiple of 16):
 // the compact input of w4a4_gemm_gather's quantizer.

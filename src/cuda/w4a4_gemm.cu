@@ -44,6 +44,8 @@ struct Params {
   // grouped: expert blockIdx.z owns rows eoff[e] .. eoff[e+1] of X and y, its weight is wtab[e]
   const int32_t* eoff;
   const Nvfp4Weight* wtab;
+  int gsplits;   // grouped: K splits per expert (blockIdx.z = expert * gsplits + split)
+  int64_t Mtot;  // grouped: rows of X and y (the partials' row count)
 };
 
 // The kernels need sm_80 (cp.async, mma.sync m16n8k16); a build for an older target compiles them
@@ -149,7 +151,7 @@ w4a4_kernel(const Params p) {
   if constexpr (GROUPED) {
     // The grid covers the largest possible group; tiles past this expert's rows leave at once
     // (uniformly for the whole CTA, before any barrier).
-    const int e = blockIdx.z;
+    const int e = blockIdx.z / p.gsplits;
     const int64_t mb = p.eoff[e];
     mend = p.eoff[e + 1];
     m0 += mb;
@@ -157,8 +159,10 @@ w4a4_kernel(const Params p) {
     wq = p.wtab[e].codes;
     ws = p.wtab[e].scales;
     wamax = p.wtab[e].amax;
-    kb0 = 0;
+    kb0 = static_cast<int64_t>(blockIdx.z % p.gsplits) * p.kb_per_split;
   }
+  const int64_t zsplit = GROUPED ? blockIdx.z % p.gsplits : blockIdx.z;
+  const int64_t prows = GROUPED ? p.Mtot : p.M;
   const int64_t kb1 = min(kb_total, kb0 + p.kb_per_split);
   const int nkb = kb1 > kb0 ? static_cast<int>(kb1 - kb0) : 0;
   const int64_t xrow = p.K / 2, xsrow = p.K / 16, wrow = p.Kw / 2, wsrow = p.Kw / 16;
@@ -328,7 +332,7 @@ w4a4_kernel(const Params p) {
           if (col >= p.N) continue;
           const float v = acc[i][j][2 * hr + c];
           if (p.partial) {
-            p.partial[(static_cast<int64_t>(blockIdx.z) * p.M + row) * p.N + col] = v;
+            p.partial[(zsplit * prows + row) * p.N + col] = v;
           } else {
             const float out = v * rf * (wamax[p.wamax_row ? col : 0] * kInv);
             float* dst = p.y + row * p.N + col;
@@ -390,11 +394,37 @@ void launch(Params p, int splits_req, cudaStream_t s, int groups = 1) {
   const int64_t tiles_n = (p.N + BN - 1) / BN, tiles_m = (p.M + BM - 1) / BM;
   const int64_t kb_total = (p.K + kBK - 1) / kBK;
   if constexpr (GROUPED) {
-    // No split K: the grid is already E times the tiles of the largest group (p.M).
-    p.kb_per_split = static_cast<int>(std::max<int64_t>(kb_total, 1));
-    const dim3 grid(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_m), static_cast<unsigned>(groups));
+    // The grid is E x the tiles of the largest group (p.M); decode's few active experts would
+    // leave most SMs idle, so K is split until about 6 CTAs per SM could be busy (the active
+    // experts are at most min(E, rows)). Partials are summed in split order (deterministic).
+    int splits = splits_req;
+    if (splits <= 0) {
+      const int64_t busy = std::min<int64_t>(groups, p.Mtot) * tiles_n, want = 6LL * sm_count();
+      splits = busy >= want ? 1 : static_cast<int>(std::min<int64_t>((want + busy - 1) / busy, kb_total / 2));
+    }
+    splits = static_cast<int>(std::min<int64_t>(std::max(splits, 1), std::max<int64_t>(kb_total, 1)));
+    p.kb_per_split = static_cast<int>((kb_total + splits - 1) / splits);
+    splits = static_cast<int>(std::max<int64_t>(1, (kb_total + p.kb_per_split - 1) / p.kb_per_split));
+    p.gsplits = splits;
+    float* partial = nullptr;
+    if (splits > 1) {
+      QUADS_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&partial), sizeof(float) * splits * p.Mtot * p.N, s));
+      p.partial = partial;
+    }
+    QUADS_CHECK(int64_t(groups) * splits <= 65535, "w4a4_gemm_grouped: {} groups x {} splits", groups, splits);
+    const dim3 grid(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_m),
+                    static_cast<unsigned>(groups * splits));
     kern<<<grid, threads, smem, s>>>(p);
     QUADS_CUDA_LAUNCH_CHECK();
+    if (splits > 1) {
+      Params q = p;
+      q.M = p.Mtot;  // every row of y: each belongs to one expert
+      const int64_t n = q.M * q.N;
+      const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 16LL * sm_count()));
+      splitk_reduce_kernel<<<blocks, 256, 0, s>>>(q, splits);
+      QUADS_CUDA_LAUNCH_CHECK();
+      QUADS_CUDA_CHECK(cudaFreeAsync(partial, s));
+    }
     return;
   }
   int splits = splits_req;
@@ -436,14 +466,14 @@ void dispatch(const Params& p, const W4A4Options& opt, cudaStream_t s) {
   }
 }
 
-void dispatch_grouped(const Params& p, int groups, cudaStream_t s) {
+void dispatch_grouped(const Params& p, int groups, int splits, cudaStream_t s) {
   // p.M is the largest group: decode has a few rows per expert, M16 tiles stream the weights.
   if (p.M <= 64)
-    launch<16, 128, 16, 64, 4, false, true>(p, 1, s, groups);
+    launch<16, 128, 16, 64, 4, false, true>(p, splits, s, groups);
   else if (p.M <= 256)
-    launch<64, 128, 32, 64, 4, false, true>(p, 1, s, groups);
+    launch<64, 128, 32, 64, 4, false, true>(p, splits, s, groups);
   else
-    launch<128, 128, 64, 64, 3, false, true>(p, 1, s, groups);
+    launch<128, 128, 64, 64, 3, false, true>(p, splits, s, groups);
 }
 
 Params make_params(const Nvfp4View& x, const Nvfp4View& w, float* y, bool accumulate) {
@@ -462,6 +492,7 @@ Params make_params(const Nvfp4View& x, const Nvfp4View& w, float* y, bool accumu
   p.Kw = w.k;
   p.y = y;
   p.accumulate = accumulate;
+  p.gsplits = 1;
   return p;
 }
 
@@ -503,7 +534,7 @@ void w4a4_gemm_gather(const Nvfp4View& xr, const Nvfp4View& w, const int32_t* bl
 }
 
 void w4a4_gemm_grouped(const Nvfp4View& x, const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n, int groups,
-                       const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t s) {
+                       const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t s, int splits) {
   QUADS_CHECK(x.k % 64 == 0, "w4a4_gemm_grouped: K = {} must be a multiple of 64", x.k);
   QUADS_CHECK(groups > 0 && groups <= 65535, "w4a4_gemm_grouped: {} groups (1..65535)", groups);
   if (x.rows == 0 || n == 0 || max_rows <= 0) return;
@@ -513,9 +544,10 @@ void w4a4_gemm_grouped(const Nvfp4View& x, const Nvfp4Weight* w_table, bool w_am
   w.amax_per_row = w_amax_per_row;
   Params p = make_params(x, w, y, false);
   p.M = std::min(max_rows, x.rows);  // grid bound; each CTA reads its own group's row range
+  p.Mtot = x.rows;
   p.eoff = eoff;
   p.wtab = w_table;
-  dispatch_grouped(p, groups, s);
+  dispatch_grouped(p, groups, splits, s);
 }
 
 void gather_blocks(const float* x, int64_t m, int64_t k, const int32_t* blocks, int64_t nsel, float* out,

@@ -90,9 +90,17 @@ TEST(CudaMoe, RouteMatchesCpuPermute) {
 
 TEST(CudaMoe, GroupedW4A4EqualsPerExpertGemm) {
   QUADS_REQUIRE_GPU();
-  const int64_t K = 256, N = 200;
+  const int64_t N = 200;
+  struct Case {
+    std::vector<int> sizes;
+    int64_t K;
+    int splits;  // the split count the grouped call picks by itself (few rows: decode splits K)
+  };
   // max_rows picks the tile: 40 -> 16-row tiles, 300 -> 128-row tiles.
-  for (const auto& sizes : {std::vector<int>{3, 0, 17, 1, 0, 40}, std::vector<int>{0, 300, 5, 0, 129}}) {
+  for (const Case& c : {Case{{3, 0, 17, 1, 0, 40}, 256, 1}, Case{{0, 300, 5, 0, 129}, 256, 1},
+                        Case{{1, 0, 2, 0, 0, 1}, 512, 2}}) {
+    const std::vector<int>& sizes = c.sizes;
+    const int64_t K = c.K;
     const int E = static_cast<int>(sizes.size());
     const std::vector<int32_t> off = offsets_of(sizes);
     const int64_t R = off[E];
@@ -124,7 +132,7 @@ TEST(CudaMoe, GroupedW4A4EqualsPerExpertGemm) {
     y.fill_bytes(0xFF);  // NaN: every row must be written
     cuda::w4a4_gemm_grouped(xv, dtab.data(), false, N, E, deoff.data(), max_rows, y.data());
     cuda::W4A4Options opt;
-    opt.splits = 1;
+    opt.splits = c.splits;
     opt.tile = max_rows <= 64 ? cuda::W4A4Tile::M16 : cuda::W4A4Tile::M128;
     for (int e = 0; e < E; ++e) {
       if (sizes[e] == 0) continue;
