@@ -94,7 +94,8 @@ std::string observations(const ojson& summary, double margin) {
   }
   std::vector<std::string> collapsed;
   for (const auto& [name, m] : modes.items())
-    if (m.value("collapsed", 0.0) > 0) collapsed.push_back(fmt::format("{} ({:.0f}% of seeds)", name, 100 * m.value("collapsed", 0.0)));
+    if (m.value("collapsed_seeds", 0) > 0)
+      collapsed.push_back(fmt::format("{} ({} of {} seeds)", name, m.value("collapsed_seeds", 0), summary.value("seeds", 1)));
   md += collapsed.empty()
             ? fmt::format("- No mode collapsed (final pass@1 never fell more than {} below its best).\n", margin)
             : fmt::format("- Collapsed (final pass@1 more than {} below its best): {}.\n", margin, fmt::join(collapsed, ", "));
@@ -175,10 +176,10 @@ std::string summary_table(const ojson& summary) {
   std::vector<std::vector<std::string>> t = {
       {"mode", "base", "final", "best", "mean|gap|", "max|gap|", "collapsed", "seconds"}};
   for (const auto& [mode, m] : summary.at("modes").items()) {
-    const double c = m.value("collapsed", 0.0);
+    const int c = m.value("collapsed_seeds", 0);
     t.push_back({mode, cell(m, "base_pass1", 3), cell(m, "final_pass1", 3), cell(m, "best_pass1", 3),
                  cell(m, "mean_abs_logp_gap", 4), cell(m, "max_abs_logp_gap", 3),
-                 n > 1 ? fmt::format("{}/{}", static_cast<int>(std::lround(c * n)), n) : (c > 0.5 ? "yes" : "no"),
+                 n > 1 ? fmt::format("{}/{}", c, n) : (c > 0 ? "yes" : "no"),
                  cell(m, "seconds", 0)});
   }
   std::vector<size_t> w(t[0].size(), 0);

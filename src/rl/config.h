@@ -62,7 +62,7 @@ struct RlSection {
   double collapse_margin = 0.1;  // collapsed: final pass@1 < best pass@1 - margin
   int64_t checkpoint_every = 20;
   int64_t seed = 1;              // first seed; seed i of a comparison is seed + i
-  int64_t seeds = 1;             // how many seeds per mode
+  int64_t seeds = 2;             // how many seeds per mode (the report gives mean ± std)
   std::string aggregation = "token_mean";  // token_mean | seq_mean | seq_sum_norm
   bool scale_adv_by_std = true;  // false: Dr. GRPO advantages
   bool tis = false;              // TIS in every mode (the nvfp4-tis mode has it regardless)

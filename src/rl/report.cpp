@@ -204,7 +204,6 @@ const SummaryField kSummaryFields[] = {
     {"best_pass1", [](const RunResult& r) { return r.best_pass1; }},
     {"mean_abs_logp_gap", [](const RunResult& r) { return r.mean_abs_logp_gap; }},
     {"max_abs_logp_gap", [](const RunResult& r) { return r.max_abs_logp_gap; }},
-    {"collapsed", [](const RunResult& r) { return r.collapsed ? 1.0 : 0.0; }},
     {"seconds", [](const RunResult& r) { return r.seconds; }},
 };
 
@@ -226,6 +225,11 @@ ojson make_summary(const std::vector<std::pair<std::string, std::vector<RunResul
       m[f.name] = ms.mean;
       if (n > 1) m[std::string(f.name) + "_std"] = ms.std;
     }
+    // A flag, not a mean: true when any seed collapsed; collapsed_seeds says how many did.
+    int ncollapsed = 0;
+    for (const auto& r : runs) ncollapsed += r.collapsed ? 1 : 0;
+    m["collapsed"] = ncollapsed > 0;
+    m["collapsed_seeds"] = ncollapsed;
     ojson seeds = ojson::array();
     for (const auto& r : runs) {
       ojson one = ojson::object();
@@ -253,9 +257,8 @@ std::string report_markdown(const ojson& summary, const std::string& config_toml
   md += "| mode | base pass@1 | final pass@1 | best pass@1 | mean abs logp gap | max abs logp gap | collapsed | seconds |\n";
   md += "|---|---|---|---|---|---|---|---|\n";
   for (const auto& [mode, m] : summary.at("modes").items()) {
-    double c = m.value("collapsed", 0.0);
-    std::string collapsed = n > 1 ? fmt::format("{}/{}", static_cast<int>(std::lround(c * static_cast<double>(n))), n)
-                                  : (c > 0.5 ? "yes" : "no");
+    const int c = m.value("collapsed_seeds", 0);
+    std::string collapsed = n > 1 ? fmt::format("{}/{}", c, n) : (c > 0 ? "yes" : "no");
     md += fmt::format("| {} | {} | {} | {} | {} | {} | {} | {} |\n", mode, cell(m, "base_pass1", 3), cell(m, "final_pass1", 3),
                       cell(m, "best_pass1", 3), cell(m, "mean_abs_logp_gap", 4), cell(m, "max_abs_logp_gap", 3), collapsed,
                       cell(m, "seconds", 0));
