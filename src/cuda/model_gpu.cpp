@@ -167,6 +167,7 @@ struct GpuModel::Impl {
   // layer, no host sync in a step. QUADS_GPU_MOE=legacy keeps the old path (expert ids to the
   // host, cpu::moe_permute, one GEMM per active expert); QUADS_GPU_GRAPHS=0 turns graphs off.
   bool legacy_moe = false, graphs_on = true;
+  int attn_tokens = 1;  // QUADS_GPU_ATTN_TOKENS: prefill attention tokens per CTA (kern::attention)
   struct GroupedProj {  // one projection of all experts: a device table of their weights
     GpuLinearMode mode = GpuLinearMode::Fake;
     bool amax_row = false;             // W4A4: per-row weight amax
@@ -216,6 +217,7 @@ struct GpuModel::Impl {
     QUADS_CUDA_CHECK(cudaStreamCreate(&stream));
     legacy_moe = env_is("QUADS_GPU_MOE", "legacy");
     graphs_on = !env_is("QUADS_GPU_GRAPHS", "0");
+    if (const char* a = std::getenv("QUADS_GPU_ATTN_TOKENS")) attn_tokens = std::max(1, std::atoi(a));
     blas = std::make_unique<Blas>();
     build_linears();
     master.resize(lay.total);
@@ -902,7 +904,8 @@ struct GpuModel::Impl {
       float* vcl = vc.data() + l * cache_layer;
       kern::qk_norm_rope_store(qp, kp, vp, M + o.q_norm, M + o.k_norm, eps, d_cos, d_sin, d_slot, d_pos, T, nh, nkv,
                                hd, kcl, vcl, max_len, stream);
-      kern::attention(qp, kcl, vcl, d_slot, d_pos, T, nh, nkv, hd, scale, max_len, max_ctx, decode, ap, stream);
+      kern::attention(qp, kcl, vcl, d_slot, d_pos, T, nh, nkv, hd, scale, max_len, max_ctx, decode, ap, stream,
+                      attn_tokens);
       const Operand oo = prepare(Lo, ap, T);
       gemm(Lo, oo, 0, T, tp);
       kern::add_inplace(xp, tp, T * H, stream);

@@ -121,16 +121,19 @@ __global__ void qk_norm_rope_store_kernel(float* __restrict__ q, const float* __
 // Attention: one warp per (token, query head). Lanes own keys for the scores (j = lane + 32 i, a
 // full dot product each, in dimension order), then own dimensions for P·V (keys in order), as the
 // CPU computes out = sum_j (p_j * inv) v_j. Shared memory per warp: hd floats of q, ctx scores.
-// heads_per_cta warps share a CTA: the query heads (h0 .. h0 + heads_per_cta - 1) of one token.
+// heads_per_cta x tokens_per_cta warps share a CTA: the query heads (h0 .. h0 + heads_per_cta - 1)
+// of tokens_per_cta consecutive tokens (prefill: the same sequence's K/V rows, read by all of them
+// through L1). Each warp's arithmetic does not depend on the shape.
 __global__ void attention_kernel(const float* __restrict__ q, const float* __restrict__ kcache,
                                  const float* __restrict__ vcache, const int32_t* __restrict__ slot,
                                  const int32_t* __restrict__ pos, int nh, int nkv, int hd, float scale,
-                                 int64_t max_len, int64_t max_ctx, int heads_per_cta, float* __restrict__ out) {
+                                 int64_t max_len, int64_t max_ctx, int heads_per_cta, int tokens_per_cta, int64_t T,
+                                 float* __restrict__ out) {
   extern __shared__ float smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t t = blockIdx.y;
-  const int h = blockIdx.x * heads_per_cta + warp;
-  if (h >= nh) return;
+  const int64_t t = int64_t(blockIdx.y) * tokens_per_cta + warp / heads_per_cta;
+  const int h = blockIdx.x * heads_per_cta + warp % heads_per_cta;
+  if (h >= nh || t >= T) return;  // whole warps; the kernel has no block barrier
   const int g = h / (nh / nkv);
   const int64_t L = int64_t(pos[t]) + 1;
   float* qs = smem + int64_t(warp) * (hd + max_ctx);
@@ -346,18 +349,25 @@ void qk_norm_rope_store(float* q, const float* k, const float* v, const float* q
 
 void attention(const float* q, const float* kcache, const float* vcache, const int32_t* slot, const int32_t* pos,
                int64_t T, int nh, int nkv, int hd, float scale, int64_t max_len, int64_t max_ctx, bool decode,
-               float* out, cudaStream_t s) {
+               float* out, cudaStream_t s, int prefill_tokens_per_cta) {
   if (T == 0) return;
   QUADS_CHECK(hd % 4 == 0, "cuda attention: head_dim {} must be a multiple of 4", hd);
   QUADS_CHECK(nh % nkv == 0, "cuda attention: {} query heads over {} kv heads", nh, nkv);
   // Decode: the query heads of one kv head share a CTA (their K/V rows are read once into L1);
   // prefill: 4 heads of a token per CTA.
-  int per_cta = decode ? nh / nkv : 4;
+  // prefill_tokens_per_cta > 1: the whole GQA group of that many tokens per CTA (at most 32 warps).
+  const bool multi = !decode && prefill_tokens_per_cta > 1;
+  int per_cta = decode || multi ? nh / nkv : 4;
   per_cta = std::max(1, std::min({per_cta, nh, 8}));
+  int tpc = multi ? std::max(1, std::min(prefill_tokens_per_cta, 32 / per_cta)) : 1;
   int dev = 0, max_smem = 0;
   QUADS_CUDA_CHECK(cudaGetDevice(&dev));
   QUADS_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  size_t smem = sizeof(float) * size_t(per_cta) * size_t(hd + max_ctx);
+  size_t smem = sizeof(float) * size_t(per_cta) * size_t(tpc) * size_t(hd + max_ctx);
+  while (tpc > 1 && smem > size_t(max_smem)) {
+    tpc /= 2;
+    smem = sizeof(float) * size_t(per_cta) * size_t(tpc) * size_t(hd + max_ctx);
+  }
   while (per_cta > 1 && smem > size_t(max_smem)) {
     per_cta /= 2;
     smem = sizeof(float) * size_t(per_cta) * size_t(hd + max_ctx);
@@ -368,9 +378,9 @@ void attention(const float* q, const float* kcache, const float* vcache, const i
     QUADS_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem)));
   QUADS_CHECK(T < 65536, "cuda attention: {} tokens in one step (at most 65535)", T);
-  const dim3 grid((nh + per_cta - 1) / per_cta, static_cast<unsigned>(T));
-  attention_kernel<<<grid, 32 * per_cta, smem, s>>>(q, kcache, vcache, slot, pos, nh, nkv, hd, scale, max_len, max_ctx,
-                                                    per_cta, out);
+  const dim3 grid((nh + per_cta - 1) / per_cta, static_cast<unsigned>((T + tpc - 1) / tpc));
+  attention_kernel<<<grid, 32 * per_cta * tpc, smem, s>>>(q, kcache, vcache, slot, pos, nh, nkv, hd, scale, max_len,
+                                                          max_ctx, per_cta, tpc, T, out);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 

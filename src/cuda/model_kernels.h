@@ -33,9 +33,11 @@ void qk_norm_rope_store(float* q, const float* k, const float* v, const float* q
 // Prefill chunks and decode share the arithmetic; `decode` selects the launch shape (one CTA per
 // (sequence, kv head) holding the group's queries, vs one CTA per (token, head)). max_ctx bounds
 // pos + 1 (shared memory for the scores).
+// prefill_tokens_per_cta > 1 (prefill only): a CTA holds the GQA group's heads of that many
+// consecutive tokens (K/V rows shared through L1; same results bit for bit).
 void attention(const float* q, const float* kcache, const float* vcache, const int32_t* slot, const int32_t* pos,
                int64_t T, int nh, int nkv, int hd, float scale, int64_t max_len, int64_t max_ctx, bool decode,
-               float* out, cudaStream_t s);
+               float* out, cudaStream_t s, int prefill_tokens_per_cta = 1);
 
 // Router (cpu::router_topk_forward): softmax of logits [T, E] in float32 (sum in double), top-k by
 // repeated arg-max (ties: lower id), weights renormalized when norm_topk. idx, w: [T, k].

@@ -291,3 +291,34 @@ TEST(CudaModelGpu, GraphReplayEqualsEagerAndLegacyPath) {
     EXPECT_NEAR(bg, bl, 1e-9 * bl) << preset;
   }
 }
+
+// Prefill attention with several tokens per CTA (QUADS_GPU_ATTN_TOKENS) gives the one-token launch's
+// bits: each warp's arithmetic is the same, only the grid differs.
+TEST(CudaModelKernels, AttentionTokensPerCtaSameBits) {
+  QUADS_REQUIRE_GPU();
+  const int nh = 8, nkv = 2, hd = 64, slots = 2;
+  const int64_t max_len = 48;
+  std::vector<int32_t> slot, pos;
+  for (int j = 0; j < 21; ++j) slot.push_back(1), pos.push_back(3 + j);  // a chunk after 3 cached positions
+  for (int j = 0; j < 13; ++j) slot.push_back(0), pos.push_back(j);      // a fresh prompt
+  const int64_t T = static_cast<int64_t>(slot.size());
+  std::mt19937_64 rng(99);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> q(T * nh * hd), kc(size_t(slots) * max_len * nkv * hd), vc(kc.size());
+  for (auto& v : q) v = nd(rng);
+  for (auto& v : kc) v = nd(rng);
+  for (auto& v : vc) v = nd(rng);
+  DeviceArray<float> dq = dev(q), dk = dev(kc), dv = dev(vc), out1(T * nh * hd), outn(T * nh * hd);
+  DeviceArray<int32_t> ds = dev(slot), dp = dev(pos);
+  const float scale = 1.f / 8.f;
+  cuda::kern::attention(dq.data(), dk.data(), dv.data(), ds.data(), dp.data(), T, nh, nkv, hd, scale, max_len, 24, false,
+                        out1.data(), nullptr, 1);
+  const std::vector<float> ref = out1.download();
+  for (int tpc : {2, 3, 4, 16}) {
+    outn.fill_bytes(0xFF);
+    cuda::kern::attention(dq.data(), dk.data(), dv.data(), ds.data(), dp.data(), T, nh, nkv, hd, scale, max_len, 24,
+                          false, outn.data(), nullptr, tpc);
+    EXPECT_EQ(first_float_mismatch(outn.download(), ref), -1) << tpc << " tokens per CTA";
+  }
+  for (float v : ref) ASSERT_TRUE(std::isfinite(v));
+}
