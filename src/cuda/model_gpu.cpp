@@ -139,10 +139,20 @@ struct GpuModel::Impl {
     bool sparse = false;
     bool experts_uniform = true;  // every expert's gate/up and down share one activation quantizer
     bool fused_gu = false;        // gate and up run as one [2I, H] GEMM per expert
+    bool fused_qkv = false;       // q, k and v run as one [q_dim + 2 kv_dim, H] GEMM
     int nexperts = 1;             // 1 for a dense MLP
   };
   std::vector<LayerIdx> layers;
   int lm_head = -1;
+  // Fused q/k/v weights per layer (LayerIdx::fused_qkv): BF16, or NVFP4 with a per-row amax.
+  struct Qkv {
+    DeviceArray<uint16_t> b;
+    DeviceArray<uint8_t> codes, scales;
+    DeviceArray<float> amax;
+    Nvfp4View v;
+  };
+  std::vector<Qkv> qkv;
+  DeviceArray<float> qkvbuf;
   DeviceArray<float> master;  // float32 weights, Layout order
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;
@@ -442,6 +452,64 @@ struct GpuModel::Impl {
       setup_fused_gu(x);
     }
     lm_head = add("lm_head", -1, cfg.vocab_size, H, lay.lm_head);
+    setup_fused_qkv();
+  }
+
+  // q, k and v read the same operand; where their weights are BF16, or W4A4 with per-tensor
+  // weight scales (stacked with a per-row amax, as gate/up), one GEMM computes all three
+  // (QUADS_GPU_FUSE_QKV=0 keeps three).
+  void setup_fused_qkv() {
+    qkv.clear();
+    qkv.resize(layers.size());
+    if (env_is("QUADS_GPU_FUSE_QKV", "0")) return;
+    for (size_t l = 0; l < layers.size(); ++l) {
+      LayerIdx& x = layers[l];
+      const DevLinear &Q = lin[x.q], &K = lin[x.k], &V = lin[x.v];
+      bool ok = same_operand(K, Q) && same_operand(V, Q) && K.mode == Q.mode && V.mode == Q.mode;
+      if (Q.mode == GpuLinearMode::W4A4)
+        for (const DevLinear* L : {&Q, &K, &V}) ok &= L->num.weight.cfg.global == num::Global::PerTensor;
+      else
+        ok &= Q.mode == GpuLinearMode::BF16;
+      x.fused_qkv = ok;
+      if (!ok) continue;
+      const int64_t rows = Q.out + K.out + V.out, H = Q.in;
+      Qkv& F = qkv[l];
+      if (Q.mode == GpuLinearMode::BF16) {
+        F.b.resize(size_t(rows * H));
+      } else {
+        F.codes.resize(size_t(rows * H / 2));
+        F.scales.resize(size_t(rows * H / 16));
+        F.amax.resize(size_t(rows));
+        F.v.codes = F.codes.data();
+        F.v.scales = F.scales.data();
+        F.v.amax = F.amax.data();
+        F.v.amax_per_row = true;
+        F.v.rows = rows;
+        F.v.k = H;
+      }
+    }
+  }
+
+  void refresh_fused_qkv() {
+    const auto d2d = cudaMemcpyDeviceToDevice;
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const LayerIdx& x = layers[l];
+      if (!x.fused_qkv) continue;
+      Qkv& F = qkv[l];
+      int64_t r0 = 0;
+      for (int i : {x.q, x.k, x.v}) {
+        const DevLinear& L = lin[i];
+        const int64_t n = L.out * L.in;
+        if (L.mode == GpuLinearMode::BF16) {
+          QUADS_CUDA_CHECK(cudaMemcpyAsync(F.b.data() + r0 * L.in, L.wb.data(), sizeof(uint16_t) * n, d2d, stream));
+        } else {
+          QUADS_CUDA_CHECK(cudaMemcpyAsync(F.codes.data() + r0 * L.in / 2, L.wq.codes.data(), n / 2, d2d, stream));
+          QUADS_CUDA_CHECK(cudaMemcpyAsync(F.scales.data() + r0 * L.in / 16, L.wq.scales.data(), n / 16, d2d, stream));
+          kern::broadcast(L.wq.amax.data(), F.amax.data() + r0, L.out, stream);
+        }
+        r0 += L.out;
+      }
+    }
   }
 
   // Gate and up share their operand (same per-token activation quantizer) and have the same
@@ -526,6 +594,7 @@ struct GpuModel::Impl {
     }
     for (DevLinear& L : lin) refresh_rac_weights(L);
     refresh_fused_gu();
+    refresh_fused_qkv();
     QUADS_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
 
@@ -841,6 +910,7 @@ struct GpuModel::Impl {
     float* vp = grow(v, T * kvd);
     float* ap = grow(attn, T * qd);
     float* tp = grow(tmp, T * H);
+    float* qkvp = grow(qkvbuf, T * (qd + 2 * kvd));
     float* xep = grow(xe, R * H);
     float* yep = grow(ye, R * H);
     grow(g, R * 2 * maxI);
@@ -894,12 +964,23 @@ struct GpuModel::Impl {
       const LayerIdx& li = layers[l];
       kern::rmsnorm(xp, M + o.input_norm, T, H, eps, xnp, stream);
       const DevLinear &Lq = lin[li.q], &Lk = lin[li.k], &Lv = lin[li.v], &Lo = lin[li.o];
-      const Operand oq = prepare(Lq, xnp, T);
-      gemm(Lq, oq, 0, T, qp);
-      const Operand ok = same_operand(Lk, Lq) ? oq : prepare(Lk, xnp, T);
-      gemm(Lk, ok, 0, T, kp);
-      const Operand ov = same_operand(Lv, Lk) ? ok : prepare(Lv, xnp, T);
-      gemm(Lv, ov, 0, T, vp);
+      if (li.fused_qkv && Lq.rac_nsel == 0 && Lk.rac_nsel == 0 && Lv.rac_nsel == 0) {
+        const Operand oq = prepare(Lq, xnp, T);
+        const int64_t rows = qd + 2 * kvd;
+        stats.weight_bytes += Lq.bytes() + Lk.bytes() + Lv.bytes();
+        if (Lq.mode == GpuLinearMode::BF16)
+          gemm_bf16(*blas, oq.b, qkv[l].b.data(), qkvp, T, rows, H, stream);
+        else
+          w4a4_gemm_emulated(oq.v, qkv[l].v, qkvp, false, stream);
+        kern::split_cols3(qkvp, T, qd, kvd, kvd, qp, kp, vp, stream);
+      } else {
+        const Operand oq = prepare(Lq, xnp, T);
+        gemm(Lq, oq, 0, T, qp);
+        const Operand ok = same_operand(Lk, Lq) ? oq : prepare(Lk, xnp, T);
+        gemm(Lk, ok, 0, T, kp);
+        const Operand ov = same_operand(Lv, Lk) ? ok : prepare(Lv, xnp, T);
+        gemm(Lv, ov, 0, T, vp);
+      }
       float* kcl = kc.data() + l * cache_layer;
       float* vcl = vc.data() + l * cache_layer;
       kern::qk_norm_rope_store(qp, kp, vp, M + o.q_norm, M + o.k_norm, eps, d_cos, d_sin, d_slot, d_pos, T, nh, nkv,

@@ -225,6 +225,17 @@ __global__ void swiglu_kernel(const float* __restrict__ g, const float* __restri
   }
 }
 
+__global__ void split_cols3_kernel(const float* __restrict__ src, int64_t rows, int64_t a, int64_t b, int64_t c,
+                                   float* __restrict__ da, float* __restrict__ db, float* __restrict__ dc) {
+  const int64_t w = a + b + c, n = rows * w;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / w, col = i - r * w;
+    if (col < a) da[r * a + col] = src[i];
+    else if (col < a + b) db[r * b + col - a] = src[i];
+    else dc[r * c + col - a - b] = src[i];
+  }
+}
+
 __global__ void broadcast_kernel(const float* __restrict__ src, float* __restrict__ dst, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     dst[i] = *src;
@@ -394,6 +405,13 @@ void router_topk(const float* logits, int64_t T, int E, int k, bool norm_topk, f
 void swiglu(const float* g, const float* u, int64_t ld, int64_t n, int64_t I, float* h, cudaStream_t s) {
   if (n * I == 0) return;
   swiglu_kernel<<<grid_for(n * I), kThreads, 0, s>>>(g, u, ld, n, I, h);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void split_cols3(const float* src, int64_t rows, int64_t a, int64_t b, int64_t c, float* da, float* db, float* dc,
+                 cudaStream_t s) {
+  if (rows * (a + b + c) == 0) return;
+  split_cols3_kernel<<<grid_for(rows * (a + b + c)), kThreads, 0, s>>>(src, rows, a, b, c, da, db, dc);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 

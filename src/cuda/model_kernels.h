@@ -48,6 +48,11 @@ void router_topk(const float* logits, int64_t T, int E, int k, bool norm_topk, f
 // is g = gu, u = gu + I, ld = 2I; separate [n, I] buffers have ld = I).
 void swiglu(const float* g, const float* u, int64_t ld, int64_t n, int64_t I, float* h, cudaStream_t s);
 
+// Rows of src [rows, a + b + c] split by columns into da [rows, a], db [rows, b], dc [rows, c]
+// (the fused q/k/v product).
+void split_cols3(const float* src, int64_t rows, int64_t a, int64_t b, int64_t c, float* da, float* db, float* dc,
+                 cudaStream_t s);
+
 // dst[i] = *src for i < n (a device scalar broadcast: per-row global scales of a fused weight).
 void broadcast(const float* src, float* dst, int64_t n, cudaStream_t s);
 

@@ -322,3 +322,19 @@ TEST(CudaModelKernels, AttentionTokensPerCtaSameBits) {
   }
   for (float v : ref) ASSERT_TRUE(std::isfinite(v));
 }
+
+// The fused q/k/v product is split by columns into the three operands.
+TEST(CudaModelKernels, SplitCols3) {
+  QUADS_REQUIRE_GPU();
+  const int64_t rows = 5, a = 7, b = 3, c = 2, w = a + b + c;
+  std::vector<float> src(rows * w);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = float(i) * 0.5f;
+  DeviceArray<float> ds = dev(src), da(rows * a), db(rows * b), dc(rows * c);
+  cuda::kern::split_cols3(ds.data(), rows, a, b, c, da.data(), db.data(), dc.data(), nullptr);
+  const auto ha = da.download(), hb = db.download(), hc = dc.download();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < a; ++j) EXPECT_EQ(ha[r * a + j], src[r * w + j]);
+    for (int64_t j = 0; j < b; ++j) EXPECT_EQ(hb[r * b + j], src[r * w + a + j]);
+    for (int64_t j = 0; j < c; ++j) EXPECT_EQ(hc[r * c + j], src[r * w + a + b + j]);
+  }
+}
