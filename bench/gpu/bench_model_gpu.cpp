@@ -139,11 +139,12 @@ bool bench_precision(const model::ModelConfig& cfg, const std::string& p, double
     const double t0 = now();
     // Suffixes: +rac (RAC on the first channels), +eager (no CUDA graphs: QUADS_GPU_GRAPHS=0),
     // +legacy (host-routed MoE, one GEMM per expert: QUADS_GPU_MOE=legacy), +attn (prefill
-    // attention with 4 tokens x the GQA group per CTA: QUADS_GPU_ATTN_TOKENS=4).
+    // attention with K/V tiles in shared memory: QUADS_GPU_ATTN=tiled), +attnl1 (the default
+    // kernel with 4 tokens x the GQA group per CTA: QUADS_GPU_ATTN_TOKENS=4).
     std::string base = p;
-    bool rac = false, eager = false, legacy = false, attn = false;
+    bool rac = false, eager = false, legacy = false, attn = false, attnl1 = false;
     for (const auto& [suffix, flag] : {std::pair<std::string, bool*>{"+rac", &rac}, {"+eager", &eager},
-                                       {"+legacy", &legacy}, {"+attn", &attn}}) {
+                                       {"+legacy", &legacy}, {"+attnl1", &attnl1}, {"+attn", &attn}}) {
       const size_t at = base.find(suffix);
       if (at != std::string::npos) {
         *flag = true;
@@ -152,11 +153,13 @@ bool bench_precision(const model::ModelConfig& cfg, const std::string& p, double
     }
     if (eager) setenv("QUADS_GPU_GRAPHS", "0", 1);
     if (legacy) setenv("QUADS_GPU_MOE", "legacy", 1);
-    if (attn) setenv("QUADS_GPU_ATTN_TOKENS", "4", 1);
+    if (attnl1) setenv("QUADS_GPU_ATTN_TOKENS", "4", 1);
+    if (attn) setenv("QUADS_GPU_ATTN", "tiled", 1);
     cuda::GpuModel g(cfg, model::PrecisionConfig::preset(base));
     unsetenv("QUADS_GPU_GRAPHS");
     unsetenv("QUADS_GPU_MOE");
     unsetenv("QUADS_GPU_ATTN_TOKENS");
+    unsetenv("QUADS_GPU_ATTN");
     g.randomize(42, 0.02f);
     if (rac) g.set_rac_first_channels(model::RacConfig{}.ratio);
     std::fprintf(stderr, "%s: %.2f GB of GEMM weights on the device, set up in %.1f s\n", p.c_str(),
@@ -194,7 +197,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     bool quick = false;
-    std::vector<std::string> precisions{"bf16", "nvfp4", "nvfp4+eager", "nvfp4+attn", "nvfp4+rac"};
+    std::vector<std::string> precisions{"bf16", "nvfp4", "nvfp4+eager", "nvfp4+rac", "nvfp4+attnl1", "nvfp4+attn"};
     for (int i = 1; i < argc; ++i) {
       if (!std::strcmp(argv[i], "--quick")) quick = true;
       else if (!std::strcmp(argv[i], "--precisions") && i + 1 < argc) {

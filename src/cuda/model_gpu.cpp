@@ -178,6 +178,7 @@ struct GpuModel::Impl {
   // host, cpu::moe_permute, one GEMM per active expert); QUADS_GPU_GRAPHS=0 turns graphs off.
   bool legacy_moe = false, graphs_on = true;
   int attn_tokens = 1;  // QUADS_GPU_ATTN_TOKENS: prefill attention tokens per CTA (kern::attention)
+  bool attn_tiled = false;  // QUADS_GPU_ATTN=tiled: prefill through kern::attention_tiled
   struct GroupedProj {  // one projection of all experts: a device table of their weights
     GpuLinearMode mode = GpuLinearMode::Fake;
     bool amax_row = false;             // W4A4: per-row weight amax
@@ -228,6 +229,7 @@ struct GpuModel::Impl {
     legacy_moe = env_is("QUADS_GPU_MOE", "legacy");
     graphs_on = !env_is("QUADS_GPU_GRAPHS", "0");
     if (const char* a = std::getenv("QUADS_GPU_ATTN_TOKENS")) attn_tokens = std::max(1, std::atoi(a));
+    attn_tiled = env_is("QUADS_GPU_ATTN", "tiled");
     blas = std::make_unique<Blas>();
     build_linears();
     master.resize(lay.total);
@@ -865,6 +867,24 @@ struct GpuModel::Impl {
     ++stats.steps;
     stats.tokens += T;
 
+    // Tiled prefill attention: runs of at most tpc consecutive tokens of one slot.
+    std::vector<int32_t> hblk;
+    int attn_hpc = 1, attn_tpc = 1;
+    const bool tiled = attn_tiled && !decode && kern::attention_tiled_supported(nh, nkv, hd);
+    if (tiled) {
+      attn_tpc = kern::attention_tiled_tokens(nh, nkv, hd, max_ctx, &attn_hpc);
+      for (int64_t t = 0; t < static_cast<int64_t>(hslot.size()); ++t) {
+        const size_t nb = hblk.size() / 2;
+        if (nb == 0 || hslot[t] != hslot[t - 1] || hblk[2 * nb - 1] >= attn_tpc) {
+          hblk.push_back(static_cast<int32_t>(t));
+          hblk.push_back(1);
+        } else {
+          ++hblk[2 * nb - 1];
+        }
+      }
+    }
+    const int64_t nblk = static_cast<int64_t>(hblk.size() / 2);
+
     std::vector<float> hcos(T * hd / 2), hsin(T * hd / 2);
     cpu::rope_tables(pos64.data(), T, hd, cfg.rope_theta, hcos.data(), hsin.data());
     // The step's inputs in one pinned staging buffer and one asynchronous copy (the previous
@@ -876,7 +896,8 @@ struct GpuModel::Impl {
       return at;
     };
     const size_t o_tok = place(4 * htok.size()), o_slot = place(4 * hslot.size()), o_pos = place(4 * hpos.size()),
-                 o_sel = place(4 * hsel.size()), o_cos = place(4 * hcos.size()), o_sin = place(4 * hsin.size());
+                 o_sel = place(4 * hsel.size()), o_cos = place(4 * hcos.size()), o_sin = place(4 * hsin.size()),
+                 o_blk = place(4 * hblk.size());
     if (in_host_bytes < in_bytes) {
       QUADS_CUDA_CHECK(cudaStreamSynchronize(stream));
       if (in_host) cudaFreeHost(in_host);
@@ -890,6 +911,7 @@ struct GpuModel::Impl {
     std::memcpy(in_host + o_sel, hsel.data(), 4 * hsel.size());
     std::memcpy(in_host + o_cos, hcos.data(), 4 * hcos.size());
     std::memcpy(in_host + o_sin, hsin.data(), 4 * hsin.size());
+    if (!hblk.empty()) std::memcpy(in_host + o_blk, hblk.data(), 4 * hblk.size());
     uint8_t* in_dev = grow(inbuf, in_bytes);
     QUADS_CUDA_CHECK(cudaMemcpyAsync(in_dev, in_host, in_bytes, cudaMemcpyHostToDevice, stream));
     const int32_t* d_tok = reinterpret_cast<const int32_t*>(in_dev + o_tok);
@@ -898,6 +920,7 @@ struct GpuModel::Impl {
     const int32_t* d_sel = reinterpret_cast<const int32_t*>(in_dev + o_sel);
     const float* d_cos = reinterpret_cast<const float*>(in_dev + o_cos);
     const float* d_sin = reinterpret_cast<const float*>(in_dev + o_sin);
+    const int32_t* d_blk = reinterpret_cast<const int32_t*>(in_dev + o_blk);
 
     const int E = cfg.num_experts, K = cfg.num_experts_per_tok;
     int64_t maxI = 0;
@@ -985,8 +1008,12 @@ struct GpuModel::Impl {
       float* vcl = vc.data() + l * cache_layer;
       kern::qk_norm_rope_store(qp, kp, vp, M + o.q_norm, M + o.k_norm, eps, d_cos, d_sin, d_slot, d_pos, T, nh, nkv,
                                hd, kcl, vcl, max_len, stream);
-      kern::attention(qp, kcl, vcl, d_slot, d_pos, T, nh, nkv, hd, scale, max_len, max_ctx, decode, ap, stream,
-                      attn_tokens);
+      if (tiled)
+        kern::attention_tiled(qp, kcl, vcl, d_slot, d_pos, d_blk, nblk, nh, nkv, hd, scale, max_len, max_ctx, attn_hpc,
+                              attn_tpc, ap, stream);
+      else
+        kern::attention(qp, kcl, vcl, d_slot, d_pos, T, nh, nkv, hd, scale, max_len, max_ctx, decode, ap, stream,
+                        attn_tokens);
       const Operand oo = prepare(Lo, ap, T);
       gemm(Lo, oo, 0, T, tp);
       kern::add_inplace(xp, tp, T * H, stream);

@@ -177,6 +177,98 @@ __global__ void attention_kernel(const float* __restrict__ q, const float* __res
   }
 }
 
+// Prefill attention with K/V tiles in shared memory: a CTA holds heads_per_cta query heads of one
+// GQA group for up to tokens_per_cta tokens of ONE slot (blocks[2 b], blocks[2 b + 1]: first token,
+// count), and stages kTile keys (then values) at a time for all of its warps. Each warp's arithmetic
+// is attention_kernel's, in the same order (lane j owns keys j + 32 i; P.V sums keys in order per
+// dimension), so the results are the same bits.
+constexpr int kAttnTile = 32;
+__global__ void attention_tiled_kernel(const float* __restrict__ q, const float* __restrict__ kcache,
+                                       const float* __restrict__ vcache, const int32_t* __restrict__ slot,
+                                       const int32_t* __restrict__ pos, const int32_t* __restrict__ blocks, int nh,
+                                       int nkv, int hd, float scale, int64_t max_len, int64_t max_ctx,
+                                       int heads_per_cta, float* __restrict__ out) {
+  extern __shared__ float smem[];
+  __shared__ int64_t lmax_s;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  const int64_t t0 = blocks[2 * blockIdx.y], cnt = blocks[2 * blockIdx.y + 1];
+  const int tl = warp / heads_per_cta;
+  const int h = blockIdx.x * heads_per_cta + warp % heads_per_cta;
+  const bool active = tl < cnt && h < nh;
+  const int64_t t = t0 + (tl < cnt ? tl : cnt - 1);  // idle warps still take part in the barriers
+  const int g = (blockIdx.x * heads_per_cta) / (nh / nkv);
+  const int64_t L = active ? int64_t(pos[t]) + 1 : 0;
+  if (threadIdx.x == 0) {
+    int64_t m = 0;
+    for (int64_t i = 0; i < cnt; ++i) m = max(m, int64_t(pos[t0 + i]) + 1);
+    lmax_s = m;
+  }
+  float* qs = smem + int64_t(warp) * (hd + max_ctx);
+  float* s = qs + hd;
+  float* kt = smem + int64_t(nw) * (hd + max_ctx);  // [kAttnTile][hd + 1] (padded: lanes read rows)
+  float* vt = kt + kAttnTile * (hd + 1);            // [kAttnTile][hd]
+  const float* qrow = q + (t * nh + (h < nh ? h : 0)) * hd;
+  for (int i = lane; i < hd; i += 32) qs[i] = qrow[i];
+  __syncthreads();
+  const int64_t Lmax = lmax_s;
+  const int64_t kvd = int64_t(nkv) * hd;
+  const float* kb = kcache + int64_t(slot[t0]) * max_len * kvd + int64_t(g) * hd;
+  const float* vb = vcache + int64_t(slot[t0]) * max_len * kvd + int64_t(g) * hd;
+  float m = -INFINITY;
+  for (int64_t j0 = 0; j0 < Lmax; j0 += kAttnTile) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < kAttnTile * hd; i += blockDim.x) {
+      const int r = i / hd, d = i - r * hd;
+      kt[r * (hd + 1) + d] = j0 + r < Lmax ? kb[(j0 + r) * kvd + d] : 0.f;
+    }
+    __syncthreads();
+    const int64_t j = j0 + lane;
+    if (active && j < L) {
+      const float* kr = kt + lane * (hd + 1);
+      float acc = 0.f;
+      for (int d = 0; d < hd; ++d) acc = __fmaf_rn(qs[d], kr[d], acc);
+      const float sj = __fmul_rn(acc, scale);
+      s[j] = sj;
+      m = fmaxf(m, sj);
+    }
+  }
+  m = warp_max(m);
+  double sum = 0;
+  for (int64_t j = lane; j < L; j += 32) {
+    const float e = expf(s[j] - m);
+    s[j] = e;
+    sum += e;
+  }
+  sum = warp_sum(sum);
+  __syncwarp();
+  const float inv = static_cast<float>(1.0 / sum);
+  float a[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) a[i] = 0.f;
+  const int nd = hd / 32;
+  for (int64_t j0 = 0; j0 < Lmax; j0 += kAttnTile) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < kAttnTile * hd; i += blockDim.x) {
+      const int r = i / hd, d = i - r * hd;
+      vt[i] = j0 + r < Lmax ? vb[(j0 + r) * kvd + d] : 0.f;
+    }
+    __syncthreads();
+    if (active) {
+      const int64_t jn = L - j0 < kAttnTile ? L - j0 : kAttnTile;
+      for (int64_t r = 0; r < jn; ++r) {
+        const float p = __fmul_rn(s[j0 + r], inv);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          if (i < nd) a[i] = __fadd_rn(a[i], __fmul_rn(p, vt[r * hd + lane + 32 * i]));
+      }
+    }
+  }
+  if (active) {
+    float* orow = out + (t * nh + h) * hd;
+    for (int i = 0; i < nd; ++i) orow[lane + 32 * i] = a[i];
+  }
+}
+
 // One thread per token: softmax as cpu::softmax_forward (exp rounded from double, so it matches the
 // correctly rounded float exp almost always), then top-k as cpu::router_topk_forward.
 __global__ void router_topk_kernel(const float* __restrict__ logits, int64_t T, int E, int k, bool norm_topk,
@@ -392,6 +484,54 @@ void attention(const float* q, const float* kcache, const float* vcache, const i
   const dim3 grid((nh + per_cta - 1) / per_cta, static_cast<unsigned>((T + tpc - 1) / tpc));
   attention_kernel<<<grid, 32 * per_cta * tpc, smem, s>>>(q, kcache, vcache, slot, pos, nh, nkv, hd, scale, max_len,
                                                           max_ctx, per_cta, tpc, T, out);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+bool attention_tiled_supported(int nh, int nkv, int hd) { return hd % 32 == 0 && hd <= 256 && nh % nkv == 0; }
+
+int attention_tiled_tokens(int nh, int nkv, int hd, int64_t max_ctx, int* heads_per_cta) {
+  const int G = nh / nkv;
+  int hpc = 1;
+  for (int d = 1; d <= std::min(G, 8); ++d)
+    if (G % d == 0) hpc = d;
+  int tpc = std::max(1, 32 / hpc);
+  int dev = 0, max_smem = 0;
+  QUADS_CUDA_CHECK(cudaGetDevice(&dev));
+  QUADS_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  const size_t tiles = sizeof(float) * size_t(kAttnTile) * size_t(2 * hd + 1) + 64;
+  while (tpc > 1 && sizeof(float) * size_t(hpc) * tpc * size_t(hd + max_ctx) + tiles > size_t(max_smem)) tpc /= 2;
+  while (hpc > 1 && sizeof(float) * size_t(hpc) * tpc * size_t(hd + max_ctx) + tiles > size_t(max_smem)) {
+    int d = hpc - 1;
+    while (d > 1 && G % d) --d;
+    hpc = d;
+  }
+  *heads_per_cta = hpc;
+  return tpc;
+}
+
+void attention_tiled(const float* q, const float* kcache, const float* vcache, const int32_t* slot, const int32_t* pos,
+                     const int32_t* blocks, int64_t nblocks, int nh, int nkv, int hd, float scale, int64_t max_len,
+                     int64_t max_ctx, int heads_per_cta, int tokens_per_cta, float* out, cudaStream_t s) {
+  if (nblocks == 0) return;
+  QUADS_CHECK(attention_tiled_supported(nh, nkv, hd), "cuda attention_tiled: head_dim {} (a multiple of 32, <= 256), "
+              "{} heads over {} kv heads", hd, nh, nkv);
+  QUADS_CHECK((nh / nkv) % heads_per_cta == 0, "cuda attention_tiled: {} heads per CTA split a group of {}",
+              heads_per_cta, nh / nkv);
+  QUADS_CHECK(nblocks < 65536, "cuda attention_tiled: {} token blocks (at most 65535)", nblocks);
+  const int warps = heads_per_cta * tokens_per_cta;
+  QUADS_CHECK(warps >= 1 && warps <= 32, "cuda attention_tiled: {} warps per CTA", warps);
+  const size_t smem = sizeof(float) * (size_t(warps) * size_t(hd + max_ctx) + size_t(kAttnTile) * size_t(2 * hd + 1));
+  int dev = 0, max_smem = 0;
+  QUADS_CUDA_CHECK(cudaGetDevice(&dev));
+  QUADS_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  QUADS_CHECK(smem + 64 <= size_t(max_smem), "cuda attention_tiled: {} bytes of shared memory (the device allows {})",
+              smem, max_smem);
+  if (smem > 48 * 1024)
+    QUADS_CUDA_CHECK(cudaFuncSetAttribute(attention_tiled_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+  const dim3 grid(static_cast<unsigned>((nh + heads_per_cta - 1) / heads_per_cta), static_cast<unsigned>(nblocks));
+  attention_tiled_kernel<<<grid, 32 * warps, smem, s>>>(q, kcache, vcache, slot, pos, blocks, nh, nkv, hd, scale,
+                                                        max_len, max_ctx, heads_per_cta, out);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 

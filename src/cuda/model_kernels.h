@@ -39,6 +39,17 @@ void attention(const float* q, const float* kcache, const float* vcache, const i
                int64_t T, int nh, int nkv, int hd, float scale, int64_t max_len, int64_t max_ctx, bool decode,
                float* out, cudaStream_t s, int prefill_tokens_per_cta = 1);
 
+// Prefill attention with K/V staged through shared memory (QUADS_GPU_ATTN=tiled): the same bits as
+// attention(). blocks [nblocks, 2] = (first token, count): runs of consecutive tokens of ONE slot,
+// at most tokens_per_cta each; a CTA holds heads_per_cta heads (a divisor of the GQA group) of one
+// block. attention_tiled_tokens picks both for a context of max_ctx; supported: hd % 32 == 0,
+// hd <= 256.
+bool attention_tiled_supported(int nh, int nkv, int hd);
+int attention_tiled_tokens(int nh, int nkv, int hd, int64_t max_ctx, int* heads_per_cta);
+void attention_tiled(const float* q, const float* kcache, const float* vcache, const int32_t* slot, const int32_t* pos,
+                     const int32_t* blocks, int64_t nblocks, int nh, int nkv, int hd, float scale, int64_t max_len,
+                     int64_t max_ctx, int heads_per_cta, int tokens_per_cta, float* out, cudaStream_t s);
+
 // Router (cpu::router_topk_forward): softmax of logits [T, E] in float32 (sum in double), top-k by
 // repeated arg-max (ties: lower id), weights renormalized when norm_topk. idx, w: [T, k].
 void router_topk(const float* logits, int64_t T, int E, int k, bool norm_topk, float* probs, int32_t* idx, float* w,

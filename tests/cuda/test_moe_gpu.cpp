@@ -348,3 +348,56 @@ TEST(CudaModelKernels, SplitCols3) {
     for (int64_t j = 0; j < c; ++j) EXPECT_EQ(hc[r * c + j], src[r * w + a + b + j]);
   }
 }
+
+// The tiled prefill attention (QUADS_GPU_ATTN=tiled) against the default kernel, bit for bit: two
+// slots in one step, contexts longer than a 32-key tile, GQA groups of 4 and of 1.
+TEST(CudaModelKernels, AttentionTiledSameBits) {
+  QUADS_REQUIRE_GPU();
+  struct Case {
+    int nh, nkv, hd;
+  };
+  for (const Case c : {Case{8, 2, 64}, Case{4, 4, 128}, Case{16, 4, 32}}) {
+    const int slots = 3;
+    const int64_t max_len = 96;
+    std::vector<int32_t> slot, pos;
+    for (int j = 0; j < 45; ++j) slot.push_back(2), pos.push_back(30 + j);  // a chunk after 30 cached positions
+    for (int j = 0; j < 9; ++j) slot.push_back(0), pos.push_back(j);         // a fresh prompt
+    for (int j = 0; j < 70; ++j) slot.push_back(1), pos.push_back(j);        // a longer one
+    const int64_t T = static_cast<int64_t>(slot.size()), ctx = 80;
+    std::mt19937_64 rng(7 + c.hd);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    std::vector<float> q(T * c.nh * c.hd), kc(size_t(slots) * max_len * c.nkv * c.hd), vc(kc.size());
+    for (auto& v : q) v = nd(rng);
+    for (auto& v : kc) v = nd(rng);
+    for (auto& v : vc) v = nd(rng);
+    DeviceArray<float> dq = dev(q), dk = dev(kc), dv = dev(vc), out1(T * c.nh * c.hd), out2(T * c.nh * c.hd);
+    DeviceArray<int32_t> ds = dev(slot), dp = dev(pos);
+    const float scale = 1.f / std::sqrt(float(c.hd));
+    cuda::kern::attention(dq.data(), dk.data(), dv.data(), ds.data(), dp.data(), T, c.nh, c.nkv, c.hd, scale, max_len,
+                          ctx, false, out1.data(), nullptr);
+    ASSERT_TRUE(cuda::kern::attention_tiled_supported(c.nh, c.nkv, c.hd));
+    int hpc = 0;
+    const int tpc = cuda::kern::attention_tiled_tokens(c.nh, c.nkv, c.hd, ctx, &hpc);
+    ASSERT_GE(tpc, 1);
+    ASSERT_EQ((c.nh / c.nkv) % hpc, 0);
+    for (int tokens : {tpc, 3}) {
+      std::vector<int32_t> blk;
+      for (int64_t t = 0; t < T; ++t) {
+        const size_t nb = blk.size() / 2;
+        if (nb == 0 || slot[t] != slot[t - 1] || blk[2 * nb - 1] >= tokens) {
+          blk.push_back(static_cast<int32_t>(t));
+          blk.push_back(1);
+        } else {
+          ++blk[2 * nb - 1];
+        }
+      }
+      DeviceArray<int32_t> db = dev(blk);
+      out2.fill_bytes(0xFF);
+      cuda::kern::attention_tiled(dq.data(), dk.data(), dv.data(), ds.data(), dp.data(), db.data(),
+                                  static_cast<int64_t>(blk.size() / 2), c.nh, c.nkv, c.hd, scale, max_len, ctx, hpc,
+                                  tokens, out2.data(), nullptr);
+      EXPECT_EQ(first_float_mismatch(out2.download(), out1.download()), -1)
+          << "heads " << c.nh << "/" << c.nkv << " hd " << c.hd << " tokens per CTA " << tokens;
+    }
+  }
+}
