@@ -180,10 +180,11 @@ __global__ void attention_kernel(const float* __restrict__ q, const float* __res
 // Prefill attention with K/V tiles in shared memory: a CTA holds heads_per_cta query heads of one
 // GQA group for up to tokens_per_cta tokens of ONE slot (blocks[2 b], blocks[2 b + 1]: first token,
 // count), and stages kTile keys (then values) at a time for all of its warps. Each warp's arithmetic
-// is attention_kernel's, in the same order (lane j owns keys j + 32 i; P.V sums keys in order per
-// dimension), so the results are the same bits.
+// is attention_kernel's, in the same order (lane j owns keys j + 32 i, dot products in dimension
+// order; P.V sums keys in order per dimension, a lane owning hd / 32 adjacent dimensions), so the
+// results are the same bits.
 constexpr int kAttnTile = 32;
-__global__ void attention_tiled_kernel(const float* __restrict__ q, const float* __restrict__ kcache,
+__global__ void __launch_bounds__(1024) attention_tiled_kernel(const float* __restrict__ q, const float* __restrict__ kcache,
                                        const float* __restrict__ vcache, const int32_t* __restrict__ slot,
                                        const int32_t* __restrict__ pos, const int32_t* __restrict__ blocks, int nh,
                                        int nkv, int hd, float scale, int64_t max_len, int64_t max_ctx,
@@ -203,10 +204,14 @@ __global__ void attention_tiled_kernel(const float* __restrict__ q, const float*
     for (int64_t i = 0; i < cnt; ++i) m = max(m, int64_t(pos[t0 + i]) + 1);
     lmax_s = m;
   }
-  float* qs = smem + int64_t(warp) * (hd + max_ctx);
+  // Per warp: q then the scores, a stride rounded to 4 floats (float4 reads). K rows padded to
+  // hd + 4 floats: lanes read different rows with float4 loads, conflict-free per 8-lane phase.
+  const int64_t wstride = (int64_t(hd) + max_ctx + 3) / 4 * 4;
+  const int kstride = hd + 4;
+  float* qs = smem + int64_t(warp) * wstride;
   float* s = qs + hd;
-  float* kt = smem + int64_t(nw) * (hd + max_ctx);  // [kAttnTile][hd + 1] (padded: lanes read rows)
-  float* vt = kt + kAttnTile * (hd + 1);            // [kAttnTile][hd]
+  float* kt = smem + int64_t(nw) * wstride;  // [kAttnTile][hd + 4]
+  float* vt = kt + kAttnTile * kstride;      // [kAttnTile][hd]
   const float* qrow = q + (t * nh + (h < nh ? h : 0)) * hd;
   for (int i = lane; i < hd; i += 32) qs[i] = qrow[i];
   __syncthreads();
@@ -219,14 +224,21 @@ __global__ void attention_tiled_kernel(const float* __restrict__ q, const float*
     __syncthreads();
     for (int i = threadIdx.x; i < kAttnTile * hd; i += blockDim.x) {
       const int r = i / hd, d = i - r * hd;
-      kt[r * (hd + 1) + d] = j0 + r < Lmax ? kb[(j0 + r) * kvd + d] : 0.f;
+      kt[r * kstride + d] = j0 + r < Lmax ? kb[(j0 + r) * kvd + d] : 0.f;
     }
     __syncthreads();
     const int64_t j = j0 + lane;
     if (active && j < L) {
-      const float* kr = kt + lane * (hd + 1);
+      const float4* kr = reinterpret_cast<const float4*>(kt + lane * kstride);
+      const float4* q4 = reinterpret_cast<const float4*>(qs);
       float acc = 0.f;
-      for (int d = 0; d < hd; ++d) acc = __fmaf_rn(qs[d], kr[d], acc);
+      for (int d = 0; d < hd / 4; ++d) {
+        const float4 kv = kr[d], qv = q4[d];
+        acc = __fmaf_rn(qv.x, kv.x, acc);
+        acc = __fmaf_rn(qv.y, kv.y, acc);
+        acc = __fmaf_rn(qv.z, kv.z, acc);
+        acc = __fmaf_rn(qv.w, kv.w, acc);
+      }
       const float sj = __fmul_rn(acc, scale);
       s[j] = sj;
       m = fmaxf(m, sj);
@@ -254,18 +266,32 @@ __global__ void attention_tiled_kernel(const float* __restrict__ q, const float*
     }
     __syncthreads();
     if (active) {
+      // lane owns dimensions lane * nd .. lane * nd + nd - 1 (each summed over keys in order)
       const int64_t jn = L - j0 < kAttnTile ? L - j0 : kAttnTile;
       for (int64_t r = 0; r < jn; ++r) {
         const float p = __fmul_rn(s[j0 + r], inv);
+        const float* vr = vt + r * hd + lane * nd;
+        if (nd % 4 == 0) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i)
-          if (i < nd) a[i] = __fadd_rn(a[i], __fmul_rn(p, vt[r * hd + lane + 32 * i]));
+          for (int i = 0; i < 8; i += 4)
+            if (i < nd) {
+              const float4 v4 = *reinterpret_cast<const float4*>(vr + i);
+              a[i] = __fadd_rn(a[i], __fmul_rn(p, v4.x));
+              a[i + 1] = __fadd_rn(a[i + 1], __fmul_rn(p, v4.y));
+              a[i + 2] = __fadd_rn(a[i + 2], __fmul_rn(p, v4.z));
+              a[i + 3] = __fadd_rn(a[i + 3], __fmul_rn(p, v4.w));
+            }
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            if (i < nd) a[i] = __fadd_rn(a[i], __fmul_rn(p, vr[i]));
+        }
       }
     }
   }
   if (active) {
-    float* orow = out + (t * nh + h) * hd;
-    for (int i = 0; i < nd; ++i) orow[lane + 32 * i] = a[i];
+    float* orow = out + (t * nh + h) * hd + lane * nd;
+    for (int i = 0; i < nd; ++i) orow[i] = a[i];
   }
 }
 
@@ -498,9 +524,10 @@ int attention_tiled_tokens(int nh, int nkv, int hd, int64_t max_ctx, int* heads_
   int dev = 0, max_smem = 0;
   QUADS_CUDA_CHECK(cudaGetDevice(&dev));
   QUADS_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  const size_t tiles = sizeof(float) * size_t(kAttnTile) * size_t(2 * hd + 1) + 64;
-  while (tpc > 1 && sizeof(float) * size_t(hpc) * tpc * size_t(hd + max_ctx) + tiles > size_t(max_smem)) tpc /= 2;
-  while (hpc > 1 && sizeof(float) * size_t(hpc) * tpc * size_t(hd + max_ctx) + tiles > size_t(max_smem)) {
+  const size_t tiles = sizeof(float) * size_t(kAttnTile) * size_t(2 * hd + 4) + 64;
+  const size_t wst = size_t((hd + max_ctx + 3) / 4 * 4);
+  while (tpc > 1 && sizeof(float) * size_t(hpc) * tpc * wst + tiles > size_t(max_smem)) tpc /= 2;
+  while (hpc > 1 && sizeof(float) * size_t(hpc) * tpc * wst + tiles > size_t(max_smem)) {
     int d = hpc - 1;
     while (d > 1 && G % d) --d;
     hpc = d;
@@ -520,7 +547,8 @@ void attention_tiled(const float* q, const float* kcache, const float* vcache, c
   QUADS_CHECK(nblocks < 65536, "cuda attention_tiled: {} token blocks (at most 65535)", nblocks);
   const int warps = heads_per_cta * tokens_per_cta;
   QUADS_CHECK(warps >= 1 && warps <= 32, "cuda attention_tiled: {} warps per CTA", warps);
-  const size_t smem = sizeof(float) * (size_t(warps) * size_t(hd + max_ctx) + size_t(kAttnTile) * size_t(2 * hd + 1));
+  const size_t wst = size_t((hd + max_ctx + 3) / 4 * 4);
+  const size_t smem = sizeof(float) * (size_t(warps) * wst + size_t(kAttnTile) * size_t(2 * hd + 4));
   int dev = 0, max_smem = 0;
   QUADS_CUDA_CHECK(cudaGetDevice(&dev));
   QUADS_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
