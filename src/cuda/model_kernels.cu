@@ -184,11 +184,11 @@ __global__ void attention_kernel(const float* __restrict__ q, const float* __res
 // order; P.V sums keys in order per dimension, a lane owning hd / 32 adjacent dimensions), so the
 // results are the same bits.
 constexpr int kAttnTile = 32;
-__global__ void __launch_bounds__(1024) attention_tiled_kernel(const float* __restrict__ q, const float* __restrict__ kcache,
-                                       const float* __restrict__ vcache, const int32_t* __restrict__ slot,
-                                       const int32_t* __restrict__ pos, const int32_t* __restrict__ blocks, int nh,
-                                       int nkv, int hd, float scale, int64_t max_len, int64_t max_ctx,
-                                       int heads_per_cta, float* __restrict__ out) {
+__global__ void __launch_bounds__(1024)
+attention_tiled_kernel(const float* __restrict__ q, const float* __restrict__ kcache, const float* __restrict__ vcache,
+                       const int32_t* __restrict__ slot, const int32_t* __restrict__ pos,
+                       const int32_t* __restrict__ blocks, int nh, int nkv, int hd, float scale, int64_t max_len,
+                       int64_t max_ctx, int heads_per_cta, float* __restrict__ out) {
   extern __shared__ float smem[];
   __shared__ int64_t lmax_s;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
