@@ -81,7 +81,10 @@ void gemm_bf16(Blas& blas, const uint16_t* x, const uint16_t* w, float* y, int64
                cudaStream_t s) {
   if (m == 0 || n == 0) return;
   auto& B = blas.impl();
+  // cublasSetStream resets the handle's workspace to cuBLAS's default pool: ours is set again, so
+  // no GEMM allocates (CUDA graph capture).
   QUADS_CUBLAS_CHECK(cublasSetStream(B.blas, s));
+  QUADS_CUBLAS_CHECK(cublasSetWorkspace(B.blas, B.workspace.data(), B.workspace.bytes()));
   const float alpha = 1.f, beta = 0.f;
   QUADS_CUBLAS_CHECK(cublasGemmEx(B.blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m),
                                   static_cast<int>(k), &alpha, w, CUDA_R_16BF, static_cast<int>(k), x, CUDA_R_16BF,
