@@ -670,6 +670,7 @@ struct GpuModel::Impl {
     }
     const float alpha = 1.f, beta = 1.f;
     QUADS_GPU_CUBLAS(cublasSetStream(cublas, stream));
+    QUADS_GPU_CUBLAS(cublasSetWorkspace(cublas, cublas_ws.data(), cublas_ws.bytes()));  // reset by SetStream
     QUADS_GPU_CUBLAS(cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(L.out), static_cast<int>(n),
                                  static_cast<int>(cols), &alpha, L.rac_w.data(), static_cast<int>(cols), gb,
                                  static_cast<int>(cols), &beta, Y, static_cast<int>(L.out)));
@@ -760,6 +761,7 @@ struct GpuModel::Impl {
       case GpuLinearMode::Fake: {
         const float alpha = 1.f, beta = 0.f;
         QUADS_GPU_CUBLAS(cublasSetStream(cublas, stream));
+        QUADS_GPU_CUBLAS(cublasSetWorkspace(cublas, cublas_ws.data(), cublas_ws.bytes()));  // reset by SetStream
         QUADS_GPU_CUBLAS(cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(L.out), static_cast<int>(n),
                                      static_cast<int>(L.in), &alpha, L.wf.data(), static_cast<int>(L.in),
                                      op.f + r0 * L.in, static_cast<int>(L.in), &beta, Y, static_cast<int>(L.out)));
