@@ -1081,6 +1081,7 @@ struct GpuModel::Impl {
     }
     if (it != graphs.end()) {
       QUADS_CUDA_CHECK(cudaGraphLaunch(it->second.exec, stream));
+      ++stats.graph_steps;
       stats.weight_bytes += it->second.weight_bytes;
       stats.expert_gemms += it->second.expert_gemms;
       queue_route_flag();
@@ -1146,6 +1147,7 @@ struct GpuModel::Impl {
     }
     graphs[key] = gr;
     QUADS_CUDA_CHECK(cudaGraphLaunch(exec, stream));  // the capture itself ran nothing
+    ++stats.graph_steps;
     stats.weight_bytes += gr.weight_bytes;
     stats.expert_gemms += gr.expert_gemms;
   }

@@ -48,6 +48,7 @@ struct GpuModelStats {
   int64_t tokens = 0;        // tokens run through the layers
   int64_t expert_gemms = 0;  // (expert, GEMM) launches
   double weight_bytes = 0;   // GEMM weight bytes read (each linear's device storage, once per use)
+  int64_t graph_steps = 0;   // steps run as a CUDA graph (decode, every MoE layer grouped)
 };
 
 class GpuModel {
