@@ -243,7 +243,7 @@ const model::Weights& moe_fixture() {
 }
 
 // Logits of `steps` decode steps over two slots (T = 2 per step), after a 3-token prefill.
-std::vector<float> decode_logits(cuda::GpuModel& g, int steps, double* bytes) {
+std::vector<float> decode_logits(cuda::GpuModel& g, int steps, double* bytes, int64_t* graph_steps = nullptr) {
   g.reset_cache(2, 64);
   g.reset_stats();
   std::vector<float> out;
@@ -261,6 +261,7 @@ std::vector<float> decode_logits(cuda::GpuModel& g, int steps, double* bytes) {
     out.insert(out.end(), lg.begin(), lg.end());
   }
   if (bytes) *bytes = g.stats().weight_bytes;
+  if (graph_steps) *graph_steps = g.stats().graph_steps;
   return out;
 }
 
@@ -288,8 +289,11 @@ TEST(CudaModelGpu, GraphReplayEqualsEagerAndLegacyPath) {
     cuda::GpuModel legacy(moe_fixture(), prec);
     unsetenv("QUADS_GPU_MOE");
     double be = 0, bg = 0, bl = 0;
-    const auto le = decode_logits(eager, 6, &be);
-    const auto lg = decode_logits(graph, 6, &bg);
+    int64_t ge = -1, gg = -1;
+    const auto le = decode_logits(eager, 6, &be, &ge);
+    const auto lg = decode_logits(graph, 6, &bg, &gg);
+    EXPECT_EQ(ge, 0) << preset;
+    EXPECT_EQ(gg, 5) << preset << ": decode steps 2..6 run as a graph (captured at 2, replayed after)";
     const auto ll = decode_logits(legacy, 6, &bl);
     EXPECT_EQ(first_float_mismatch(lg, le), -1) << preset;
     const auto lg2 = decode_logits(graph, 6, nullptr);  // replays only
