@@ -395,11 +395,13 @@ void launch(Params p, int splits_req, cudaStream_t s, int groups = 1) {
   const int64_t kb_total = (p.K + kBK - 1) / kBK;
   if constexpr (GROUPED) {
     // The grid is E x the tiles of the largest group (p.M); decode's few active experts would
-    // leave most SMs idle, so K is split until about 6 CTAs per SM could be busy (the active
-    // experts are at most min(E, rows)). Partials are summed in split order (deterministic).
+    // leave most SMs idle, so K is split until about 4 CTAs per SM could be busy (row tiles with
+    // work: at least one per active expert, at most min(E, rows) experts, and at least rows / BM).
+    // Partials are summed in split order (deterministic).
     int splits = splits_req;
     if (splits <= 0) {
-      const int64_t busy = std::min<int64_t>(groups, p.Mtot) * tiles_n, want = 6LL * sm_count();
+      const int64_t row_tiles = std::max<int64_t>(std::min<int64_t>(groups, p.Mtot), (p.Mtot + BM - 1) / BM);
+      const int64_t busy = row_tiles * tiles_n, want = 4LL * sm_count();
       splits = busy >= want ? 1 : static_cast<int>(std::min<int64_t>((want + busy - 1) / busy, kb_total / 2));
     }
     splits = static_cast<int>(std::min<int64_t>(std::max(splits, 1), std::max<int64_t>(kb_total, 1)));
