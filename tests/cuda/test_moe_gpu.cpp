@@ -143,8 +143,15 @@ TEST(CudaMoe, GroupedW4A4EqualsPerExpertGemm) {
       xe.rows = sizes[e];
       cuda::w4a4_gemm_emulated(xe, cuda::nvfp4_view(wq[e], "w"), yref.data() + off[e] * N, false, nullptr, opt);
     }
-    const std::vector<float> ref = yref.download();
-    EXPECT_EQ(first_float_mismatch(y.download(), ref), -1) << "max rows " << max_rows;
+    const std::vector<float> ref = yref.download(), same = y.download();
+    double d = 0, m = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      d = std::max(d, std::fabs(double(same[i]) - ref[i]));
+      m = std::max(m, std::fabs(double(ref[i])));
+    }
+    // A row's sum does not depend on where its tile starts (each output is its own MMA dot
+    // product over the same k-steps), so the bits agree; the deviation says how far off if not.
+    EXPECT_EQ(first_float_mismatch(same, ref), -1) << "max rows " << max_rows << ": max |diff| " << d << " of max |y| " << m;
     // the split count chosen by the call itself: the same sums up to their grouping
     cuda::w4a4_gemm_grouped(xv, dtab.data(), false, N, E, deoff.data(), max_rows, y.data());
     const std::vector<float> got = y.download();
