@@ -151,7 +151,8 @@ TEST(CudaMoe, GroupedW4A4EqualsPerExpertGemm) {
     }
     // A row's sum does not depend on where its tile starts (each output is its own MMA dot
     // product over the same k-steps), so the bits agree; the deviation says how far off if not.
-    EXPECT_EQ(first_float_mismatch(same, ref), -1) << "max rows " << max_rows << ": max |diff| " << d << " of max |y| " << m;
+    EXPECT_EQ(first_float_mismatch(same, ref), -1)
+        << "max rows " << max_rows << ": max |diff| " << d << " of max |y| " << m;
     // the split count chosen by the call itself: the same sums up to their grouping
     cuda::w4a4_gemm_grouped(xv, dtab.data(), false, N, E, deoff.data(), max_rows, y.data());
     const std::vector<float> got = y.download();
