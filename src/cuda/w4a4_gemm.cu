@@ -356,6 +356,28 @@ __global__ void splitk_reduce_kernel(const Params p, int splits) {
   }
 }
 
+// Grouped split K: every row belongs to one expert (rows eoff[e] .. eoff[e+1]), whose weight amax
+// lives in wtab[e] (p.wamax is unset). The expert of a row is found by binary search over eoff.
+__global__ void splitk_reduce_grouped_kernel(const Params p, int splits, int groups) {
+  const int64_t n = p.Mtot * p.N;
+  const float kInv = 1.f / 2688.f;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float s = 0.f;
+    for (int z = 0; z < splits; ++z) s += p.partial[z * n + i];
+    const int64_t row = i / p.N, col = i % p.N;
+    int lo = 0, hi = groups - 1;  // the last e with eoff[e] <= row
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (p.eoff[mid] <= row) lo = mid;
+      else hi = mid - 1;
+    }
+    const float* wamax = p.wtab[lo].amax;
+    const float out = s * (p.xamax[p.xamax_row ? row : 0] * kInv * 16384.f) * (wamax[p.wamax_row ? col : 0] * kInv);
+    p.y[i] = p.accumulate ? p.y[i] + out : out;
+  }
+}
+
 __global__ void gather_blocks_kernel(const float* x, int64_t m, int64_t k, const int32_t* blocks, int64_t nsel,
                                      float* out, int64_t out_cols) {
   const int64_t n = m * out_cols;
@@ -419,11 +441,9 @@ void launch(Params p, int splits_req, cudaStream_t s, int groups = 1) {
     kern<<<grid, threads, smem, s>>>(p);
     QUADS_CUDA_LAUNCH_CHECK();
     if (splits > 1) {
-      Params q = p;
-      q.M = p.Mtot;  // every row of y: each belongs to one expert
-      const int64_t n = q.M * q.N;
+      const int64_t n = p.Mtot * p.N;  // every row of y: each belongs to one expert
       const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 16LL * sm_count()));
-      splitk_reduce_kernel<<<blocks, 256, 0, s>>>(q, splits);
+      splitk_reduce_grouped_kernel<<<blocks, 256, 0, s>>>(p, splits, groups);
       QUADS_CUDA_LAUNCH_CHECK();
       QUADS_CUDA_CHECK(cudaFreeAsync(partial, s));
     }
