@@ -4,6 +4,7 @@
 //   quads compare --out runs/default
 //   quads compare --config configs/harder.toml --out runs/harder --seeds 3 --set rl.lr=5e-4
 //   quads compare --model HF_DIR --data train.jsonl [--eval-data eval.jsonl] --out runs/mine [--analyze]
+//   quads compare --out runs/gpu --device cuda      (rollouts on the GPU, runs one after another)
 #include <omp.h>
 
 #include <algorithm>
@@ -19,13 +20,14 @@
 #include "rl/compare.h"
 #include "rl/config.h"
 #include "rl/report.h"
+#include "rl/run.h"
 #include "rl/sweep.h"
 #include "rl/sft.h"
 
 namespace {
 
 struct Options {
-  std::string config, out, base, model, data, eval_data;
+  std::string config, out, base, model, data, eval_data, device;
   std::vector<std::string> set;
   int64_t seeds = 0;
   int jobs = 0;
@@ -55,6 +57,7 @@ int run(const Options& o) {
     if (!o.data.empty()) c.data.train = o.data;
     if (!o.eval_data.empty()) c.data.eval = o.eval_data;
     if (o.analyze) c.analysis.enabled = true;
+    if (!o.device.empty()) c.rl.device = o.device;
   });
   if (o.sweep) {
     QUADS_CHECK(!cfg.uses_dataset(), "--rac-sweep works on the generated tasks' SFT base, not with data.model");
@@ -66,6 +69,9 @@ int run(const Options& o) {
   co.resume = o.resume;
   // Tiny models use a core far better as one run per thread than as one run over all threads.
   co.jobs = o.jobs > 0 ? o.jobs : std::max(1, omp_get_max_threads());
+#ifdef QUADS_HAVE_CUDA
+  rl::install_cuda_rollouts();
+#endif
   rl::CompareOutcome r = rl::run_compare(cfg, co);
   std::printf("\n%s\n", r.table.c_str());
   std::printf("%lld seed(s) per mode, %lld RL steps each; %s/report.md has the details (%.0f s in all)\n",
@@ -89,6 +95,7 @@ std::function<int()> setup(CLI::App& app) {
   app.add_flag("--rac-sweep", o->sweep, "only measure the log-prob gap of RAC ratios 0..1 on the base model");
   app.add_flag("--routing-replay", o->replay, "the trainer routes tokens to the experts the rollout chose");
   app.add_flag("--no-diagnostics", o->no_diag, "skip the routing mismatch and activation error measurements");
+  app.add_option("--device", o->device, "where the rollout engines run: cpu | cuda (sets rl.device; the trainer stays on the CPU)");
   return [o] { return run(*o); };
 }
 

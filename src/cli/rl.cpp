@@ -1,6 +1,6 @@
 // quads rl: one GRPO run in one mode from a base checkpoint.
 //   quads rl --out runs/nvfp4 --mode nvfp4 [--base DIR] [--config FILE.toml] [--set rl.steps=50]
-//            [--seed N] [--resume] [--routing-replay]
+//            [--seed N] [--resume] [--routing-replay] [--device cpu|cuda]
 //   quads rl --out runs/mine --mode quads --model HF_DIR --data train.jsonl [--eval-data eval.jsonl]
 // Without --base the base model is trained first (or reused) in OUT/base. With --model (data.model)
 // that checkpoint is the base and the prompts come from the JSONL data (docs/quads.md). Writes OUT/metrics.jsonl
@@ -23,7 +23,7 @@
 namespace {
 
 struct Options {
-  std::string config, out, mode = "quads", base, model, data, eval_data;
+  std::string config, out, mode = "quads", base, model, data, eval_data, device;
   std::vector<std::string> set;
   int64_t seed = -1;
   bool resume = false, replay = false, no_diag = false;
@@ -38,6 +38,7 @@ int run(const Options& o) {
     if (!o.model.empty()) c.data.model = o.model;
     if (!o.data.empty()) c.data.train = o.data;
     if (!o.eval_data.empty()) c.data.eval = o.eval_data;
+    if (!o.device.empty()) c.rl.device = o.device;
   });
   (void)rl::mode_spec(o.mode);
   QUADS_CHECK(!cfg.uses_dataset() || o.base.empty(), "--base {} and --model / data.model {} both name a base model",
@@ -56,10 +57,14 @@ int run(const Options& o) {
   ro.base_dir = base;
   ro.out_dir = o.out;
   ro.resume = o.resume;
+#ifdef QUADS_HAVE_CUDA
+  rl::install_cuda_rollouts();
+#endif
   rl::RunOutcome out = rl::run_rl(cfg, ro);
   rl::RunResult r = rl::summarize_rows(out.rows, cfg.rl.collapse_margin);
   r.seconds = out.seconds;
   auto summary = rl::make_summary({{o.mode, {r}}});
+  summary["device"] = out.device;
   rl::write_text_atomic(o.out + "/summary.json", summary.dump(2) + "\n");
   std::printf("%s", rl::summary_table(summary).c_str());
   return 0;
@@ -81,6 +86,7 @@ std::function<int()> setup(CLI::App& app) {
   app.add_flag("--resume", o->resume, "continue from OUT/checkpoint (bitwise the same as an uninterrupted run)");
   app.add_flag("--routing-replay", o->replay, "the trainer routes tokens to the experts the rollout chose");
   app.add_flag("--no-diagnostics", o->no_diag, "skip the routing mismatch and activation error measurements");
+  app.add_option("--device", o->device, "where the rollout engine runs: cpu | cuda (sets rl.device; the trainer stays on the CPU)");
   return [o] { return run(*o); };
 }
 

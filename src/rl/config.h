@@ -71,6 +71,7 @@ struct RlSection {
   double grad_clip = 1.0;
   bool routing_replay = false;   // trainer routes each token to the experts the rollout chose
   bool diagnostics = true;       // routing mismatch and per-layer activation error (extra forward)
+  std::string device = "cpu";    // cpu | cuda: where the rollout engine runs (the trainer: CPU)
   bool operator==(const RlSection&) const = default;
 };
 

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <optional>
 #include <sstream>
 
@@ -110,6 +111,23 @@ bool load_checkpoint(const std::string& run_dir, model::Weights& w, train::AdamW
   return true;
 }
 
+// ---- device -------------------------------------------------------------------------------------
+
+std::mutex g_backend_mu;
+RolloutBackendFactory g_backend_factory;
+
+RolloutBackendFactory rollout_backend_factory() {
+  RolloutBackendFactory f;
+  {
+    std::lock_guard<std::mutex> lk(g_backend_mu);
+    f = g_backend_factory;
+  }
+  QUADS_CHECK(f != nullptr,
+              "rl.device = \"cuda\": this build has no CUDA backend (configure with -DQUADS_CUDA=ON, or set "
+              "rl.device = \"cpu\")");
+  return f;
+}
+
 // ---- per-step pieces ---------------------------------------------------------------------------
 
 // Rows [t0, t1) of every layer's routing (k experts per token).
@@ -170,6 +188,7 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
   const ModeSpec& spec = mode_spec(opt.mode);
   QUADS_CHECK(!opt.out_dir.empty(), "rl: no output folder given");
   QUADS_CHECK(cfg.uses_dataset() || !opt.base_dir.empty(), "rl: no base model folder given");
+  if (cfg.rl.device == "cuda") (void)rollout_backend_factory();  // fail before any work
   fs::create_directories(opt.out_dir);
   const RlSection& R = cfg.rl;
   const int P = static_cast<int>(R.prompts_per_step), G = static_cast<int>(R.group_size);
@@ -225,6 +244,23 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
   model::Batch calib;
   for (auto& seq : src.calibration(16)) calib.add(std::move(seq));
 
+  // rl.device = "cuda": both engines step on the GPU; their CPU models stay synced (RAC calibration,
+  // diagnostics).
+  RolloutBackend* gpu = nullptr;
+  std::string device = "cpu";
+  if (R.device == "cuda") {
+    QUADS_CHECK(!spec.rac || !rac.dynamic,
+                "rl.device = \"cuda\" runs static RAC only (quads.rac_selection = \"dynamic\"; mode {})", opt.mode);
+    QUADS_CHECK(!spec.rac || rac.granularity == model::RacGranularity::Block16,
+                "rl.device = \"cuda\" compensates whole 16-channel blocks only (quads.granularity = \"{}\"; mode {})",
+                cfg.quads.granularity, opt.mode);
+    std::unique_ptr<RolloutBackend> b = rollout_backend_factory()(base_w, engine.precision());
+    gpu = b.get();
+    device = b->name();
+    engine.set_backend(std::move(b));
+    engine32.set_backend(rollout_backend_factory()(base_w, engine32.precision()));
+  }
+
   PgConfig pg = cfg.pg_config();
   pg.tis = R.tis || spec.tis;
   AdvantageConfig advc = cfg.advantage_config();
@@ -253,7 +289,10 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
   auto sync = [&] {
     const auto t = Clock::now();
     engine.sync(W);
-    if (spec.rac) model::rac_calibrate(engine.model(), calib, rac);
+    if (spec.rac) {
+      model::rac_calibrate(engine.model(), calib, rac);
+      if (gpu) gpu->set_rac(engine.model());
+    }
     t_sync = since(t);
   };
 
@@ -551,7 +590,13 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
   out.rows = std::move(rows);
   out.steps_done = done;
   out.seconds = elapsed();
+  out.device = device;
   return out;
+}
+
+void set_rollout_backend_factory(RolloutBackendFactory f) {
+  std::lock_guard<std::mutex> lk(g_backend_mu);
+  g_backend_factory = std::move(f);
 }
 
 RunResult summarize_rows(const std::vector<nlohmann::json>& rows, double collapse_margin) {

@@ -26,15 +26,26 @@
 // Checkpoints: out_dir/checkpoint/ written as checkpoint.tmp/ and renamed into place.
 // A NaN or Inf in the loss or the gradients stops the run with an error naming the step; the last
 // checkpoint written before it stays as it was.
+//
+// Device (rl.device): "cpu" runs everything above on the CPU. "cuda" gives the rollout engine and
+// the fp32 evaluation engine a GPU step backend (rollout::StepBackend): rollouts and evaluation
+// decode on the GPU, engine.sync re-uploads the weights every step, and static RAC is calibrated on
+// the engine's CPU twin and its channels copied to the GPU after each calibration. The trainer and
+// the diagnostics forward (it records expert choices, which the GPU model does not) stay on the
+// CPU, on the same synced rollout weights. GPU sums run in another order than the CPU's, so a cuda
+// run is repeatable on one GPU but not bitwise the CPU run.
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "model/model.h"
 #include "rl/config.h"
 #include "rl/report.h"
+#include "rollout/engine.h"
 
 namespace quads::rl {
 
@@ -58,6 +69,7 @@ struct RunOutcome {
   std::vector<nlohmann::json> rows;  // every metrics row of the run (resumed ones included)
   int64_t steps_done = 0;
   double seconds = 0;                // wall time of the run, across resumes
+  std::string device = "cpu";        // where the rollouts ran: "cpu" or the backend's name ("cuda:<GPU>")
 };
 
 RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt);
@@ -68,4 +80,50 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt);
 // collapsed = final_pass1 < best_pass1 - margin; seconds = the run's wall time.
 RunResult summarize_rows(const std::vector<nlohmann::json>& rows, double collapse_margin);
 
+// The step backend of rl.device = "cuda": a rollout::StepBackend that also takes static RAC
+// channels from the engine's calibrated CPU model.
+class RolloutBackend : public rollout::StepBackend {
+ public:
+  virtual void set_rac(const model::Model& calibrated) = 0;
+};
+using RolloutBackendFactory =
+    std::function<std::unique_ptr<RolloutBackend>(const model::Weights& w, const model::PrecisionConfig& p)>;
+// quads_core (which holds run_rl) does not link the CUDA library, so a binary that does installs
+// the factory (install_cuda_rollouts() below); without one, rl.device = "cuda" is an error.
+void set_rollout_backend_factory(RolloutBackendFactory f);
+
 }  // namespace quads::rl
+
+#ifdef QUADS_HAVE_CUDA
+// Only where quads_cuda is linked (it defines QUADS_HAVE_CUDA for its users): the quads binary
+// and quads_cuda_tests call this once before run_rl / run_compare.
+#include "common/error.h"
+#include "cuda/device.h"
+#include "cuda/model_gpu.h"
+
+namespace quads::rl {
+
+inline void install_cuda_rollouts() {
+  // cuda::make_gpu_backend's backend, plus set_rac (its GpuModel is not reachable through it).
+  class Gpu final : public RolloutBackend {
+   public:
+    Gpu(const model::Weights& w, const model::PrecisionConfig& p) : m_(w, p) {}
+    std::string name() const override { return "cuda:" + cuda::device_name(0); }
+    void sync(const model::Weights& w) override { m_.sync(w); }
+    void reset(int num_slots, int64_t max_len) override { m_.reset_cache(num_slots, max_len); }
+    std::vector<float> step(const std::vector<model::StepItem>& items) override { return m_.step(items); }
+    void copy(int src, int dst) override { m_.copy(src, dst); }
+    void clear(int slot) override { m_.clear(slot); }
+    void set_rac(const model::Model& calibrated) override { m_.set_rac(calibrated); }
+
+   private:
+    cuda::GpuModel m_;
+  };
+  set_rollout_backend_factory([](const model::Weights& w, const model::PrecisionConfig& p) {
+    QUADS_CHECK(cuda::device_count() > 0, "rl.device = \"cuda\": no CUDA device found (set rl.device = \"cpu\")");
+    return std::unique_ptr<RolloutBackend>(std::make_unique<Gpu>(w, p));
+  });
+}
+
+}  // namespace quads::rl
+#endif

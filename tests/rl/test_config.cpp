@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fmt/format.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -9,6 +10,7 @@
 
 #include "common/error.h"
 #include "rl/config.h"
+#include "rl/run.h"
 
 using namespace quads::rl;
 
@@ -161,9 +163,24 @@ TEST(RlConfig, ValidationNamesTheKey) {
   EXPECT_TRUE(contains(invalid("rl.minibatches=3"), "rl.minibatches"));
   EXPECT_TRUE(contains(invalid("rl.clip_eps_low=1"), "rl.clip_eps_low"));
   EXPECT_TRUE(contains(invalid("rl.lr=0"), "with --set overrides"));
+  EXPECT_TRUE(contains(invalid("rl.device=gpu"), "rl.device"));
   // A family that is not drawn may have an empty level list.
   EXPECT_NO_THROW(load_config("", {"tasks.families=add", "tasks.sort_length=[]"}));
   EXPECT_TRUE(contains(invalid("tasks.sort_length=[]"), "tasks.sort_length"));
+}
+
+// quads_tests links no CUDA backend (quads_core alone): rl.device = "cuda" is valid config but
+// run_rl refuses it up front, naming the key, before it reads the base or writes anything.
+TEST(RlConfig, CudaDeviceWithoutBackendNamesTheKey) {
+  RunConfig cfg = load_config("", {"rl.device=cuda"});
+  EXPECT_EQ(cfg.rl.device, "cuda");
+  RunOptions o;
+  o.base_dir = (std::filesystem::temp_directory_path() / fmt::format("quads_no_base_{}", ::getpid())).string();
+  o.out_dir = o.base_dir + "_out";
+  o.progress = false;
+  const std::string e = error_of([&] { run_rl(cfg, o); });
+  EXPECT_TRUE(contains(e, "rl.device") && contains(e, "QUADS_CUDA")) << e;
+  EXPECT_FALSE(std::filesystem::exists(o.out_dir));
 }
 
 TEST(RlConfig, ConversionsForOtherModules) {
