@@ -53,7 +53,7 @@ tests=${bin_tests:-$bin/quads_cuda_tests}
 
 [ -f .gpufix/tiny_qwen3moe_a/model.safetensors ] || echo "note: .gpufix/tiny_qwen3moe_a missing: the model tests will fail to load the fixture"
 rc=0
-# Two processes, so that a fault in the model tests (a sticky CUDA error) cannot take the kernel
+# Separate processes, so that a fault in the model tests (a sticky CUDA error) cannot take the kernel
 # tests down with it. The model tests print their measured deviations (lines with "rel L2").
 run_tests() {  # name filter
   local r=0
@@ -66,8 +66,9 @@ run_tests() {  # name filter
 if [ -n "${QUADS_GPU_FILTER:-}" ]; then
   run_tests filter "$QUADS_GPU_FILTER"
 else
-  run_tests kernels "-CudaModel*"
+  run_tests kernels "-CudaModel*:CudaRl*"
   run_tests model "CudaModel*"
+  run_tests rl "CudaRl*"  # GRPO runs with GPU rollouts next to the same runs on the CPU
 fi
 
 bench=${QUADS_GPU_BENCH:-1}
