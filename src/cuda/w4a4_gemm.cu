@@ -342,37 +342,27 @@ w4a4_kernel(const Params p) {
     }
 }
 
-// Sums the split-K partials in split order and applies the epilogue.
-__global__ void splitk_reduce_kernel(const Params p, int splits) {
-  const int64_t n = p.M * p.N;
+// Sums the split-K partials in split order and applies the epilogue. Grouped (groups > 0): every
+// row belongs to one expert (rows eoff[e] .. eoff[e+1]) whose weight amax lives in wtab[e] (p.wamax
+// is unset); the expert of a row is found by binary search over eoff.
+__global__ void splitk_reduce_kernel(const Params p, int splits, int groups) {
+  const int64_t n = (groups > 0 ? p.Mtot : p.M) * p.N;
   const float kInv = 1.f / 2688.f;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float s = 0.f;
     for (int z = 0; z < splits; ++z) s += p.partial[z * n + i];
     const int64_t row = i / p.N, col = i % p.N;
-    const float out = s * (p.xamax[p.xamax_row ? row : 0] * kInv * 16384.f) * (p.wamax[p.wamax_row ? col : 0] * kInv);
-    p.y[i] = p.accumulate ? p.y[i] + out : out;
-  }
-}
-
-// Grouped split K: every row belongs to one expert (rows eoff[e] .. eoff[e+1]), whose weight amax
-// lives in wtab[e] (p.wamax is unset). The expert of a row is found by binary search over eoff.
-__global__ void splitk_reduce_grouped_kernel(const Params p, int splits, int groups) {
-  const int64_t n = p.Mtot * p.N;
-  const float kInv = 1.f / 2688.f;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    float s = 0.f;
-    for (int z = 0; z < splits; ++z) s += p.partial[z * n + i];
-    const int64_t row = i / p.N, col = i % p.N;
-    int lo = 0, hi = groups - 1;  // the last e with eoff[e] <= row
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (p.eoff[mid] <= row) lo = mid;
-      else hi = mid - 1;
+    const float* wamax = p.wamax;
+    if (groups > 0) {
+      int lo = 0, hi = groups - 1;  // the last e with eoff[e] <= row
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (p.eoff[mid] <= row) lo = mid;
+        else hi = mid - 1;
+      }
+      wamax = p.wtab[lo].amax;
     }
-    const float* wamax = p.wtab[lo].amax;
     const float out = s * (p.xamax[p.xamax_row ? row : 0] * kInv * 16384.f) * (wamax[p.wamax_row ? col : 0] * kInv);
     p.y[i] = p.accumulate ? p.y[i] + out : out;
   }
@@ -443,7 +433,7 @@ void launch(Params p, int splits_req, cudaStream_t s, int groups = 1) {
     if (splits > 1) {
       const int64_t n = p.Mtot * p.N;  // every row of y: each belongs to one expert
       const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 16LL * sm_count()));
-      splitk_reduce_grouped_kernel<<<blocks, 256, 0, s>>>(p, splits, groups);
+      splitk_reduce_kernel<<<blocks, 256, 0, s>>>(p, splits, groups);
       QUADS_CUDA_LAUNCH_CHECK();
       QUADS_CUDA_CHECK(cudaFreeAsync(partial, s));
     }
@@ -470,7 +460,7 @@ void launch(Params p, int splits_req, cudaStream_t s, int groups = 1) {
   if (splits > 1) {
     const int64_t n = p.M * p.N;
     const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 16LL * sm_count()));
-    splitk_reduce_kernel<<<blocks, 256, 0, s>>>(p, splits);
+    splitk_reduce_kernel<<<blocks, 256, 0, s>>>(p, splits, 0);
     QUADS_CUDA_LAUNCH_CHECK();
     QUADS_CUDA_CHECK(cudaFreeAsync(partial, s));
   }
