@@ -1322,6 +1322,7 @@ class GpuBackend : public rollout::StepBackend {
   std::vector<float> step(const std::vector<model::StepItem>& items) override { return m_.step(items); }
   void copy(int src, int dst) override { m_.copy(src, dst); }
   void clear(int slot) override { m_.clear(slot); }
+  void set_rac(const model::Model& calibrated) override { m_.set_rac(calibrated); }
 
  private:
   GpuModel m_;

@@ -246,7 +246,7 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
 
   // rl.device = "cuda": both engines step on the GPU; their CPU models stay synced (RAC calibration,
   // diagnostics).
-  RolloutBackend* gpu = nullptr;
+  rollout::StepBackend* gpu = nullptr;
   std::string device = "cpu";
   if (R.device == "cuda") {
     QUADS_CHECK(!spec.rac || !rac.dynamic,
@@ -254,7 +254,7 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
     QUADS_CHECK(!spec.rac || rac.granularity == model::RacGranularity::Block16,
                 "rl.device = \"cuda\" compensates whole 16-channel blocks only (quads.granularity = \"{}\"; mode {})",
                 cfg.quads.granularity, opt.mode);
-    std::unique_ptr<RolloutBackend> b = rollout_backend_factory()(base_w, engine.precision());
+    std::unique_ptr<rollout::StepBackend> b = rollout_backend_factory()(base_w, engine.precision());
     gpu = b.get();
     device = b->name();
     engine.set_backend(std::move(b));

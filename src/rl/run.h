@@ -80,14 +80,9 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt);
 // collapsed = final_pass1 < best_pass1 - margin; seconds = the run's wall time.
 RunResult summarize_rows(const std::vector<nlohmann::json>& rows, double collapse_margin);
 
-// The step backend of rl.device = "cuda": a rollout::StepBackend that also takes static RAC
-// channels from the engine's calibrated CPU model.
-class RolloutBackend : public rollout::StepBackend {
- public:
-  virtual void set_rac(const model::Model& calibrated) = 0;
-};
+// The step backend of rl.device = "cuda" (static RAC channels reach it through set_rac).
 using RolloutBackendFactory =
-    std::function<std::unique_ptr<RolloutBackend>(const model::Weights& w, const model::PrecisionConfig& p)>;
+    std::function<std::unique_ptr<rollout::StepBackend>(const model::Weights& w, const model::PrecisionConfig& p)>;
 // quads_core (which holds run_rl) does not link the CUDA library, so a binary that does installs
 // the factory (install_cuda_rollouts() below); without one, rl.device = "cuda" is an error.
 void set_rollout_backend_factory(RolloutBackendFactory f);
@@ -104,24 +99,9 @@ void set_rollout_backend_factory(RolloutBackendFactory f);
 namespace quads::rl {
 
 inline void install_cuda_rollouts() {
-  // cuda::make_gpu_backend's backend, plus set_rac (its GpuModel is not reachable through it).
-  class Gpu final : public RolloutBackend {
-   public:
-    Gpu(const model::Weights& w, const model::PrecisionConfig& p) : m_(w, p) {}
-    std::string name() const override { return "cuda:" + cuda::device_name(0); }
-    void sync(const model::Weights& w) override { m_.sync(w); }
-    void reset(int num_slots, int64_t max_len) override { m_.reset_cache(num_slots, max_len); }
-    std::vector<float> step(const std::vector<model::StepItem>& items) override { return m_.step(items); }
-    void copy(int src, int dst) override { m_.copy(src, dst); }
-    void clear(int slot) override { m_.clear(slot); }
-    void set_rac(const model::Model& calibrated) override { m_.set_rac(calibrated); }
-
-   private:
-    cuda::GpuModel m_;
-  };
   set_rollout_backend_factory([](const model::Weights& w, const model::PrecisionConfig& p) {
     QUADS_CHECK(cuda::device_count() > 0, "rl.device = \"cuda\": no CUDA device found (set rl.device = \"cpu\")");
-    return std::unique_ptr<RolloutBackend>(std::make_unique<Gpu>(w, p));
+    return cuda::make_gpu_backend(w, p);
   });
 }
 

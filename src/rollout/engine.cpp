@@ -267,4 +267,6 @@ std::vector<Result> RolloutEngine::generate(const std::vector<Request>& requests
   return results;
 }
 
+void StepBackend::set_rac(const model::Model&) { fail("step backend {} does not run RAC", name()); }
+
 }  // namespace quads::rollout

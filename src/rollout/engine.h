@@ -83,6 +83,9 @@ class StepBackend {
   virtual std::vector<float> step(const std::vector<model::StepItem>& items) = 0;  // Model::step
   virtual void copy(int src, int dst) = 0;                        // KVCache::copy
   virtual void clear(int slot) = 0;                               // KVCache::clear
+  // Static RAC channels from a calibrated CPU model of the same weights (model/rac.h); a backend
+  // without RAC support throws quads::Error naming itself.
+  virtual void set_rac(const model::Model& calibrated);
 };
 
 class RolloutEngine {
