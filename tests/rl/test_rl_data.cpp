@@ -25,6 +25,7 @@
 #include "rl/compare.h"
 #include "rl/config.h"
 #include "rl/run.h"
+#include "rl_test_util.h"
 #include "rl/task_source.h"
 
 namespace fs = std::filesystem;
@@ -135,15 +136,7 @@ class RlData : public ::testing::Test {
 };
 fs::path RlData::root_;
 
-std::vector<nlohmann::json> deterministic(std::vector<nlohmann::json> rows) {
-  for (auto& r : rows) {
-    std::vector<std::string> drop;
-    for (auto& [k, v] : r.items())
-      if (k == "elapsed_s" || k.rfind("t_", 0) == 0) drop.push_back(k);
-    for (const auto& k : drop) r.erase(k);
-  }
-  return rows;
-}
+using test::deterministic;
 
 // Prompts in the chat format, stop tokens, rewards by verify_math, truncation, decoding.
 TEST_F(RlData, DatasetSourcePromptsStopsAndRewards) {

@@ -24,6 +24,7 @@
 #include "rl/config.h"
 #include "rl/policy.h"
 #include "rl/run.h"
+#include "rl_test_util.h"
 #include "rl/sft.h"
 
 namespace fs = std::filesystem;
@@ -84,16 +85,7 @@ class RlLoopRun : public ::testing::Test {
 };
 fs::path RlLoopRun::root_;
 
-// Rows without the wall-clock keys.
-std::vector<nlohmann::json> deterministic(std::vector<nlohmann::json> rows) {
-  for (auto& r : rows) {
-    std::vector<std::string> drop;
-    for (auto& [k, v] : r.items())
-      if (k == "elapsed_s" || k.rfind("t_", 0) == 0) drop.push_back(k);
-    for (const auto& k : drop) r.erase(k);
-  }
-  return rows;
-}
+using test::deterministic;
 
 std::vector<float> read_tensor(const std::string& file, const std::string& name) {
   auto f = io::SafeTensorsFile::open(file);
