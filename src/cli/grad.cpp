@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/command.h"
+#include "cli/input_ids.h"
 #include "common/error.h"
 #include "io/safetensors.h"
 #include "model/model.h"
@@ -18,31 +19,12 @@ struct Options {
   double aux = -1, z = 0;
 };
 
-std::vector<int32_t> read_input_ids(const std::string& path) {
-  std::ifstream f(path);
-  QUADS_CHECK(f.good(), "cannot open {}", path);
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(f);
-  } catch (const nlohmann::json::exception& e) {
-    quads::fail("{}: invalid JSON ({})", path, e.what());
-  }
-  QUADS_CHECK(j.is_object() && j.contains("input_ids") && j["input_ids"].is_array(),
-              "{}: expected an object with an 'input_ids' list", path);
-  std::vector<int32_t> ids;
-  for (const auto& v : j["input_ids"]) {
-    QUADS_CHECK(v.is_number_integer(), "{}: 'input_ids' must hold integers, found {}", path, v.dump());
-    ids.push_back(v.get<int32_t>());
-  }
-  QUADS_CHECK(ids.size() >= 2, "{}: need at least 2 tokens for a next-token loss", path);
-  return ids;
-}
 
 int run(const Options& o) {
   using namespace quads::model;
   Weights w = Weights::load(o.model);
   Model m(w, PrecisionConfig::preset(o.precision));
-  const Batch b = Batch::of({read_input_ids(o.input_ids)});
+  const Batch b = Batch::of({quads::cli::read_input_ids(o.input_ids, 2)});
   const int64_t T = b.ntokens(), V = w.cfg.vocab_size;
   ForwardOptions opt;
   // As HF: the aux loss joins the loss only with output_router_logits (unless --aux-coef is given).

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/command.h"
+#include "cli/input_ids.h"
 #include "common/error.h"
 #include "io/safetensors.h"
 #include "model/model.h"
@@ -18,25 +19,6 @@ struct Options {
   bool blas = false;
 };
 
-std::vector<int32_t> read_input_ids(const std::string& path) {
-  std::ifstream f(path);
-  QUADS_CHECK(f.good(), "cannot open {}", path);
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(f);
-  } catch (const nlohmann::json::exception& e) {
-    quads::fail("{}: invalid JSON ({})", path, e.what());
-  }
-  QUADS_CHECK(j.is_object() && j.contains("input_ids") && j["input_ids"].is_array(),
-              "{}: expected an object with an 'input_ids' list", path);
-  std::vector<int32_t> ids;
-  for (const auto& v : j["input_ids"]) {
-    QUADS_CHECK(v.is_number_integer(), "{}: 'input_ids' must hold integers, found {}", path, v.dump());
-    ids.push_back(v.get<int32_t>());
-  }
-  QUADS_CHECK(!ids.empty(), "{}: 'input_ids' is empty", path);
-  return ids;
-}
 
 int run(const Options& o) {
   using namespace quads::model;
@@ -44,7 +26,7 @@ int run(const Options& o) {
   PrecisionConfig p = PrecisionConfig::preset(o.precision);
   p.filter = o.filter;
   p.keep_last_high = o.keep_last_high;
-  const std::vector<int32_t> ids = read_input_ids(o.input_ids);
+  const std::vector<int32_t> ids = quads::cli::read_input_ids(o.input_ids, 1);
   Model m(w, p);
   if (o.blas) m.forward_gemm = GemmMode::Blas;
   const Batch b = Batch::of({ids});

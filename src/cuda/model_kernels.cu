@@ -29,6 +29,22 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// The softmax of a warp's scores s[0..L) (lane j holds every 32nd), m the lane's running max: s
+// becomes exp(s - max) in place (max over the warp, expf and a double sum as the CPU twin does) and
+// the return value is 1 / sum, which the caller applies while it sums over V.
+__device__ __forceinline__ float warp_softmax_scores(float* s, int64_t L, int lane, float m) {
+  m = warp_max(m);
+  double sum = 0;
+  for (int64_t j = lane; j < L; j += 32) {
+    const float e = expf(s[j] - m);
+    s[j] = e;
+    sum += e;
+  }
+  sum = warp_sum(sum);
+  __syncwarp();
+  return static_cast<float>(1.0 / sum);
+}
+
 __global__ void embedding_kernel(const float* __restrict__ table, const int32_t* __restrict__ tokens, int64_t T,
                                  int64_t H, float* __restrict__ out) {
   const int64_t n = T * H;
@@ -159,16 +175,7 @@ __global__ void attention_kernel(const float* __restrict__ q, const float* __res
     s[j] = sj;
     m = fmaxf(m, sj);
   }
-  m = warp_max(m);
-  double sum = 0;
-  for (int64_t j = lane; j < L; j += 32) {
-    const float e = expf(s[j] - m);
-    s[j] = e;
-    sum += e;
-  }
-  sum = warp_sum(sum);
-  __syncwarp();
-  const float inv = static_cast<float>(1.0 / sum);
+  const float inv = warp_softmax_scores(s, L, lane, m);
   float* orow = out + (t * nh + h) * hd;
   for (int d = lane; d < hd; d += 32) {
     float a = 0.f;
@@ -244,16 +251,7 @@ attention_tiled_kernel(const float* __restrict__ q, const float* __restrict__ kc
       m = fmaxf(m, sj);
     }
   }
-  m = warp_max(m);
-  double sum = 0;
-  for (int64_t j = lane; j < L; j += 32) {
-    const float e = expf(s[j] - m);
-    s[j] = e;
-    sum += e;
-  }
-  sum = warp_sum(sum);
-  __syncwarp();
-  const float inv = static_cast<float>(1.0 / sum);
+  const float inv = warp_softmax_scores(s, L, lane, m);
   float a[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) a[i] = 0.f;
