@@ -1,0 +1,94 @@
+#pragma once
+// The kernels of the GPU trainer (cuda/train_gpu.h): the training forward pieces that the rollout
+// kernels (cuda/model_kernels.h) do not cover, the backward of every layer op, the losses on the
+// logits and AdamW. Each one is the device twin of the CPU function named beside it and is tested
+// against it on random shapes (tests/cuda/test_train_kernels.cpp). Reductions run in a fixed order
+// (no atomics on floats), so results are deterministic from run to run; they may differ from the
+// CPU's sequential sums in the last bits. All pointers are device pointers; every launcher is
+// asynchronous on `s`. C++17-clean.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace quads::cuda::kern {
+
+// ---- RMSNorm (cpu::rmsnorm_forward / rmsnorm_backward) over rows of D; per-head q/k norms are the
+// same op with rows = T * heads, D = head_dim. inv_rms [rows] is kept for the backward.
+void rmsnorm_fwd(const float* x, const float* w, int64_t rows, int64_t D, float eps, float* y, float* inv_rms,
+                 cudaStream_t s);
+// dx [rows, D] written; dw [D] ACCUMULATED (may be null). `scratch` holds
+// rmsnorm_bwd_scratch(rows, D) floats (per-block partial sums of dw, reduced in block order).
+int64_t rmsnorm_bwd_scratch(int64_t rows, int64_t D);
+void rmsnorm_bwd(const float* dy, const float* x, const float* w, const float* inv_rms, int64_t rows, int64_t D,
+                 float* dx, float* dw, float* scratch, cudaStream_t s);
+
+// ---- RoPE, rotate-half (cpu::rope_forward / rope_backward): x [n, heads, hd] in place; cos/sin
+// [n, hd/2] per row (cpu::rope_tables, uploaded).
+void rope_fwd(float* x, int64_t n, int heads, int hd, const float* cos, const float* sin, cudaStream_t s);
+void rope_bwd(float* dx, int64_t n, int heads, int hd, const float* cos, const float* sin, cudaStream_t s);
+
+// ---- Causal attention over a packed batch (cpu::attention_forward / attention_backward applied to
+// each sequence): token t attends to the tokens seq0[t] .. t (seq0[t]: the first token of t's
+// sequence). q [T, nh, hd], k, v [T, nkv, hd]; out [T, nh, hd]; lse [T, nh] (log-sum-exp of the
+// scaled scores). GQA: head h uses kv head h / (nh / nkv). hd <= 256, hd % 32 == 0.
+void attention_train_fwd(const float* q, const float* k, const float* v, const int32_t* seq0, int64_t T, int nh,
+                         int nkv, int hd, float scale, float* out, float* lse, cudaStream_t s);
+// dq [T, nh, hd], dk, dv [T, nkv, hd], all WRITTEN (each key row sums over its queries in query
+// order, the GQA group's heads in head order).
+void attention_train_bwd(const float* q, const float* k, const float* v, const float* out, const float* lse,
+                         const float* dout, const int32_t* seq0, int64_t T, int nh, int nkv, int hd, float scale,
+                         float* dq, float* dk, float* dv, cudaStream_t s);
+
+// ---- Router (cpu::router_topk_forward with `forced` / cpu::router_topk_backward). The forward of
+// the rollout kernels (kern::router_topk) has no forced experts; this one takes them (routing
+// replay: forced [T, k] may be null).
+void router_topk_fwd(const float* logits, int64_t T, int E, int k, bool norm_topk, float* probs, int32_t* idx,
+                     float* w, const int32_t* forced, cudaStream_t s);
+// dlogits [T, E] written; dprobs_extra [T, E] may be null.
+void router_topk_bwd(const float* probs, const int32_t* idx, const float* w, const float* dw,
+                     const float* dprobs_extra, int64_t T, int E, int k, bool norm_topk, float* dlogits,
+                     cudaStream_t s);
+
+// ---- MoE (cpu::moe_combine_forward / moe_combine_backward / moe_scatter_add). perm/inv as
+// cpu::moe_permute (kern::moe_route computes them on the device).
+void moe_combine_fwd(const float* ye, const int32_t* inv, const float* w, int64_t T, int k, int64_t D, float* y,
+                     cudaStream_t s);
+// dye [T*k, D] and dw [T, k] written.
+void moe_combine_bwd(const float* dy, const float* ye, const int32_t* inv, const float* w, int64_t T, int k,
+                     int64_t D, float* dye, float* dw, cudaStream_t s);
+// dx[t] (+)= sum over slots s (in order) of dxe[inv[t*k + s]].
+void moe_scatter_add(const float* dxe, const int32_t* inv, int64_t T, int k, int64_t D, float* dx, bool accumulate,
+                     cudaStream_t s);
+
+// ---- SwiGLU on the fused gate/up product gu [n, 2I] (cpu::swiglu_backward): dgu [n, 2I] written.
+void swiglu_bwd(const float* gu, const float* dh, int64_t n, int64_t I, float* dgu, cudaStream_t s);
+
+// ---- Embedding (cpu::embedding_backward): dtable[tokens[t]] += dout[t], tokens in order for each
+// table row (deterministic). `order` [T] and `starts` [T + 1] come from embedding_bwd_plan on the host
+// (tokens grouped by id, stable); nuniq = the number of distinct ids.
+void embedding_bwd_plan(const int32_t* tokens_host, int64_t T, int32_t* order_host, int32_t* starts_host,
+                        int32_t* ids_host, int64_t* nuniq);
+void embedding_bwd(const float* dout, const int32_t* order, const int32_t* starts, const int32_t* ids, int64_t nuniq,
+                   int64_t H, float* dtable, cudaStream_t s);
+
+// ---- Losses on logits [T, V] (train/losses.h; per-row quantities in double from a max-subtracted
+// float row). x_scale multiplies the logits first (1 / temperature; 1 for plain logits).
+// logp[t] = log softmax(x_scale * logits[t])[target_t], 0 where target < 0. H (may be null) = entropy.
+void token_logprobs(const float* logits, int64_t T, int64_t V, const int32_t* targets, float x_scale, float* logp,
+                    float* H, cudaStream_t s);
+// dlogits[t] = x_scale * dlogp[t] * (onehot(target_t) - p_t) (WRITTEN; zero rows where target < 0).
+void token_logprobs_bwd(const float* logits, int64_t T, int64_t V, const int32_t* targets, float x_scale,
+                        const float* dlogp, float* dlogits, cudaStream_t s);
+
+// ---- Optimizer (train::global_norm, train::AdamW::step's element update).
+// *out = sqrt(sum g^2) in double, fixed chunking. scratch: global_norm_scratch(n) doubles.
+int64_t global_norm_scratch(int64_t n);
+void global_norm(const float* g, int64_t n, double* scratch, double* out, cudaStream_t s);
+// grads *= coef (clipping).
+void scale(float* x, int64_t n, float coef, cudaStream_t s);
+// One AdamW step over n parameters with the float32 constants train::AdamW::step computes on the
+// host (decay = 1 - lr * wd where mask[i] != 0 or mask is null).
+void adamw(float* params, const float* grads, float* m, float* v, const uint8_t* mask, int64_t n, float b1, float b2,
+           float step_size, float bc2_sqrt, float eps, float decay, cudaStream_t s);
+
+}  // namespace quads::cuda::kern

@@ -1,0 +1,31 @@
+#include "train/backend.h"
+
+#include <mutex>
+
+#include "common/error.h"
+
+namespace quads::train {
+
+namespace {
+std::mutex g_mu;
+TrainBackendFactory g_factory;
+}  // namespace
+
+void register_gpu_train_backend(TrainBackendFactory f) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  g_factory = std::move(f);
+}
+
+TrainBackendFactory gpu_train_backend_factory() {
+  TrainBackendFactory f;
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    f = g_factory;
+  }
+  QUADS_CHECK(f != nullptr,
+              "device = \"cuda\": this build has no CUDA trainer (configure with -DQUADS_CUDA=ON, or set the "
+              "device to \"cpu\")");
+  return f;
+}
+
+}  // namespace quads::train

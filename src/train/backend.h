@@ -1,0 +1,40 @@
+#pragma once
+// Where the trainer's forward and backward run. The CPU path is model::Model itself; the GPU one
+// (cuda::make_gpu_trainer in cuda/train_gpu.h) keeps the model on the device and exchanges only
+// logits, dlogits, gradients and master weights with the host. The optimizer stays with the caller
+// (train::AdamW on the host masters), so checkpoints and resume are the same on every device.
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "model/model.h"
+
+namespace quads::train {
+
+class TrainBackend {
+ public:
+  virtual ~TrainBackend() = default;
+  virtual std::string name() const = 0;  // e.g. "cuda:NVIDIA H200"
+  // The training forward of model::Model::forward over a packed batch: logits [T, V] to the host.
+  // With `keep`, keeps what backward() needs (one forward at a time). `record` (optional) receives
+  // the expert choices, as ForwardOptions::record.
+  virtual void forward(const model::Batch& b, float* logits, bool keep, model::Routing* record = nullptr) = 0;
+  // From dL/dlogits [T, V] (host) of the last kept forward: ADDS the gradient with respect to every
+  // parameter into grads (host, weights layout), as model::Model::backward.
+  virtual void backward(const float* dlogits, float* grads) = 0;
+  // The host masters changed (optimizer step, resume): upload and re-quantize (model::Model::sync).
+  virtual void sync(const model::Weights& w) = 0;
+};
+
+// Makes a trainer backend for weights w in precision p (a trainer preset: fp32, bf16, qat, ...).
+using TrainBackendFactory =
+    std::function<std::unique_ptr<TrainBackend>(const model::Weights& w, const model::PrecisionConfig& p)>;
+
+// quads_core does not link the CUDA library: a binary that does installs the GPU factory
+// (rl::install_cuda_rollouts in rl/run.h); the RL loop and SFT ask for it with `device = "cuda"`.
+// gpu_train_backend_factory() throws a quads::Error naming the setting when none is installed.
+void register_gpu_train_backend(TrainBackendFactory f);
+TrainBackendFactory gpu_train_backend_factory();
+
+}  // namespace quads::train
