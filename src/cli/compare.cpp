@@ -95,7 +95,7 @@ std::function<int()> setup(CLI::App& app) {
   app.add_flag("--rac-sweep", o->sweep, "only measure the log-prob gap of RAC ratios 0..1 on the base model");
   app.add_flag("--routing-replay", o->replay, "the trainer routes tokens to the experts the rollout chose");
   app.add_flag("--no-diagnostics", o->no_diag, "skip the routing mismatch and activation error measurements");
-  app.add_option("--device", o->device, "where the rollout engines run: cpu | cuda (sets rl.device; the trainer stays on the CPU)");
+  app.add_option("--device", o->device, "where the rollout engines run: cpu | cuda (sets rl.device; the trainer follows unless rl.train_device is set)");
   return [o] { return run(*o); };
 }
 

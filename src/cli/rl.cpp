@@ -65,6 +65,7 @@ int run(const Options& o) {
   r.seconds = out.seconds;
   auto summary = rl::make_summary({{o.mode, {r}}});
   summary["device"] = out.device;
+  summary["train_device"] = out.train_device;
   rl::write_text_atomic(o.out + "/summary.json", summary.dump(2) + "\n");
   std::printf("%s", rl::summary_table(summary).c_str());
   return 0;
@@ -86,7 +87,7 @@ std::function<int()> setup(CLI::App& app) {
   app.add_flag("--resume", o->resume, "continue from OUT/checkpoint (bitwise the same as an uninterrupted run)");
   app.add_flag("--routing-replay", o->replay, "the trainer routes tokens to the experts the rollout chose");
   app.add_flag("--no-diagnostics", o->no_diag, "skip the routing mismatch and activation error measurements");
-  app.add_option("--device", o->device, "where the rollout engine runs: cpu | cuda (sets rl.device; the trainer stays on the CPU)");
+  app.add_option("--device", o->device, "where the rollout engine runs: cpu | cuda (sets rl.device; the trainer follows unless rl.train_device is set)");
   return [o] { return run(*o); };
 }
 

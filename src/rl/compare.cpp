@@ -264,7 +264,7 @@ CompareOutcome run_compare(const RunConfig& cfg, const CompareOptions& opt) {
   std::vector<std::exception_ptr> errors(jobs.size());
   // On the GPU the runs take turns: one device, and each run's engines hold their own GPU models.
   const int nworkers =
-      cfg.rl.device == "cuda" ? 1 : std::max(1, std::min<int>(opt.jobs, static_cast<int>(jobs.size())));
+      cfg.rl.device == "cuda" || cfg.rl.trainer_device() == "cuda" ? 1 : std::max(1, std::min<int>(opt.jobs, static_cast<int>(jobs.size())));
   const int threads = std::max(1, omp_get_max_threads() / nworkers);
   auto worker = [&] {
     omp_set_num_threads(threads);
@@ -342,6 +342,7 @@ CompareOutcome run_compare(const RunConfig& cfg, const CompareOptions& opt) {
   out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   summary["seconds_total"] = out.seconds;
   summary["device"] = jobs.empty() ? std::string("cpu") : jobs.front().out.device;
+  summary["train_device"] = jobs.empty() ? std::string("cpu") : jobs.front().out.train_device;
   write_text_atomic(opt.out_dir + "/summary.json", summary.dump(2) + "\n");
 
   std::vector<PlotRef> plots;

@@ -69,6 +69,7 @@ std::vector<Field> fields(RunConfig& c) {
       {"rl.routing_replay", &c.rl.routing_replay},
       {"rl.diagnostics", &c.rl.diagnostics},
       {"rl.device", &c.rl.device},
+      {"rl.train_device", &c.rl.train_device},
       {"quads.rac_ratio", &c.quads.rac_ratio},
       {"quads.granularity", &c.quads.granularity},
       {"quads.rac_selection", &c.quads.rac_selection},
@@ -400,6 +401,7 @@ void validate(const RunConfig& c, const std::string& origin) {
         fmt::format("must divide rl.prompts_per_step * rl.group_size = {}", r.prompts_per_step * r.group_size));
   nonneg(r.grad_clip, "rl.grad_clip");
   one_of(r.device, "rl.device", {"cpu", "cuda"});
+  one_of(r.train_device, "rl.train_device", {"auto", "cpu", "cuda"});
 
   check(c.quads.rac_ratio >= 0 && c.quads.rac_ratio <= 1, "quads.rac_ratio", fmt::format("{}", c.quads.rac_ratio),
         "must be in [0, 1]");

@@ -71,7 +71,10 @@ struct RlSection {
   double grad_clip = 1.0;
   bool routing_replay = false;   // trainer routes each token to the experts the rollout chose
   bool diagnostics = true;       // routing mismatch and per-layer activation error (extra forward)
-  std::string device = "cpu";    // cpu | cuda: where the rollout engine runs (the trainer: CPU)
+  std::string device = "cpu";    // cpu | cuda: where the rollout engine runs
+  std::string train_device = "auto";  // auto (= device) | cpu | cuda: where the trainer's forward and
+                                      // backward run (the optimizer and the diagnostics: the CPU)
+  std::string trainer_device() const { return train_device == "auto" ? device : train_device; }
   bool operator==(const RlSection&) const = default;
 };
 

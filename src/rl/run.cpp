@@ -21,6 +21,7 @@
 #include "rl/task_source.h"
 #include "rollout/engine.h"
 #include "train/adamw.h"
+#include "train/backend.h"
 #include "train/losses.h"
 
 namespace fs = std::filesystem;
@@ -116,18 +117,6 @@ bool load_checkpoint(const std::string& run_dir, model::Weights& w, train::AdamW
 std::mutex g_backend_mu;
 RolloutBackendFactory g_backend_factory;
 
-RolloutBackendFactory rollout_backend_factory() {
-  RolloutBackendFactory f;
-  {
-    std::lock_guard<std::mutex> lk(g_backend_mu);
-    f = g_backend_factory;
-  }
-  QUADS_CHECK(f != nullptr,
-              "rl.device = \"cuda\": this build has no CUDA backend (configure with -DQUADS_CUDA=ON, or set "
-              "rl.device = \"cpu\")");
-  return f;
-}
-
 // ---- per-step pieces ---------------------------------------------------------------------------
 
 // Rows [t0, t1) of every layer's routing (k experts per token).
@@ -189,6 +178,11 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
   QUADS_CHECK(!opt.out_dir.empty(), "rl: no output folder given");
   QUADS_CHECK(cfg.uses_dataset() || !opt.base_dir.empty(), "rl: no base model folder given");
   if (cfg.rl.device == "cuda") (void)rollout_backend_factory();  // fail before any work
+  if (cfg.rl.trainer_device() == "cuda") {
+    (void)train::gpu_train_backend_factory();
+    QUADS_CHECK(!cfg.rl.routing_replay,
+                "rl.routing_replay = true needs the trainer on the CPU (set rl.train_device = \"cpu\")");
+  }
   fs::create_directories(opt.out_dir);
   const RlSection& R = cfg.rl;
   const int P = static_cast<int>(R.prompts_per_step), G = static_cast<int>(R.group_size);
@@ -226,6 +220,18 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
   ac.beta2 = 0.999;
   ac.max_grad_norm = R.grad_clip;
   train::AdamW adam(W.size(), ac, train::AdamW::decay_mask(W.layout));
+  // rl.train_device = "cuda": the trainer's (and the reference's) forward and backward run on the
+  // GPU; the masters, AdamW and checkpoints stay here, so resume works across devices.
+  std::unique_ptr<train::TrainBackend> gtrain, gref;
+  if (R.trainer_device() == "cuda") {
+    gtrain = train::gpu_train_backend_factory()(W, trainer_precision(spec));
+    if (ref) gref = train::gpu_train_backend_factory()(*ref_w, trainer_precision(spec));
+  }
+  auto trainer_forward = [&](const model::Batch& b, float* lg, model::Activations* keep,
+                             const model::ForwardOptions& fo) {
+    if (!gtrain) return trainer.forward(b, lg, keep, fo);
+    gtrain->forward(b, lg, keep != nullptr, fo.record);
+  };
 
   // Rollout side, with its own copy of the weights; fp32 engine for the reference evaluation.
   rollout::EngineOptions eo;
@@ -269,7 +275,10 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
 
   // Resume.
   Checkpoint ck;
-  if (opt.resume && load_checkpoint(opt.out_dir, W, adam, ck, opt.mode, opt.seed)) trainer.sync();
+  if (opt.resume && load_checkpoint(opt.out_dir, W, adam, ck, opt.mode, opt.seed)) {
+    trainer.sync();
+    if (gtrain) gtrain->sync(W);
+  }
   const double elapsed0 = ck.elapsed;
   std::vector<nlohmann::json> rows = ck.rows;
   {
@@ -392,7 +401,8 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
       logits.resize(seqs.batch.ntokens() * V);
       model::ForwardOptions fo;
       if (R.routing_replay) fo.replay = &r_roll;
-      ref->forward(seqs.batch, logits.data(), nullptr, fo);
+      if (gref) gref->forward(seqs.batch, logits.data(), false);
+      else ref->forward(seqs.batch, logits.data(), nullptr, fo);
       lp_ref = response_logprobs(seqs, logits.data(), V, R.temperature);
     }
     std::vector<float> lp_old;
@@ -402,12 +412,12 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
       logits.resize(seqs.batch.ntokens() * V);
       model::ForwardOptions fo;
       fo.record = &r_train;
-      trainer.forward(seqs.batch, logits.data(), nullptr, fo);
+      trainer_forward(seqs.batch, logits.data(), nullptr, fo);
       if (!R.routing_replay) lp_old = response_logprobs(seqs, logits.data(), V, R.temperature);
       if (R.routing_replay) {
         fo.record = nullptr;
         fo.replay = &r_roll;
-        trainer.forward(seqs.batch, logits.data(), nullptr, fo);
+        trainer_forward(seqs.batch, logits.data(), nullptr, fo);
         lp_old = response_logprobs(seqs, logits.data(), V, R.temperature);
       }
     }
@@ -432,7 +442,7 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
       } else if (nmb == 1) {
         fo.record = &r_train;
       }
-      trainer.forward(part.batch, logits.data(), &acts, fo);
+      trainer_forward(part.batch, logits.data(), &acts, fo);
       std::vector<float> lp = response_logprobs(part, logits.data(), V, R.temperature);
       if (lp_old.empty() && nmb == 1) lp_old = lp;  // same weights, same forward: identical
 
@@ -500,7 +510,8 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
         train::token_logprobs_backward(logits.data(), T, V, targets.data(), dlp.data(), dlogits.data());
       }
       std::fill(grads.begin(), grads.end(), 0.f);
-      trainer.backward(acts, dlogits.data(), grads.data());
+      if (gtrain) gtrain->backward(dlogits.data(), grads.data());
+      else trainer.backward(acts, dlogits.data(), grads.data());
       if (opt.grad_hook) opt.grad_hook(step, grads.data(), grads.size());
       const double gn = train::global_norm(grads.data(), grads.size());
       QUADS_CHECK(std::isfinite(pr.loss) && std::isfinite(gn),
@@ -511,7 +522,8 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
       gnorm_max = std::max(gnorm_max, gn);
       adam.step(W.data.data(), grads.data());
       const auto ts = Clock::now();
-      trainer.sync();  // W_eff of the new masters (bf16 rounding or the QAT weights)
+      if (gtrain) gtrain->sync(W);
+      else trainer.sync();  // W_eff of the new masters (bf16 rounding or the QAT weights)
       t_sync += since(ts);
     }
     if (!R.routing_replay || !r_train.experts.empty()) route_mm = routing_mismatch(r_roll, r_train, K);
@@ -591,7 +603,20 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
   out.steps_done = done;
   out.seconds = elapsed();
   out.device = device;
+  out.train_device = gtrain ? gtrain->name() : "cpu";
   return out;
+}
+
+RolloutBackendFactory rollout_backend_factory() {
+  RolloutBackendFactory f;
+  {
+    std::lock_guard<std::mutex> lk(g_backend_mu);
+    f = g_backend_factory;
+  }
+  QUADS_CHECK(f != nullptr,
+              "rl.device = \"cuda\": this build has no CUDA backend (configure with -DQUADS_CUDA=ON, or set "
+              "rl.device = \"cpu\")");
+  return f;
 }
 
 void set_rollout_backend_factory(RolloutBackendFactory f) {

@@ -70,6 +70,7 @@ struct RunOutcome {
   int64_t steps_done = 0;
   double seconds = 0;                // wall time of the run, across resumes
   std::string device = "cpu";        // where the rollouts ran: "cpu" or the backend's name ("cuda:<GPU>")
+  std::string train_device = "cpu";  // where the trainer's forward/backward ran (same naming)
 };
 
 RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt);
@@ -86,6 +87,8 @@ using RolloutBackendFactory =
 // quads_core (which holds run_rl) does not link the CUDA library, so a binary that does installs
 // the factory (install_cuda_rollouts() below); without one, rl.device = "cuda" is an error.
 void set_rollout_backend_factory(RolloutBackendFactory f);
+// The installed factory; a quads::Error naming rl.device when there is none.
+RolloutBackendFactory rollout_backend_factory();
 
 }  // namespace quads::rl
 

@@ -14,7 +14,9 @@
 #include "model/model.h"
 #include "rl/policy.h"
 #include "rl/report.h"
+#include "rl/run.h"
 #include "train/adamw.h"
+#include "train/backend.h"
 #include "train/losses.h"
 
 namespace quads::rl {
@@ -24,7 +26,10 @@ namespace {
 // The settings that determine the base weights.
 nlohmann::json sft_key(const RunConfig& cfg) {
   nlohmann::json j = to_json(cfg);
-  return {{"model", j["model"]}, {"sft", j["sft"]}, {"tasks", j["tasks"]}};
+  nlohmann::json key = {{"model", j["model"]}, {"sft", j["sft"]}, {"tasks", j["tasks"]}};
+  // GPU training rounds differently (BF16-free but other summation orders): another base.
+  if (cfg.rl.trainer_device() == "cuda") key["device"] = "cuda";
+  return key;
 }
 
 double lr_at(const SftSection& s, int64_t step) {
@@ -51,6 +56,9 @@ SftResult run_sft(const RunConfig& cfg, const std::string& dir, bool progress) {
   ac.weight_decay = cfg.sft.weight_decay;
   ac.max_grad_norm = cfg.sft.grad_clip;
   train::AdamW opt(w.size(), ac, train::AdamW::decay_mask(w.layout));
+  // rl.train_device = "cuda": forward and backward on the GPU, AdamW here (as the RL loop).
+  std::unique_ptr<train::TrainBackend> gpu;
+  if (cfg.rl.trainer_device() == "cuda") gpu = train::gpu_train_backend_factory()(w, model::PrecisionConfig::preset("fp32"));
 
   const int64_t V = mc.vocab_size, B = cfg.sft.batch, steps = cfg.sft.steps;
   std::vector<float> logits, dlogits, grads(w.size());
@@ -76,14 +84,17 @@ SftResult run_sft(const RunConfig& cfg, const std::string& dir, bool progress) {
     std::vector<int32_t> targets = train::next_token_targets(b);
     logits.resize(T * V);
     dlogits.resize(T * V);
-    m.forward(b, logits.data(), &acts);
+    if (gpu) gpu->forward(b, logits.data(), true);
+    else m.forward(b, logits.data(), &acts);
     const double loss = train::cross_entropy(logits.data(), T, V, targets.data(), weight.data(), dlogits.data());
     QUADS_CHECK(std::isfinite(loss), "sft: the loss is {} at step {}", loss, step);
     std::fill(grads.begin(), grads.end(), 0.f);
-    m.backward(acts, dlogits.data(), grads.data());
+    if (gpu) gpu->backward(dlogits.data(), grads.data());
+    else m.backward(acts, dlogits.data(), grads.data());
     const double gnorm = opt.step(w.data.data(), grads.data(), lr_at(cfg.sft, step));
     QUADS_CHECK(std::isfinite(gnorm), "sft: the gradient norm is {} at step {}", gnorm, step);
-    m.sync();
+    if (gpu) gpu->sync(w);
+    else m.sync();
     if (step >= steps - std::max<int64_t>(1, steps / 10)) {
       tail_loss += loss;
       ++tail_n;
@@ -96,6 +107,7 @@ SftResult run_sft(const RunConfig& cfg, const std::string& dir, bool progress) {
   r.final_loss = tail_n ? tail_loss / tail_n : std::nan("");
   save_base(dir, w, tok);
   rollout::RolloutEngine eng(w, model::PrecisionConfig::preset("fp32"));
+  if (cfg.rl.device == "cuda") eng.set_backend(rollout_backend_factory()(w, eng.precision()));
   EvalResult ev = evaluate(eng, tasks.eval_set(), tok, cfg.rl.max_new_tokens, 0.0);
   r.pass1 = ev.score.pass1;
   for (size_t i = 0; i < ev.responses.size() && i < 8; ++i) {

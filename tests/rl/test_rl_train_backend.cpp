@@ -1,0 +1,177 @@
+// The trainer-backend plumbing of the RL loop and SFT (rl.train_device = "cuda"), checked without a
+// GPU: a backend that runs the CPU model behind the TrainBackend interface must give the very same
+// run, bit for bit, as the trainer on the CPU (same forwards in the same order, gradients added, the
+// masters re-synced after every optimizer step, the reference model, resume).
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "common/error.h"
+#include "model/model.h"
+#include "model/weights.h"
+#include "rl/config.h"
+#include "rl/run.h"
+#include "rl/sft.h"
+#include "rl_test_util.h"
+#include "train/backend.h"
+
+namespace fs = std::filesystem;
+
+namespace quads {
+namespace {
+
+// The CPU model behind the backend interface, with its own copy of the masters (as a GPU has).
+class CpuAsBackend : public train::TrainBackend {
+ public:
+  CpuAsBackend(const model::Weights& w, const model::PrecisionConfig& p, int* calls) : w_(w), m_(w_, p), calls_(calls) {}
+  std::string name() const override { return "cpu-as-backend"; }
+  void forward(const model::Batch& b, float* logits, bool keep, model::Routing* record) override {
+    model::ForwardOptions fo;
+    fo.record = record;
+    m_.forward(b, logits, keep ? &acts_ : nullptr, fo);
+    ++*calls_;
+  }
+  void backward(const float* dlogits, float* grads) override { m_.backward(acts_, dlogits, grads); }
+  void sync(const model::Weights& w) override {
+    w_.data = w.data;
+    m_.sync();
+  }
+
+ private:
+  model::Weights w_;
+  model::Model m_;
+  model::Activations acts_;
+  int* calls_;
+};
+
+rl::RunConfig tiny() {
+  rl::RunConfig c;
+  c.model.hidden = 32;
+  c.model.layers = 1;
+  c.model.heads = 2;
+  c.model.kv_heads = 1;
+  c.model.head_dim = 16;
+  c.model.experts = 4;
+  c.model.experts_per_token = 2;
+  c.model.moe_intermediate = 32;
+  c.model.max_seq_len = 64;
+  c.sft.steps = 120;
+  c.sft.batch = 16;
+  c.sft.warmup_steps = 10;
+  c.rl.steps = 3;
+  c.rl.group_size = 4;
+  c.rl.prompts_per_step = 4;
+  c.rl.max_new_tokens = 12;
+  c.rl.eval_every = 2;
+  c.rl.eval_size = 8;
+  c.rl.checkpoint_every = 2;
+  c.rl.lr = 1e-3;
+  c.rl.kl_coef = 0.05;   // a reference model on the backend too
+  c.rl.minibatches = 2;  // a separate no-grad pass for the old log-probs, two optimizer steps
+  c.tasks.families = {"add"};
+  c.tasks.add_digits = {1};
+  return c;
+}
+
+class RlTrainBackend : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = fs::temp_directory_path() / fmt::format("quads_rl_backend_{}", ::getpid());
+    fs::remove_all(root_);
+    fs::create_directories(root_);
+    train::register_gpu_train_backend([this](const model::Weights& w, const model::PrecisionConfig& p) {
+      return std::make_unique<CpuAsBackend>(w, p, &calls_);
+    });
+  }
+  void TearDown() override {
+    train::register_gpu_train_backend(nullptr);
+    fs::remove_all(root_);
+  }
+  std::string dir(const std::string& n) const { return (root_ / n).string(); }
+  rl::RunOptions options(const std::string& out, const std::string& base) const {
+    rl::RunOptions o;
+    o.mode = "quads";
+    o.seed = 3;
+    o.base_dir = base;
+    o.out_dir = out;
+    o.progress = false;
+    return o;
+  }
+  fs::path root_;
+  int calls_ = 0;
+};
+
+TEST_F(RlTrainBackend, SftAndRlThroughTheBackendEqualTheCpuTrainerBitwise) {
+  rl::RunConfig cpu = tiny();
+  rl::RunConfig dev = tiny();
+  dev.rl.train_device = "cuda";  // rollouts stay on the CPU (rl.device = "cpu")
+
+  const rl::SftResult s_cpu = rl::run_sft(cpu, dir("base_cpu"), false);
+  const rl::SftResult s_dev = rl::run_sft(dev, dir("base_dev"), false);
+  EXPECT_GT(calls_, 0);
+  EXPECT_EQ(s_cpu.final_loss, s_dev.final_loss);
+  EXPECT_EQ(s_cpu.pass1, s_dev.pass1);
+  const model::Weights a = model::Weights::load(dir("base_cpu"));
+  const model::Weights b = model::Weights::load(dir("base_dev"));
+  ASSERT_EQ(a.data.size(), b.data.size());
+  EXPECT_EQ(0, std::memcmp(a.data.data(), b.data.data(), a.data.size() * sizeof(float)));
+  // The device is part of the base's identity: a CPU config does not reuse a GPU-trained base.
+  EXPECT_FALSE(rl::ensure_base(cpu, dir("base_dev"), false).cached);
+
+  calls_ = 0;
+  const rl::RunOutcome r_cpu = rl::run_rl(cpu, options(dir("rl_cpu"), dir("base_cpu")));
+  EXPECT_EQ(calls_, 0);
+  const rl::RunOutcome r_dev = rl::run_rl(dev, options(dir("rl_dev"), dir("base_cpu")));
+  // Per step: the reference, the old log-probs, two minibatch forwards.
+  EXPECT_EQ(calls_, 4 * dev.rl.steps);
+  EXPECT_EQ(r_dev.train_device, "cpu-as-backend");
+  EXPECT_EQ(r_cpu.train_device, "cpu");
+  double grad = 0;
+  for (const auto& row : r_cpu.rows)
+    if (row["kind"] == "train") grad += row["grad_norm"].get<double>();
+  ASSERT_GT(grad, 0.0) << "no learning signal: " << r_cpu.rows.back().dump();
+  EXPECT_EQ(test::deterministic(r_cpu.rows), test::deterministic(r_dev.rows));
+  const model::Weights c = model::Weights::load(dir("rl_cpu") + "/checkpoint");
+  const model::Weights d = model::Weights::load(dir("rl_dev") + "/checkpoint");
+  EXPECT_EQ(0, std::memcmp(c.data.data(), d.data.data(), c.data.size() * sizeof(float)));
+
+  // Resume through the backend: stop after 2 steps (a checkpoint), go on to the end.
+  rl::RunOptions half = options(dir("rl_dev_resumed"), dir("base_cpu"));
+  half.stop_after = 2;
+  rl::run_rl(dev, half);
+  half.stop_after = -1;
+  half.resume = true;
+  const rl::RunOutcome r_res = rl::run_rl(dev, half);
+  EXPECT_EQ(test::deterministic(r_cpu.rows), test::deterministic(r_res.rows));
+}
+
+TEST_F(RlTrainBackend, ClearErrors) {
+  rl::RunConfig cfg = tiny();
+  cfg.rl.train_device = "cuda";
+  cfg.rl.routing_replay = true;
+  rl::run_sft(tiny(), dir("base"), false);
+  try {
+    rl::run_rl(cfg, options(dir("replay"), dir("base")));
+    FAIL() << "routing replay with the trainer on the device must be refused";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rl.train_device"), std::string::npos) << e.what();
+  }
+  train::register_gpu_train_backend(nullptr);
+  cfg.rl.routing_replay = false;
+  try {
+    rl::run_rl(cfg, options(dir("none"), dir("base")));
+    FAIL() << "no backend installed: must be an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cuda"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace quads
