@@ -1,0 +1,936 @@
+// GpuTrainer: host orchestration of the training forward, backward and AdamW on the GPU (see
+// train_gpu.h). The layer kernels are in train_kernels.cu / model_kernels.cu, the quantizers in
+// quant.cu, the GEMMs are cuBLAS. It follows model::Model::forward / backward (model/model.cpp)
+// step by step; comments name the CPU step where the order matters.
+#include "cuda/train_gpu.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "common/error.h"
+#include "cpu/ops.h"
+#include "cuda/check.h"
+#include "cuda/device.h"
+#include "cuda/model_kernels.h"
+#include "cuda/quant.h"
+#include "cuda/train_gpu_kernels.h"
+#include "cuda/train_kernels.h"
+
+namespace quads::cuda {
+
+#define QUADS_TRAIN_CUBLAS(call)                                                                   \
+  do {                                                                                             \
+    cublasStatus_t quads_st_ = (call);                                                             \
+    if (quads_st_ != CUBLAS_STATUS_SUCCESS)                                                        \
+      ::quads::fail("cuBLAS error in {} ({}:{}): status {}", #call, __FILE__, __LINE__,             \
+                    static_cast<int>(quads_st_));                                                  \
+  } while (0)
+
+namespace {
+
+using model::QuantKind;
+
+enum class Path : uint8_t { Exact, Fast };
+
+// Weights the fast path can hold as a BF16 operand with a scalar alpha.
+bool fast_weight(const model::OperandQuant& w) {
+  if (w.kind == QuantKind::BF16) return true;
+  return w.kind == QuantKind::Quant && w.cfg.scheme == num::Scheme::NVFP4 && w.cfg.element == num::Format::E2M1 &&
+         w.cfg.block == num::Block::B1x16 && w.cfg.global == num::Global::PerTensor && !w.cfg.stochastic;
+}
+
+Path choose_path(const model::LinearNumerics& n) {
+  return n.act.kind == QuantKind::BF16 && fast_weight(n.weight) ? Path::Fast : Path::Exact;
+}
+
+struct Lin {
+  std::string name;
+  int layer = -1;
+  int64_t out = 0, in = 0;
+  size_t offset = 0;
+  model::LinearNumerics num;
+  Path path = Path::Exact;
+  bool nvfp4() const { return path == Path::Fast && num.weight.kind == QuantKind::Quant; }
+};
+
+// A GEMM's activation operand: float32 X_eff (exact path) or BF16 bits (fast path).
+struct Opnd {
+  const float* f = nullptr;
+  const uint16_t* b = nullptr;
+  Opnd rows(int64_t r0, int64_t in) const {
+    Opnd o;
+    if (f) o.f = f + r0 * in;
+    if (b) o.b = b + r0 * in;
+    return o;
+  }
+};
+
+// Grow-only buffer (contents are not kept).
+template <typename T>
+T* need(DeviceArray<T>& a, size_t n) {
+  if (a.size() < n) a.resize(n);
+  return a.data();
+}
+
+// What one decoder layer keeps for the backward.
+struct LayerBuf {
+  DeviceArray<float> x_mid, inv1, xn1, q_raw, k_raw, inv_q, inv_k, q, k, v, attn, lse, inv2, xn2;
+  DeviceArray<float> probs, w, gu, h, ye, xe;
+  DeviceArray<int32_t> idx, perm, inv;
+  std::vector<int64_t> eoff;  // host: expert row offsets [E + 1] (dense: {0, T})
+  DeviceArray<float> f_qkv, f_o, f_r, f_in, f_d;       // exact operands (when not the input itself)
+  DeviceArray<uint16_t> b_qkv, b_o, b_r, b_in, b_d;    // fast operands
+  Opnd op_qkv, op_o, op_r, op_in, op_d;
+};
+
+}  // namespace
+
+struct GpuTrainer::Impl {
+  model::ModelConfig cfg;
+  model::PrecisionConfig prec;
+  model::Layout lay;
+  std::vector<Lin> lin;
+  struct LayerIdx {
+    int q = -1, o = -1, router = -1, mlp = -1;  // mlp: dense gate, or expert 0's gate (q, k, v consecutive)
+    bool sparse = false;
+    int64_t inter = 0;
+  };
+  std::vector<LayerIdx> layers;
+  int lm_head = -1;
+  bool any_exact = false, any_fast = false;
+
+  cudaStream_t stream = nullptr;
+  cublasHandle_t blas = nullptr;
+  DeviceArray<uint8_t> blas_ws;
+  DeviceArray<float> consts;  // [0, 1]: beta values (device pointer mode)
+  DeviceArray<float> alphas;  // per linear: the fast path's alpha (1 but for NVFP4 weights)
+
+  DeviceArray<float> master, grads, weff;  // weights layout
+  DeviceArray<uint16_t> wb;                 // fast path BF16 weight operands, weights layout
+  std::map<std::pair<int64_t, int64_t>, DeviceQTensor> qtmp;  // NVFP4 quantization scratch per shape
+  DeviceArray<float> adam_m, adam_v;
+  DeviceArray<uint8_t> decay_mask;
+  DeviceArray<double> norm_scratch, norm_out;
+  bool grads_zero = true;
+
+  // The last forward.
+  int64_t T = 0;
+  bool kept = false;         // the last forward completed with keep
+  bool keep_layers = false;  // the forward in progress keeps every layer (X(l) reads it)
+  std::vector<int32_t> tokens;
+  std::vector<LayerBuf> lb;
+  std::vector<DeviceArray<float>> resid;  // residual stream entering layer l (and leaving the last)
+  DeviceArray<int32_t> seq0, tok_d, emb_order, emb_starts, emb_ids, forced, targets_d;
+  int64_t emb_nuniq = 0;
+  DeviceArray<float> cosb, sinb, inv_f, xf, f_lm, logits;
+  DeviceArray<uint16_t> b_lm;
+  Opnd op_lm;
+  // Scratch of one layer at a time.
+  DeviceArray<float> qkv, tmp, h_tmp, dlogits, dx, dtmp, dxn, dattn, dq, dk, dv, dq_raw, dk_raw, dqkv, dye, dw, dxe,
+      dh, dgu, dlog, rms_scratch, logp, dlogp;
+  DeviceArray<uint16_t> dyb;
+  DeviceArray<int32_t> counts, eoff_d, bad_d;
+
+  Impl(const model::ModelConfig& c, const model::PrecisionConfig& p) : cfg(c), prec(p) {
+    cfg.validate("GpuTrainer config");
+    QUADS_CHECK(device_count() > 0, "GpuTrainer: no CUDA device");
+    lay = model::Layout::build(cfg);
+    QUADS_CUDA_CHECK(cudaStreamCreate(&stream));
+    QUADS_TRAIN_CUBLAS(cublasCreate(&blas));
+    QUADS_TRAIN_CUBLAS(cublasSetMathMode(blas, CUBLAS_DEFAULT_MATH));  // no TF32: FP32 GEMMs stay FP32
+    QUADS_TRAIN_CUBLAS(cublasSetStream(blas, stream));
+    blas_ws.resize(size_t(64) << 20);
+    QUADS_TRAIN_CUBLAS(cublasSetWorkspace(blas, blas_ws.data(), blas_ws.bytes()));
+    QUADS_TRAIN_CUBLAS(cublasSetPointerMode(blas, CUBLAS_POINTER_MODE_DEVICE));
+    consts.upload(std::vector<float>{0.f, 1.f});
+    build_linears();
+    alphas.upload(std::vector<float>(lin.size(), 1.f));
+    master.resize(lay.total);
+    grads.resize(lay.total);
+    grads.fill_bytes(0);
+    if (any_exact) weff.resize(lay.total);
+    if (any_fast) wb.resize(lay.total);
+    const int E = std::max(cfg.num_experts, 1);
+    counts.resize(E);
+    eoff_d.resize(E + 1);
+    bad_d.resize(1);
+    bad_d.fill_bytes(0);
+  }
+  ~Impl() {
+    if (blas) cublasDestroy(blas);
+    if (stream) cudaStreamDestroy(stream);
+  }
+
+  int add(const std::string& name, int layer, int64_t out, int64_t in, size_t off) {
+    Lin L;
+    L.name = name;
+    L.layer = layer;
+    L.out = out;
+    L.in = in;
+    L.offset = off;
+    L.num = prec.for_linear(name, layer, cfg.num_hidden_layers);
+    if (L.num.weight.kind == QuantKind::Quant) {
+      num::check_config(L.num.weight.cfg, out, in, name + ".weight");
+      QUADS_CHECK(!L.num.weight.cfg.stochastic, "GpuTrainer: {} rounds its weight stochastically (not supported)", name);
+    }
+    if (L.num.act.kind == QuantKind::Quant) {
+      num::check_config(L.num.act.cfg, 1, in, name + " input");
+      QUADS_CHECK(!L.num.act.cfg.stochastic, "GpuTrainer: {} rounds its input stochastically (not supported)", name);
+      QUADS_CHECK(L.num.act.cfg.scheme != num::Scheme::NVFP4 || L.num.act.cfg.global != num::Global::Static ||
+                      L.num.act.cfg.static_amax > 0,
+                  "GpuTrainer: {} uses a static activation scale but its QConfig has no static_amax", name);
+    }
+    L.path = choose_path(L.num);
+    any_exact |= L.path == Path::Exact;
+    any_fast |= L.path == Path::Fast;
+    lin.push_back(std::move(L));
+    return static_cast<int>(lin.size()) - 1;
+  }
+
+  // Linears that read one operand must round it the same way (the CPU would quantize it twice).
+  void check_same_operand(int a, int b) const {
+    const Lin &A = lin[a], &B = lin[b];
+    QUADS_CHECK(A.path == B.path && A.num.act == B.num.act,
+                "GpuTrainer: {} ({}) and {} ({}) read the same input with different numerics (not supported on the "
+                "GPU)",
+                A.name, A.num.describe(), B.name, B.num.describe());
+  }
+
+  // The same linears, names and order as model::Model::build_linears.
+  void build_linears() {
+    const int64_t H = cfg.hidden_size;
+    layers.assign(cfg.num_hidden_layers, {});
+    for (int l = 0; l < cfg.num_hidden_layers; ++l) {
+      const model::LayerOffsets& o = lay.layers[l];
+      const std::string p = fmt::format("model.layers.{}.", l);
+      LayerIdx& x = layers[l];
+      x.q = add(p + "self_attn.q_proj", l, cfg.q_dim(), H, o.q);
+      add(p + "self_attn.k_proj", l, cfg.kv_dim(), H, o.k);
+      add(p + "self_attn.v_proj", l, cfg.kv_dim(), H, o.v);
+      x.o = add(p + "self_attn.o_proj", l, H, cfg.q_dim(), o.o);
+      check_same_operand(x.q, x.q + 1);
+      check_same_operand(x.q, x.q + 2);
+      const int64_t I = static_cast<int64_t>(o.inter);
+      x.inter = I;
+      x.sparse = o.sparse;
+      if (o.sparse) {
+        x.router = add(p + "mlp.gate", l, cfg.num_experts, H, o.router);
+        for (int e = 0; e < cfg.num_experts; ++e) {
+          const size_t base = o.mlp + e * o.mlp_stride;
+          const std::string pe = fmt::format("{}mlp.experts.{}.", p, e);
+          const int gi = add(pe + "gate_proj", l, I, H, base);
+          add(pe + "up_proj", l, I, H, base + I * H);
+          add(pe + "down_proj", l, H, I, base + 2 * I * H);
+          if (e == 0) x.mlp = gi;
+        }
+        // One operand for every expert's rows: the experts of a layer must share their numerics.
+        for (int e = 0; e < cfg.num_experts; ++e)
+          for (int j = 0; j < 3; ++j) {
+            const Lin &a = lin[x.mlp + 3 * e + j], &b = lin[x.mlp + j];
+            QUADS_CHECK(a.num == b.num && a.path == b.path,
+                        "GpuTrainer: experts of layer {} differ in numerics ({}: {}, {}: {}; not supported on the GPU)",
+                        l, a.name, a.num.describe(), b.name, b.num.describe());
+          }
+        check_same_operand(x.mlp, x.mlp + 1);
+      } else {
+        x.mlp = add(p + "mlp.gate_proj", l, I, H, o.mlp);
+        add(p + "mlp.up_proj", l, I, H, o.mlp + I * H);
+        add(p + "mlp.down_proj", l, H, I, o.mlp + 2 * I * H);
+        check_same_operand(x.mlp, x.mlp + 1);
+      }
+    }
+    lm_head = add("lm_head", -1, cfg.vocab_size, H, lay.lm_head);
+  }
+
+  // ---- weights
+
+  // Every linear's effective weight from the masters (model::Model::sync).
+  void requantize() {
+    for (size_t i = 0; i < lin.size(); ++i) {
+      const Lin& L = lin[i];
+      const float* src = master.data() + L.offset;
+      const int64_t n = L.out * L.in;
+      if (L.path == Path::Exact) {
+        float* dst = weff.data() + L.offset;
+        switch (L.num.weight.kind) {
+          case QuantKind::None:
+            QUADS_CUDA_CHECK(cudaMemcpyAsync(dst, src, sizeof(float) * n, cudaMemcpyDeviceToDevice, stream));
+            break;
+          case QuantKind::BF16: kern::bf16_round(src, dst, n, stream); break;
+          case QuantKind::Quant: fake_quantize(src, dst, L.out, L.in, L.num.weight.cfg, stream); break;
+        }
+      } else if (L.num.weight.kind == QuantKind::BF16) {
+        kern::to_bf16(src, wb.data() + L.offset, n, stream);
+      } else {
+        auto key = std::make_pair(L.out, L.in);
+        auto it = qtmp.find(key);
+        if (it == qtmp.end()) it = qtmp.emplace(key, make_qtensor(L.out, L.in, L.num.weight.cfg)).first;
+        DeviceQTensor& q = it->second;
+        quantize(src, q, stream);
+        kern::nvfp4_weight_bf16(q.codes.data(), q.scales.data(), q.amax.data(), L.out, L.in, wb.data() + L.offset,
+                                alphas.data() + i, stream);
+      }
+    }
+  }
+
+  void check_layout(const model::Weights& w, const char* what) const {
+    QUADS_CHECK(w.data.size() == lay.total, "GpuTrainer::{}: the weights hold {} floats, the model's layout {}", what,
+                w.data.size(), lay.total);
+    QUADS_CHECK(w.layout.params.size() == lay.params.size(), "GpuTrainer::{}: {} tensors given, the model has {}", what,
+                w.layout.params.size(), lay.params.size());
+    for (size_t i = 0; i < lay.params.size(); ++i)
+      QUADS_CHECK(w.layout.params[i].name == lay.params[i].name && w.layout.params[i].shape == lay.params[i].shape,
+                  "GpuTrainer::{}: tensor {} does not match the model's {}", what, w.layout.params[i].name,
+                  lay.params[i].name);
+  }
+
+  // ---- GEMMs (cuBLAS is column-major: a row-major [r, c] matrix is its c x r transpose)
+
+  const float* zero() const { return consts.data(); }
+  const float* one() const { return consts.data() + 1; }
+
+  // Consecutive linears i0 .. i0+n-1 whose weights follow each other in the layout and whose
+  // outputs sit side by side can run as one GEMM (the NVFP4 ones have their own alphas).
+  bool fusable(int i0, int n) const {
+    for (int j = 1; j < n; ++j) {
+      const Lin &a = lin[i0 + j - 1], &b = lin[i0 + j];
+      if (b.offset != a.offset + size_t(a.out * a.in) || b.in != a.in || b.path != a.path || b.nvfp4() || a.nvfp4())
+        return false;
+    }
+    return true;
+  }
+
+  // One GEMM Y[M, N] (row stride ldy) = op(X)[M, K] · W[N, K]ᵀ for linear L's weight at `off`.
+  void gemm_nt(const Lin& L, size_t off, int64_t N, const Opnd& x, int64_t M, float* Y, int64_t ldy, int li) {
+    const int K = static_cast<int>(L.in);
+    if (L.path == Path::Fast) {
+      QUADS_TRAIN_CUBLAS(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M), K,
+                                      alphas.data() + li, wb.data() + off, CUDA_R_16BF, K, x.b, CUDA_R_16BF, K, zero(),
+                                      Y, CUDA_R_32F, static_cast<int>(ldy), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    } else {
+      QUADS_TRAIN_CUBLAS(cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M), K,
+                                     one(), weff.data() + off, K, x.f, K, zero(), Y, static_cast<int>(ldy)));
+    }
+  }
+
+  // Y[:, outputs of linears i0 .. i0+n-1] = op(X) · W_effᵀ (model::ModelImpl::gemm).
+  void linear_fwd(int i0, int n, const Opnd& x, int64_t M, float* Y, int64_t ldy) {
+    if (M == 0) return;
+    if (fusable(i0, n)) {
+      int64_t N = 0;
+      for (int j = 0; j < n; ++j) N += lin[i0 + j].out;
+      gemm_nt(lin[i0], lin[i0].offset, N, x, M, Y, ldy, i0);
+      return;
+    }
+    int64_t c0 = 0;
+    for (int j = 0; j < n; ++j) {
+      const Lin& L = lin[i0 + j];
+      gemm_nt(L, L.offset, L.out, x, M, Y + c0, ldy, i0 + j);
+      c0 += L.out;
+    }
+  }
+
+  // Backward of linear_fwd: dX (+)= dY · W_eff (straight through the activation quantizer) and
+  // dW += dYᵀ · X_eff for each linear (model::ModelImpl::linear_backward). dY [M, lddy] in float32
+  // (exact path) or its BF16 copy dYb (fast path). dX may be null.
+  void linear_bwd(int i0, int n, const float* dY, const uint16_t* dYb, int64_t lddy, const Opnd& x, int64_t M, float* dX,
+                  bool accumulate) {
+    if (M == 0) return;
+    const Lin& L0 = lin[i0];
+    const int K = static_cast<int>(L0.in), Mi = static_cast<int>(M), ld = static_cast<int>(lddy);
+    const bool fast = L0.path == Path::Fast;
+    auto dx_gemm = [&](size_t off, int64_t N, int64_t c0, int li, bool acc) {
+      const float* beta = acc ? one() : zero();
+      if (fast)
+        QUADS_TRAIN_CUBLAS(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, K, Mi, static_cast<int>(N), alphas.data() + li,
+                                        wb.data() + off, CUDA_R_16BF, K, dYb + c0, CUDA_R_16BF, ld, beta, dX, CUDA_R_32F,
+                                        K, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      else
+        QUADS_TRAIN_CUBLAS(cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, K, Mi, static_cast<int>(N), one(),
+                                       weff.data() + off, K, dY + c0, ld, beta, dX, K));
+    };
+    auto dw_gemm = [&](size_t off, int64_t N, int64_t c0) {
+      if (fast)
+        QUADS_TRAIN_CUBLAS(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_T, K, static_cast<int>(N), Mi, one(), x.b,
+                                        CUDA_R_16BF, K, dYb + c0, CUDA_R_16BF, ld, one(), grads.data() + off,
+                                        CUDA_R_32F, K, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      else
+        QUADS_TRAIN_CUBLAS(cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_T, K, static_cast<int>(N), Mi, one(), x.f, K,
+                                       dY + c0, ld, one(), grads.data() + off, K));
+    };
+    if (fusable(i0, n)) {
+      int64_t N = 0;
+      for (int j = 0; j < n; ++j) N += lin[i0 + j].out;
+      if (dX) dx_gemm(L0.offset, N, 0, i0, accumulate);
+      dw_gemm(L0.offset, N, 0);
+    } else {
+      int64_t c0 = 0;
+      for (int j = 0; j < n; ++j) {
+        const Lin& L = lin[i0 + j];
+        if (dX) dx_gemm(L.offset, L.out, c0, i0 + j, accumulate || j > 0);
+        dw_gemm(L.offset, L.out, c0);
+        c0 += L.out;
+      }
+    }
+    grads_zero = false;
+  }
+
+  // The operand of linear L for X [M, in] (model::quantize_act); `f` / `b` hold it unless it is X.
+  // `groups` (host row offsets) quantize each group on its own where the rounding is not row-local
+  // (as the CPU quantizes each expert's rows).
+  Opnd make_op(const Lin& L, const float* X, int64_t M, DeviceArray<float>& f, DeviceArray<uint16_t>& b,
+               const std::vector<int64_t>* groups = nullptr) {
+    Opnd op;
+    const int64_t n = M * L.in;
+    if (L.path == Path::Fast) {
+      op.b = need(b, size_t(std::max<int64_t>(n, 1)));
+      kern::to_bf16(X, b.data(), n, stream);
+      return op;
+    }
+    switch (L.num.act.kind) {
+      case QuantKind::None: op.f = X; break;
+      case QuantKind::BF16:
+        op.f = need(f, size_t(std::max<int64_t>(n, 1)));
+        kern::bf16_round(X, f.data(), n, stream);
+        break;
+      case QuantKind::Quant:
+        op.f = need(f, size_t(std::max<int64_t>(n, 1)));
+        if (groups && !L.num.act.row_local()) {
+          for (size_t g = 0; g + 1 < groups->size(); ++g) {
+            const int64_t r0 = (*groups)[g], r1 = (*groups)[g + 1];
+            if (r1 > r0) fake_quantize(X + r0 * L.in, f.data() + r0 * L.in, r1 - r0, L.in, L.num.act.cfg, stream);
+          }
+        } else if (M > 0) {
+          fake_quantize(X, f.data(), M, L.in, L.num.act.cfg, stream);
+        }
+        break;
+    }
+    return op;
+  }
+
+  // dY rounded to BF16 for the fast path's backward GEMMs (n floats).
+  const uint16_t* dy_bf16(const Lin& L, const float* dY, int64_t n) {
+    if (L.path != Path::Fast) return nullptr;
+    need(dyb, size_t(std::max<int64_t>(n, 1)));
+    kern::to_bf16(dY, dyb.data(), n, stream);
+    return dyb.data();
+  }
+
+  // ---- forward
+
+  float* X(int l) { return resid[keep_layers ? l : (l & 1)].data(); }
+
+  void forward(const model::Batch& b, float* logits_host, bool keep, model::Routing* record,
+               const model::Routing* replay) {
+    const int64_t H = cfg.hidden_size, V = cfg.vocab_size;
+    const int nh = cfg.num_attention_heads, nkv = cfg.num_key_value_heads, hd = cfg.head_dim;
+    const int64_t qd = cfg.q_dim(), kvd = cfg.kv_dim();
+    const int E = cfg.num_experts, K = cfg.num_experts_per_tok;
+    const float eps = static_cast<float>(cfg.rms_norm_eps);
+    const int64_t Tn = b.ntokens();
+    QUADS_CHECK(b.offsets.size() >= 1 && b.offsets.front() == 0 && b.offsets.back() == Tn,
+                "GpuTrainer::forward: batch offsets do not cover its {} tokens", Tn);
+    for (int s = 0; s < b.nseq(); ++s)
+      QUADS_CHECK(b.offsets[s + 1] >= b.offsets[s], "GpuTrainer::forward: batch offsets are not increasing at sequence {}",
+                  s);
+    for (size_t i = 0; i < b.tokens.size(); ++i)
+      QUADS_CHECK(b.tokens[i] >= 0 && b.tokens[i] < V,
+                  "GpuTrainer::forward: token id {} at index {} is outside the vocabulary (0..{})", b.tokens[i], i, V - 1);
+    if (replay) {
+      QUADS_CHECK(static_cast<int>(replay->experts.size()) == cfg.num_hidden_layers,
+                  "routing replay: {} layers given, the model has {}", replay->experts.size(), cfg.num_hidden_layers);
+      for (int l = 0; l < cfg.num_hidden_layers; ++l) {
+        if (!cfg.is_sparse(l)) continue;
+        const auto& r = replay->experts[l];
+        QUADS_CHECK(static_cast<int64_t>(r.size()) == Tn * K, "routing replay: layer {} has {} entries, expected {}", l,
+                    r.size(), Tn * K);
+        for (int64_t t = 0; t < Tn; ++t)
+          for (int s = 0; s < K; ++s) {
+            const int32_t e = r[t * K + s];
+            QUADS_CHECK(e >= 0 && e < E, "routing replay: layer {} token {}: expert {} out of range", l, t, e);
+            for (int s2 = 0; s2 < s; ++s2)
+              QUADS_CHECK(r[t * K + s2] != e, "routing replay: layer {} token {}: expert {} chosen twice", l, t, e);
+          }
+      }
+    }
+    if (record) record->experts.assign(cfg.num_hidden_layers, {});
+    kept = false;
+    T = Tn;
+    tokens = b.tokens;
+    keep_layers = keep;
+    if (T == 0) {
+      kept = keep;
+      return;
+    }
+    const int L = cfg.num_hidden_layers;
+    const size_t nbuf = keep ? size_t(L) : size_t(1);
+    if (lb.size() < nbuf) lb.resize(nbuf);
+    const size_t nres = keep ? size_t(L + 1) : size_t(2);
+    if (resid.size() < nres) resid.resize(nres);
+    for (size_t i = 0; i < nres; ++i) need(resid[i], size_t(T * H));
+
+    // Positions restart in every sequence; seq0[t] = the first token of t's sequence.
+    std::vector<int64_t> pos(T);
+    std::vector<int32_t> hseq0(T);
+    for (int s = 0; s < b.nseq(); ++s)
+      for (int64_t t = b.offsets[s]; t < b.offsets[s + 1]; ++t) {
+        pos[t] = t - b.offsets[s];
+        hseq0[t] = static_cast<int32_t>(b.offsets[s]);
+      }
+    std::vector<float> hcos(T * hd / 2), hsin(T * hd / 2);
+    cpu::rope_tables(pos.data(), T, hd, cfg.rope_theta, hcos.data(), hsin.data());
+    // Synchronous copies: the stream is idle between calls (every call ends with a sync).
+    QUADS_CUDA_CHECK(cudaStreamSynchronize(stream));
+    seq0.upload(hseq0);
+    tok_d.upload(b.tokens);
+    cosb.upload(hcos);
+    sinb.upload(hsin);
+    if (keep) {
+      std::vector<int32_t> order(T), starts(T + 1), ids(T);
+      kern::embedding_bwd_plan(b.tokens.data(), T, order.data(), starts.data(), ids.data(), &emb_nuniq);
+      emb_order.upload(order);
+      emb_starts.upload(starts);
+      emb_ids.upload(ids);
+    }
+
+    need(qkv, size_t(T * (qd + 2 * kvd)));
+    need(tmp, size_t(T * H));
+    const float scale = static_cast<float>(1.0 / std::sqrt(double(hd)));
+    const float* M = master.data();
+
+    kern::embedding(M + lay.embed, tok_d.data(), T, H, X(0), stream);
+    for (int l = 0; l < L; ++l) {
+      const model::LayerOffsets& o = lay.layers[l];
+      const LayerIdx& li = layers[l];
+      LayerBuf& a = lb[keep ? l : 0];
+      const float* xin = X(l);
+      float* xout = X(l + 1);
+      // Attention block.
+      kern::rmsnorm_fwd(xin, M + o.input_norm, T, H, eps, need(a.xn1, T * H), need(a.inv1, T), stream);
+      a.op_qkv = make_op(lin[li.q], a.xn1.data(), T, a.f_qkv, a.b_qkv);
+      linear_fwd(li.q, 3, a.op_qkv, T, qkv.data(), qd + 2 * kvd);
+      kern::split_cols3(qkv.data(), T, qd, kvd, kvd, need(a.q_raw, T * qd), need(a.k_raw, T * kvd), need(a.v, T * kvd),
+                        stream);
+      kern::rmsnorm_fwd(a.q_raw.data(), M + o.q_norm, T * nh, hd, eps, need(a.q, T * qd), need(a.inv_q, T * nh), stream);
+      kern::rmsnorm_fwd(a.k_raw.data(), M + o.k_norm, T * nkv, hd, eps, need(a.k, T * kvd), need(a.inv_k, T * nkv),
+                        stream);
+      kern::rope_fwd(a.q.data(), T, nh, hd, cosb.data(), sinb.data(), stream);
+      kern::rope_fwd(a.k.data(), T, nkv, hd, cosb.data(), sinb.data(), stream);
+      kern::attention_train_fwd(a.q.data(), a.k.data(), a.v.data(), seq0.data(), T, nh, nkv, hd, scale,
+                                need(a.attn, T * qd), need(a.lse, T * nh), stream);
+      a.op_o = make_op(lin[li.o], a.attn.data(), T, a.f_o, a.b_o);
+      linear_fwd(li.o, 1, a.op_o, T, tmp.data(), H);
+      kern::add(xin, tmp.data(), need(a.x_mid, T * H), T * H, stream);
+      // MLP block.
+      kern::rmsnorm_fwd(a.x_mid.data(), M + o.post_norm, T, H, eps, need(a.xn2, T * H), need(a.inv2, T), stream);
+      const int64_t I = li.inter;
+      const Lin &G0 = lin[li.mlp], &D0 = lin[li.mlp + 2];
+      // h is the down projection's operand itself in the exact path without an activation quantizer.
+      const bool keep_h = D0.path == Path::Exact && D0.num.act.kind == QuantKind::None;
+      if (li.sparse) {
+        const int64_t R = T * K;
+        const Lin& Lr = lin[li.router];
+        float* rl = need(dlog, size_t(T * E));  // router logits: scratch (no z-loss)
+        a.op_r = make_op(Lr, a.xn2.data(), T, a.f_r, a.b_r);
+        linear_fwd(li.router, 1, a.op_r, T, rl, E);
+        const int32_t* fr = nullptr;
+        if (replay) {
+          forced.upload(replay->experts[l]);
+          fr = forced.data();
+        }
+        kern::router_topk_fwd(rl, T, E, K, cfg.norm_topk_prob, need(a.probs, T * E), need(a.idx, R), need(a.w, R), fr,
+                              stream);
+        kern::moe_route(a.idx.data(), R, E, counts.data(), eoff_d.data(), need(a.perm, R), need(a.inv, R), nullptr,
+                        bad_d.data(), stream);
+        std::vector<int32_t> heoff(E + 1);
+        int32_t bad = 0;
+        QUADS_CUDA_CHECK(cudaMemcpyAsync(heoff.data(), eoff_d.data(), sizeof(int32_t) * (E + 1), cudaMemcpyDeviceToHost,
+                                         stream));
+        QUADS_CUDA_CHECK(cudaMemcpyAsync(&bad, bad_d.data(), sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
+        QUADS_CUDA_CHECK(cudaStreamSynchronize(stream));
+        if (bad) {
+          bad_d.fill_bytes(0);
+          fail("GpuTrainer: the router of layer {} chose an expert outside 0..{} (NaN logits?)", l, E - 1);
+        }
+        a.eoff.assign(heoff.begin(), heoff.end());
+        QUADS_CHECK(a.eoff[E] == R, "GpuTrainer: layer {} routed {} rows, expected {}", l, a.eoff[E], R);
+        if (record) {
+          record->experts[l].resize(R);
+          QUADS_CUDA_CHECK(cudaMemcpy(record->experts[l].data(), a.idx.data(), sizeof(int32_t) * R,
+                                      cudaMemcpyDeviceToHost));
+        }
+        // Expert inputs in expert order (cpu::moe_gather), then each expert's gate/up GEMM.
+        if (G0.path == Path::Fast) {
+          a.op_in = Opnd{};
+          a.op_in.b = need(a.b_in, size_t(R * H));
+          kern::gather_rows_bf16(a.xn2.data(), a.perm.data(), R, K, H, a.b_in.data(), stream);
+        } else {
+          kern::gather_rows(a.xn2.data(), a.perm.data(), R, K, H, need(a.xe, size_t(R * H)), stream);
+          a.op_in = make_op(G0, a.xe.data(), R, a.f_in, a.b_in, &a.eoff);
+        }
+        float* gu = need(a.gu, size_t(R * 2 * I));
+        for (int e = 0; e < E; ++e) {
+          const int64_t r0 = a.eoff[e], n = a.eoff[e + 1] - r0;
+          if (n > 0) linear_fwd(li.mlp + 3 * e, 2, a.op_in.rows(r0, H), n, gu + r0 * 2 * I, 2 * I);
+        }
+        float* h = keep_h ? need(a.h, size_t(R * I)) : need(h_tmp, size_t(R * I));
+        kern::swiglu(gu, gu + I, 2 * I, R, I, h, stream);
+        a.op_d = make_op(D0, h, R, a.f_d, a.b_d, &a.eoff);
+        float* ye = need(a.ye, size_t(R * H));
+        for (int e = 0; e < E; ++e) {
+          const int64_t r0 = a.eoff[e], n = a.eoff[e + 1] - r0;
+          if (n > 0) linear_fwd(li.mlp + 3 * e + 2, 1, a.op_d.rows(r0, I), n, ye + r0 * H, H);
+        }
+        // x += sum_s w[t, s] * ye[inv[t, s]] (cpu::moe_combine_forward then add_inplace).
+        QUADS_CUDA_CHECK(cudaMemcpyAsync(xout, a.x_mid.data(), sizeof(float) * T * H, cudaMemcpyDeviceToDevice, stream));
+        kern::moe_combine_add(ye, a.inv.data(), a.w.data(), T, K, H, xout, stream);
+      } else {
+        a.eoff = {0, T};
+        a.op_in = make_op(G0, a.xn2.data(), T, a.f_in, a.b_in);
+        float* gu = need(a.gu, size_t(T * 2 * I));
+        linear_fwd(li.mlp, 2, a.op_in, T, gu, 2 * I);
+        float* h = keep_h ? need(a.h, size_t(T * I)) : need(h_tmp, size_t(T * I));
+        kern::swiglu(gu, gu + I, 2 * I, T, I, h, stream);
+        a.op_d = make_op(D0, h, T, a.f_d, a.b_d);
+        linear_fwd(li.mlp + 2, 1, a.op_d, T, tmp.data(), H);
+        kern::add(a.x_mid.data(), tmp.data(), xout, T * H, stream);
+      }
+    }
+    kern::rmsnorm_fwd(X(L), M + lay.final_norm, T, H, eps, need(xf, T * H), need(inv_f, T), stream);
+    op_lm = make_op(lin[lm_head], xf.data(), T, f_lm, b_lm);
+    linear_fwd(lm_head, 1, op_lm, T, need(logits, size_t(T * V)), V);
+    if (logits_host)
+      QUADS_CUDA_CHECK(cudaMemcpyAsync(logits_host, logits.data(), sizeof(float) * T * V, cudaMemcpyDeviceToHost, stream));
+    QUADS_CUDA_CHECK(cudaStreamSynchronize(stream));
+    kept = keep;
+  }
+
+  // ---- backward from dlogits (device)
+
+  void backward_device() {
+    QUADS_CHECK(kept, "GpuTrainer::backward: the last forward did not keep its activations (keep = true)");
+    if (T == 0) return;
+    const int64_t H = cfg.hidden_size, V = cfg.vocab_size;
+    const int nh = cfg.num_attention_heads, nkv = cfg.num_key_value_heads, hd = cfg.head_dim;
+    const int64_t qd = cfg.q_dim(), kvd = cfg.kv_dim();
+    const int E = cfg.num_experts, K = cfg.num_experts_per_tok;
+    const int L = cfg.num_hidden_layers;
+    const float scale = static_cast<float>(1.0 / std::sqrt(double(hd)));
+    const float* M = master.data();
+    float* G = grads.data();
+    const int64_t R = std::max<int64_t>(T * std::max(K, 1), T);
+    need(rms_scratch, size_t(std::max({kern::rmsnorm_bwd_scratch(T, H), kern::rmsnorm_bwd_scratch(T * nh, hd),
+                                       kern::rmsnorm_bwd_scratch(T * nkv, hd), int64_t(1)})));
+    float* dxp = need(dx, size_t(T * H));
+    float* dtp = need(dtmp, size_t(T * H));
+    float* dxnp = need(dxn, size_t(T * H));
+    grads_zero = false;
+
+    // lm_head and the final norm.
+    const Lin& Llm = lin[lm_head];
+    linear_bwd(lm_head, 1, dlogits.data(), dy_bf16(Llm, dlogits.data(), T * V), V, op_lm, T, dxnp, false);
+    kern::rmsnorm_bwd(dxnp, X(L), M + lay.final_norm, inv_f.data(), T, H, dxp, G + lay.final_norm, rms_scratch.data(),
+                      stream);
+
+    for (int l = L - 1; l >= 0; --l) {
+      const model::LayerOffsets& o = lay.layers[l];
+      const LayerIdx& li = layers[l];
+      LayerBuf& a = lb[l];
+      const int64_t I = li.inter;
+      const Lin &G0 = lin[li.mlp], &D0 = lin[li.mlp + 2];
+      // MLP: x_out = x_mid + mlp(norm(x_mid)); dx is dL/dx_out.
+      if (li.sparse) {
+        float* dyep = need(dye, size_t(R * H));
+        float* dwp = need(dw, size_t(T * K));
+        float* dxep = need(dxe, size_t(R * H));
+        float* dhp = need(dh, size_t(R * I));
+        float* dgup = need(dgu, size_t(R * 2 * I));
+        kern::moe_combine_bwd(dxp, a.ye.data(), a.inv.data(), a.w.data(), T, K, H, dyep, dwp, stream);
+        const uint16_t* dyeb = dy_bf16(D0, dyep, R * H);
+        for (int e = 0; e < E; ++e) {
+          const int64_t r0 = a.eoff[e], n = a.eoff[e + 1] - r0;
+          if (n > 0)
+            linear_bwd(li.mlp + 3 * e + 2, 1, dyep + r0 * H, dyeb ? dyeb + r0 * H : nullptr, H, a.op_d.rows(r0, I), n,
+                       dhp + r0 * I, false);
+        }
+        kern::swiglu_bwd(a.gu.data(), dhp, R, I, dgup, stream);
+        const uint16_t* dgub = dy_bf16(G0, dgup, R * 2 * I);
+        for (int e = 0; e < E; ++e) {
+          const int64_t r0 = a.eoff[e], n = a.eoff[e + 1] - r0;
+          if (n > 0)
+            linear_bwd(li.mlp + 3 * e, 2, dgup + r0 * 2 * I, dgub ? dgub + r0 * 2 * I : nullptr, 2 * I,
+                       a.op_in.rows(r0, H), n, dxep + r0 * H, false);
+        }
+        kern::moe_scatter_add(dxep, a.inv.data(), T, K, H, dxnp, false, stream);
+        // Router: through the top-k weights (no aux / z loss).
+        float* dl = need(dlog, size_t(T * E));
+        kern::router_topk_bwd(a.probs.data(), a.idx.data(), a.w.data(), dwp, nullptr, T, E, K, cfg.norm_topk_prob, dl,
+                              stream);
+        const Lin& Lr = lin[li.router];
+        linear_bwd(li.router, 1, dl, dy_bf16(Lr, dl, T * E), E, a.op_r, T, dxnp, true);
+      } else {
+        float* dhp = need(dh, size_t(T * I));
+        float* dgup = need(dgu, size_t(T * 2 * I));
+        linear_bwd(li.mlp + 2, 1, dxp, dy_bf16(D0, dxp, T * H), H, a.op_d, T, dhp, false);
+        kern::swiglu_bwd(a.gu.data(), dhp, T, I, dgup, stream);
+        linear_bwd(li.mlp, 2, dgup, dy_bf16(G0, dgup, T * 2 * I), 2 * I, a.op_in, T, dxnp, false);
+      }
+      kern::rmsnorm_bwd(dxnp, a.x_mid.data(), M + o.post_norm, a.inv2.data(), T, H, dtp, G + o.post_norm,
+                        rms_scratch.data(), stream);
+      kern::add_inplace(dxp, dtp, T * H, stream);
+
+      // Attention: x_mid = x_in + o_proj(attn(norm(x_in))).
+      const Lin& Lo = lin[li.o];
+      float* dap = need(dattn, size_t(T * qd));
+      linear_bwd(li.o, 1, dxp, dy_bf16(Lo, dxp, T * H), H, a.op_o, T, dap, false);
+      float* dqp = need(dq, size_t(T * qd));
+      float* dkp = need(dk, size_t(T * kvd));
+      float* dvp = need(dv, size_t(T * kvd));
+      kern::attention_train_bwd(a.q.data(), a.k.data(), a.v.data(), a.attn.data(), a.lse.data(), dap, seq0.data(), T,
+                                nh, nkv, hd, scale, dqp, dkp, dvp, stream);
+      kern::rope_bwd(dqp, T, nh, hd, cosb.data(), sinb.data(), stream);
+      kern::rope_bwd(dkp, T, nkv, hd, cosb.data(), sinb.data(), stream);
+      float* dqr = need(dq_raw, size_t(T * qd));
+      float* dkr = need(dk_raw, size_t(T * kvd));
+      kern::rmsnorm_bwd(dqp, a.q_raw.data(), M + o.q_norm, a.inv_q.data(), T * nh, hd, dqr, G + o.q_norm,
+                        rms_scratch.data(), stream);
+      kern::rmsnorm_bwd(dkp, a.k_raw.data(), M + o.k_norm, a.inv_k.data(), T * nkv, hd, dkr, G + o.k_norm,
+                        rms_scratch.data(), stream);
+      const int64_t nqkv = qd + 2 * kvd;
+      float* dqkvp = need(dqkv, size_t(T * nqkv));
+      kern::concat_cols3(dqr, dkr, dvp, T, qd, kvd, kvd, dqkvp, stream);
+      linear_bwd(li.q, 3, dqkvp, dy_bf16(lin[li.q], dqkvp, T * nqkv), nqkv, a.op_qkv, T, dxnp, false);
+      kern::rmsnorm_bwd(dxnp, X(l), M + o.input_norm, a.inv1.data(), T, H, dtp, G + o.input_norm, rms_scratch.data(),
+                        stream);
+      kern::add_inplace(dxp, dtp, T * H, stream);
+    }
+    kern::embedding_bwd(dxp, emb_order.data(), emb_starts.data(), emb_ids.data(), emb_nuniq, H, G + lay.embed, stream);
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+
+GpuTrainer::GpuTrainer(const model::Weights& w, const model::PrecisionConfig& p)
+    : impl_(std::make_unique<Impl>(w.cfg, p)) {
+  upload(w);
+}
+
+GpuTrainer::GpuTrainer(const model::ModelConfig& cfg, const model::PrecisionConfig& p, uint64_t seed, float stddev)
+    : impl_(std::make_unique<Impl>(cfg, p)) {
+  Impl& m = *impl_;
+  for (size_t i = 0; i < m.lay.params.size(); ++i) {
+    const model::ParamInfo& pi = m.lay.params[i];
+    if (m.cfg.tie_word_embeddings && pi.name == "lm_head.weight") continue;
+    if (pi.is_matrix())
+      kern::fill_normal(m.master.data() + pi.offset, static_cast<int64_t>(pi.numel), seed + 7919 * i, 0.f, stddev,
+                        m.stream);
+    else
+      kern::fill_normal(m.master.data() + pi.offset, static_cast<int64_t>(pi.numel), 0, 1.f, 0.f, m.stream);
+  }
+  m.requantize();
+  QUADS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+}
+
+GpuTrainer::~GpuTrainer() = default;
+
+const model::ModelConfig& GpuTrainer::config() const { return impl_->cfg; }
+const model::PrecisionConfig& GpuTrainer::precision() const { return impl_->prec; }
+std::string GpuTrainer::device_name() const { return cuda::device_name(0); }
+
+void GpuTrainer::upload(const model::Weights& w) {
+  Impl& m = *impl_;
+  m.check_layout(w, "upload");
+  QUADS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  m.master.upload(w.data);
+  m.requantize();
+  QUADS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+}
+
+void GpuTrainer::download(model::Weights& w) const {
+  Impl& m = *impl_;
+  m.check_layout(w, "download");
+  QUADS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  QUADS_CUDA_CHECK(cudaMemcpy(w.data.data(), m.master.data(), sizeof(float) * m.lay.total, cudaMemcpyDeviceToHost));
+}
+
+void GpuTrainer::forward(const model::Batch& b, float* logits_host, bool keep, model::Routing* record,
+                         const model::Routing* replay) {
+  impl_->forward(b, logits_host, keep, record, replay);
+}
+
+void GpuTrainer::set_router_losses(double aux_loss_coef, double z_loss_coef) {
+  QUADS_CHECK(aux_loss_coef == 0 && z_loss_coef == 0,
+              "GpuTrainer: router aux loss {} / z loss {} requested: the GPU trainer implements neither (set both "
+              "coefficients to 0, or train on the CPU)",
+              aux_loss_coef, z_loss_coef);
+}
+
+void GpuTrainer::backward(const float* dlogits_host, float* grads_host) {
+  Impl& m = *impl_;
+  QUADS_CHECK(m.kept, "GpuTrainer::backward: the last forward did not keep its activations (keep = true)");
+  const int64_t n = m.T * m.cfg.vocab_size;
+  std::vector<float> before;
+  if (grads_host && !m.grads_zero) before = grads();
+  need(m.dlogits, size_t(std::max<int64_t>(n, 1)));
+  if (n) QUADS_CUDA_CHECK(cudaMemcpyAsync(m.dlogits.data(), dlogits_host, sizeof(float) * n, cudaMemcpyHostToDevice, m.stream));
+  m.backward_device();
+  QUADS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  if (!grads_host) return;
+  const std::vector<float> after = grads();
+  if (before.empty())
+    for (size_t i = 0; i < after.size(); ++i) grads_host[i] += after[i];
+  else
+    for (size_t i = 0; i < after.size(); ++i) grads_host[i] += after[i] - before[i];
+}
+
+double GpuTrainer::loss_ce(const std::vector<int32_t>& targets, bool run_backward) {
+  Impl& m = *impl_;
+  QUADS_CHECK(m.kept, "GpuTrainer::loss_ce: the last forward did not keep its activations (keep = true)");
+  QUADS_CHECK(static_cast<int64_t>(targets.size()) == m.T, "GpuTrainer::loss_ce: {} targets for {} tokens",
+              targets.size(), m.T);
+  const int64_t V = m.cfg.vocab_size;
+  int64_t N = 0;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    QUADS_CHECK(targets[i] < V, "GpuTrainer::loss_ce: target {} at row {} is outside the vocabulary (0..{})", targets[i],
+                i, V - 1);
+    N += targets[i] >= 0;
+  }
+  if (N == 0) return 0.0;
+  QUADS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  m.targets_d.upload(targets);
+  float* logp = need(m.logp, size_t(m.T));
+  kern::token_logprobs(m.logits.data(), m.T, V, m.targets_d.data(), 1.f, logp, nullptr, m.stream);
+  std::vector<float> hl(m.T);
+  QUADS_CUDA_CHECK(cudaMemcpyAsync(hl.data(), logp, sizeof(float) * m.T, cudaMemcpyDeviceToHost, m.stream));
+  if (run_backward) {
+    // d(mean CE)/d logp_t = -1/N on rows with a target (token_logprobs_bwd zeroes the others).
+    kern::fill(need(m.dlogp, size_t(m.T)), static_cast<float>(-1.0 / double(N)), m.T, m.stream);
+    kern::token_logprobs_bwd(m.logits.data(), m.T, V, m.targets_d.data(), 1.f, m.dlogp.data(),
+                             need(m.dlogits, size_t(m.T * V)), m.stream);
+    m.backward_device();
+  }
+  QUADS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  double s = 0;
+  for (int64_t t = 0; t < m.T; ++t)
+    if (targets[t] >= 0) s -= double(hl[t]);
+  return s / double(N);
+}
+
+void GpuTrainer::zero_grad() {
+  Impl& m = *impl_;
+  QUADS_CUDA_CHECK(cudaMemsetAsync(m.grads.data(), 0, m.grads.bytes(), m.stream));
+  m.grads_zero = true;
+}
+
+std::vector<float> GpuTrainer::grads() const {
+  Impl& m = *impl_;
+  QUADS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  return m.grads.download();
+}
+
+double GpuTrainer::adamw_step(const train::AdamWConfig& c, int64_t t, double lr_override) {
+  Impl& m = *impl_;
+  QUADS_CHECK(t >= 1, "GpuTrainer::adamw_step: step number {} (the first step is 1)", t);
+  const int64_t n = static_cast<int64_t>(m.lay.total);
+  if (m.adam_m.size() != size_t(n)) {
+    QUADS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+    m.adam_m.resize(n);
+    m.adam_v.resize(n);
+    m.adam_m.fill_bytes(0);
+    m.adam_v.fill_bytes(0);
+    m.decay_mask.upload(train::AdamW::decay_mask(m.lay));
+    m.norm_scratch.resize(size_t(std::max<int64_t>(kern::global_norm_scratch(n), 1)));
+    m.norm_out.resize(1);
+  }
+  kern::global_norm(m.grads.data(), n, m.norm_scratch.data(), m.norm_out.data(), m.stream);
+  double norm = 0;
+  QUADS_CUDA_CHECK(cudaMemcpyAsync(&norm, m.norm_out.data(), sizeof(double), cudaMemcpyDeviceToHost, m.stream));
+  QUADS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  // train::AdamW::step, constant for constant.
+  if (c.max_grad_norm > 0) {
+    const double coef = c.max_grad_norm / (norm + 1e-6);
+    if (coef < 1.0) kern::scale(m.grads.data(), n, static_cast<float>(coef), m.stream);
+  }
+  const double lr = lr_override > 0 ? lr_override : c.lr;
+  const float b1 = static_cast<float>(c.beta1), b2 = static_cast<float>(c.beta2);
+  const float step_size = static_cast<float>(lr / (1.0 - std::pow(c.beta1, double(t))));
+  const float bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(c.beta2, double(t))));
+  const float eps = static_cast<float>(c.eps);
+  const float decay = static_cast<float>(1.0 - lr * c.weight_decay);
+  kern::adamw(m.master.data(), m.grads.data(), m.adam_m.data(), m.adam_v.data(), m.decay_mask.data(), n, b1, b2,
+              step_size, bc2_sqrt, eps, decay, m.stream);
+  m.requantize();
+  return norm;
+}
+
+void GpuTrainer::adam_state(std::vector<float>* mo, std::vector<float>* vo) const {
+  Impl& m = *impl_;
+  QUADS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  if (mo) *mo = m.adam_m.download();
+  if (vo) *vo = m.adam_v.download();
+}
+
+std::string GpuTrainer::linear_path(const std::string& module) const {
+  for (const auto& L : impl_->lin)
+    if (L.name == module) return L.path == Path::Fast ? "fast" : "exact";
+  fail("GpuTrainer: no linear named '{}'", module);
+}
+
+std::vector<uint16_t> GpuTrainer::fast_weight(const std::string& module, float* alpha) const {
+  Impl& m = *impl_;
+  for (size_t i = 0; i < m.lin.size(); ++i) {
+    const Lin& L = m.lin[i];
+    if (L.name != module) continue;
+    QUADS_CHECK(L.path == Path::Fast, "GpuTrainer::fast_weight: {} runs on the exact path", module);
+    QUADS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+    std::vector<uint16_t> w(size_t(L.out * L.in));
+    QUADS_CUDA_CHECK(cudaMemcpy(w.data(), m.wb.data() + L.offset, sizeof(uint16_t) * w.size(), cudaMemcpyDeviceToHost));
+    if (alpha) QUADS_CUDA_CHECK(cudaMemcpy(alpha, m.alphas.data() + i, sizeof(float), cudaMemcpyDeviceToHost));
+    return w;
+  }
+  fail("GpuTrainer: no linear named '{}'", module);
+}
+
+std::vector<float> GpuTrainer::exact_weights() const {
+  Impl& m = *impl_;
+  QUADS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  return m.any_exact ? m.weff.download() : std::vector<float>{};
+}
+
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+class GpuTrainBackend : public train::TrainBackend {
+ public:
+  GpuTrainBackend(const model::Weights& w, const model::PrecisionConfig& p) : g_(w, p) {}
+  std::string name() const override { return "cuda:" + g_.device_name(); }
+  void forward(const model::Batch& b, float* logits, bool keep, model::Routing* record) override {
+    g_.forward(b, logits, keep, record);
+  }
+  // The interface adds this call's gradient into `grads`: the device gradients start from zero.
+  void backward(const float* dlogits, float* grads) override {
+    g_.zero_grad();
+    g_.backward(dlogits, grads);
+  }
+  void sync(const model::Weights& w) override { g_.upload(w); }
+
+ private:
+  GpuTrainer g_;
+};
+
+}  // namespace
+
+std::unique_ptr<train::TrainBackend> make_gpu_trainer(const model::Weights& w, const model::PrecisionConfig& p) {
+  return std::make_unique<GpuTrainBackend>(w, p);
+}
+
+}  // namespace quads::cuda

@@ -1,0 +1,119 @@
+#pragma once
+// Qwen3-MoE training on the GPU: the device twin of model::Model::forward / backward plus the
+// optimizer (train::AdamW) on device-resident masters. C++17-clean host header, no CUDA types.
+//
+//   cuda::GpuTrainer g(weights, model::PrecisionConfig::preset("qat"));
+//   g.forward(batch, nullptr, /*keep=*/true);
+//   double loss = g.loss_ce(train::next_token_targets(batch));  // CE + backward, logits stay on the device
+//   double gnorm = g.adamw_step(adamw_cfg, ++t);                   // clip + AdamW + re-quantize
+//   g.zero_grad();
+//
+// What lives on the device: the float32 masters (model/weights.h layout), the gradients (same
+// layout, accumulated over backward() calls until zero_grad()), AdamW's m and v (allocated at the
+// first adamw_step), every linear's effective weight, and the activations of the last kept forward.
+//
+// Linears run in one of two ways (model/linear.h has the numerics):
+//  - exact (any precision; the CPU's arithmetic): W_eff = cuda::fake_quantize of the master
+//    (bit-identical to model::quantize_weight; bf16 weights through kern::bf16_round), X_eff = the
+//    activation quantizer (none / bf16 round / cuda::fake_quantize per call), FP32 cuBLAS SGEMMs
+//    (no TF32) for Y = X_eff·W_effᵀ, dX = dY·W_eff, dW += dYᵀ·X_eff.
+//  - fast (weight bf16 and activation bf16: `bf16`; or weight NVFP4 1x16 E2M1 with a per-tensor
+//    global scale and activation bf16: `qat`): BF16 tensor-core GEMMs (cublasGemmEx, BF16 inputs,
+//    FP32 accumulation and output). The NVFP4 weight operand is code * E4M3 block scale stored as
+//    BF16 (exact: E2M1 x E4M3 has at most 6 significant bits) and the global decode scale
+//    amax * fp32(1/2688) is the GEMM's alpha, as the rollout's emulated W4A4 GEMM applies it; the
+//    operand times alpha equals the CPU's W_eff up to the rounding of the scale product (a few ulp).
+//    Backward: dY is rounded to BF16 for both dX = dY·W and dW = dYᵀ·X (what BF16 training
+//    frameworks do; the CPU keeps dY in float32), FP32 accumulation, dW added into the float32
+//    gradient (beta = 1). Expect gradients within ~1e-2 relative L2 of the CPU's in these presets.
+// Layer ops (norms, RoPE, attention, router, SwiGLU, MoE combine, losses, AdamW) run in float32
+// with the kernels of cuda/train_kernels.h; reductions in a fixed order, so runs are repeatable.
+// MoE: routing on the device (kern::router_topk_fwd, kern::moe_route); the [E+1] expert offsets
+// are copied to the host once per MoE layer in the forward (one sync), then one GEMM per active
+// expert (gate and up fused where their weights share the scale).
+// Not supported (quads::Error): router aux / z losses with non-zero coefficients, KV hooks, RAC,
+// stochastic weight rounding, static activation scales without an amax in the QConfig.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "model/linear.h"
+#include "model/model.h"
+#include "model/weights.h"
+#include "train/adamw.h"
+#include "train/backend.h"
+
+namespace quads::cuda {
+
+class GpuTrainer {
+ public:
+  GpuTrainer(const model::Weights& w, const model::PrecisionConfig& p);
+  // Random weights generated on the device (benchmarks: no host copy of a large model): matrices
+  // N(0, stddev), norm weights 1.
+  GpuTrainer(const model::ModelConfig& cfg, const model::PrecisionConfig& p, uint64_t seed, float stddev = 0.02f);
+  ~GpuTrainer();
+  GpuTrainer(const GpuTrainer&) = delete;
+  GpuTrainer& operator=(const GpuTrainer&) = delete;
+
+  const model::ModelConfig& config() const;
+  const model::PrecisionConfig& precision() const;
+  std::string device_name() const;
+
+  // Masters to the device (same config and layout) and re-quantization of every linear
+  // (model::Model::sync). Gradients and optimizer state are kept.
+  void upload(const model::Weights& w);
+  // Device masters to the host (w must have this model's config and layout).
+  void download(model::Weights& w) const;
+
+  // model::Model::forward over a packed batch (positions restart per sequence; attention never
+  // crosses sequences). logits [T, V] to the host when non-null (else they stay on the device).
+  // keep: keep what backward() needs (one forward at a time). record: the expert choices, as
+  // ForwardOptions::record; replay: routing replay, as ForwardOptions::replay.
+  void forward(const model::Batch& b, float* logits_host, bool keep, model::Routing* record = nullptr,
+               const model::Routing* replay = nullptr);
+  // Router aux / z losses (model::ForwardOptions): only 0 and 0 (the RL default) are implemented;
+  // anything else throws quads::Error.
+  void set_router_losses(double aux_loss_coef, double z_loss_coef);
+  // From dL/dlogits [T, V] (host) of the last kept forward: adds the gradient of every parameter
+  // to the device gradients; with grads_host (weights layout), this call's gradient is also ADDED
+  // to it (a download of the whole gradient).
+  void backward(const float* dlogits_host, float* grads_host = nullptr);
+  // The SFT / benchmark path, all on the device after a kept forward: mean next-token cross-entropy
+  // over the rows with targets[t] >= 0 (kern::token_logprobs), then, with run_backward, the backward
+  // from its dlogits (kern::token_logprobs_bwd with dlogp = -1/N). No logits leave the device;
+  // returns the loss (one small copy of the per-row log-probs).
+  double loss_ce(const std::vector<int32_t>& targets, bool run_backward = true);
+  void zero_grad();
+  std::vector<float> grads() const;  // the device gradients (weights layout)
+
+  // Clipping by global norm (cfg.max_grad_norm > 0) and one AdamW step on the device with the
+  // float32 constants of train::AdamW::step for step number t (1 for the first step: AdamW::t after
+  // its increment); lr > 0 overrides cfg.lr. Decay mask from train::AdamW::decay_mask. Then
+  // re-quantizes every linear. Returns the gradient norm before clipping. Gradients are left
+  // (clipped) in place: call zero_grad() before the next accumulation.
+  double adamw_step(const train::AdamWConfig& cfg, int64_t t, double lr = 0);
+  // AdamW's moments (empty before the first step), for tests and checkpoints.
+  void adam_state(std::vector<float>* m, std::vector<float>* v) const;
+
+  // ---- introspection (tests)
+  // "exact" or "fast" for a linear (HF module name); throws for an unknown one.
+  std::string linear_path(const std::string& module) const;
+  // The fast path's BF16 weight operand of a linear [out, in] (raw bits) and its GEMM alpha (1 for
+  // bf16 weights, amax * fp32(1/2688) for NVFP4).
+  std::vector<uint16_t> fast_weight(const std::string& module, float* alpha) const;
+  // The effective weights of the exact path (weights layout; only exact linears are meaningful).
+  std::vector<float> exact_weights() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// train::TrainBackend over a GpuTrainer (name() = "cuda:" + device name): forward/backward through
+// host buffers; sync() uploads the host masters.
+std::unique_ptr<train::TrainBackend> make_gpu_trainer(const model::Weights& w, const model::PrecisionConfig& p);
+
+}  // namespace quads::cuda
