@@ -56,7 +56,7 @@ TEST(RlConfig, DefaultFileMatchesBuiltInDefault) {
 // A file only overrides what it mentions; the other examples load and validate.
 TEST(RlConfig, ExampleConfigsLoad) {
   for (const char* name : {"configs/smoke.toml", "configs/compare_3seeds.toml", "configs/dr_grpo.toml",
-                           "configs/harder.toml", "configs/long.toml"})
+                           "configs/harder.toml", "configs/long.toml", "configs/gpu.toml"})
     EXPECT_NO_THROW(load_config(repo_file(name))) << name;
   // The own-model example gets --model and --data from the command line (load_config's adjust).
   RunConfig own = load_config(repo_file("configs/own_model.toml"), {}, [](RunConfig& c) {
