@@ -84,6 +84,7 @@ T* need(DeviceArray<T>& a, size_t n) {
 struct LayerBuf {
   DeviceArray<float> x_mid, inv1, xn1, q_raw, k_raw, inv_q, inv_k, q, k, v, attn, lse, inv2, xn2;
   DeviceArray<float> probs, w, gu, h, ye, xe;
+  DeviceArray<float> qp, kp, vp, attn_p;  // head_dim padded for the attention kernels (see attn_hd)
   DeviceArray<int32_t> idx, perm, inv;
   std::vector<int64_t> eoff;  // host: expert row offsets [E + 1] (dense: {0, T})
   DeviceArray<float> f_qkv, f_o, f_r, f_in, f_d;       // exact operands (when not the input itself)
@@ -135,7 +136,7 @@ struct GpuTrainer::Impl {
   Opnd op_lm;
   // Scratch of one layer at a time.
   DeviceArray<float> qkv, tmp, h_tmp, dlogits, dx, dtmp, dxn, dattn, dq, dk, dv, dq_raw, dk_raw, dqkv, dye, dw, dxe,
-      dh, dgu, dlog, rms_scratch, logp, dlogp;
+      dh, dgu, dlog, rms_scratch, logp, dlogp, dattn_p, dq_p, dk_p, dv_p;
   DeviceArray<uint16_t> dyb;
   DeviceArray<int32_t> counts, eoff_d, bad_d;
 
@@ -426,6 +427,11 @@ struct GpuTrainer::Impl {
 
   // ---- forward
 
+  // The head_dim the attention kernels run at: theirs need a multiple of 32 (train_kernels.h), so
+  // smaller or ragged heads (the test fixtures' 16) run zero-padded; zero channels add exact zeros
+  // to every score and leave the real output and gradient channels unchanged.
+  int attn_hd() const { return (cfg.head_dim + 31) / 32 * 32; }
+
   float* X(int l) { return resid[keep_layers ? l : (l & 1)].data(); }
 
   void forward(const model::Batch& b, float* logits_host, bool keep, model::Routing* record,
@@ -504,6 +510,7 @@ struct GpuTrainer::Impl {
     need(qkv, size_t(T * (qd + 2 * kvd)));
     need(tmp, size_t(T * H));
     const float scale = static_cast<float>(1.0 / std::sqrt(double(hd)));
+    const int hdp = attn_hd();
     const float* M = master.data();
 
     kern::embedding(M + lay.embed, tok_d.data(), T, H, X(0), stream);
@@ -524,8 +531,18 @@ struct GpuTrainer::Impl {
                         stream);
       kern::rope_fwd(a.q.data(), T, nh, hd, cosb.data(), sinb.data(), stream);
       kern::rope_fwd(a.k.data(), T, nkv, hd, cosb.data(), sinb.data(), stream);
-      kern::attention_train_fwd(a.q.data(), a.k.data(), a.v.data(), seq0.data(), T, nh, nkv, hd, scale,
-                                need(a.attn, T * qd), need(a.lse, T * nh), stream);
+      float* attn = need(a.attn, T * qd);
+      if (hdp == hd) {
+        kern::attention_train_fwd(a.q.data(), a.k.data(), a.v.data(), seq0.data(), T, nh, nkv, hd, scale, attn,
+                                  need(a.lse, T * nh), stream);
+      } else {
+        kern::copy_cols(a.q.data(), T * nh, hd, need(a.qp, T * nh * hdp), hdp, stream);
+        kern::copy_cols(a.k.data(), T * nkv, hd, need(a.kp, T * nkv * hdp), hdp, stream);
+        kern::copy_cols(a.v.data(), T * nkv, hd, need(a.vp, T * nkv * hdp), hdp, stream);
+        kern::attention_train_fwd(a.qp.data(), a.kp.data(), a.vp.data(), seq0.data(), T, nh, nkv, hdp, scale,
+                                  need(a.attn_p, T * nh * hdp), need(a.lse, T * nh), stream);
+        kern::copy_cols(a.attn_p.data(), T * nh, hdp, attn, hd, stream);
+      }
       a.op_o = make_op(lin[li.o], a.attn.data(), T, a.f_o, a.b_o);
       linear_fwd(li.o, 1, a.op_o, T, tmp.data(), H);
       kern::add(xin, tmp.data(), need(a.x_mid, T * H), T * H, stream);
@@ -694,8 +711,19 @@ struct GpuTrainer::Impl {
       float* dqp = need(dq, size_t(T * qd));
       float* dkp = need(dk, size_t(T * kvd));
       float* dvp = need(dv, size_t(T * kvd));
-      kern::attention_train_bwd(a.q.data(), a.k.data(), a.v.data(), a.attn.data(), a.lse.data(), dap, seq0.data(), T,
-                                nh, nkv, hd, scale, dqp, dkp, dvp, stream);
+      const int hdp = attn_hd();
+      if (hdp == hd) {
+        kern::attention_train_bwd(a.q.data(), a.k.data(), a.v.data(), a.attn.data(), a.lse.data(), dap, seq0.data(), T,
+                                  nh, nkv, hd, scale, dqp, dkp, dvp, stream);
+      } else {
+        kern::copy_cols(dap, T * nh, hd, need(dattn_p, T * nh * hdp), hdp, stream);
+        kern::attention_train_bwd(a.qp.data(), a.kp.data(), a.vp.data(), a.attn_p.data(), a.lse.data(),
+                                  dattn_p.data(), seq0.data(), T, nh, nkv, hdp, scale, need(dq_p, T * nh * hdp),
+                                  need(dk_p, T * nkv * hdp), need(dv_p, T * nkv * hdp), stream);
+        kern::copy_cols(dq_p.data(), T * nh, hdp, dqp, hd, stream);
+        kern::copy_cols(dk_p.data(), T * nkv, hdp, dkp, hd, stream);
+        kern::copy_cols(dv_p.data(), T * nkv, hdp, dvp, hd, stream);
+      }
       kern::rope_bwd(dqp, T, nh, hd, cosb.data(), sinb.data(), stream);
       kern::rope_bwd(dkp, T, nkv, hd, cosb.data(), sinb.data(), stream);
       float* dqr = need(dq_raw, size_t(T * qd));

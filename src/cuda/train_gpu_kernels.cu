@@ -68,6 +68,15 @@ __global__ void gather_rows_bf16_kernel(const float* __restrict__ x, const int32
   }
 }
 
+__global__ void copy_cols_kernel(const float* __restrict__ src, int64_t rows, int64_t sw, float* __restrict__ dst,
+                                 int64_t dw) {
+  const int64_t n = rows * dw;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / dw, c = i - r * dw;
+    dst[i] = c < sw ? src[r * sw + c] : 0.f;
+  }
+}
+
 __global__ void fill_kernel(float* dst, float v, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     dst[i] = v;
@@ -98,6 +107,12 @@ void gather_rows_bf16(const float* x, const int32_t* idx, int64_t n, int div, in
                       cudaStream_t s) {
   if (n * D == 0) return;
   gather_rows_bf16_kernel<<<grid_for(n * D), kThreads, 0, s>>>(x, idx, n, div, D, out);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void copy_cols(const float* src, int64_t rows, int64_t sw, float* dst, int64_t dw, cudaStream_t s) {
+  if (rows * dw == 0) return;
+  copy_cols_kernel<<<grid_for(rows * dw), kThreads, 0, s>>>(src, rows, sw, dst, dw);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 

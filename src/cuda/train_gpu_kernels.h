@@ -26,6 +26,10 @@ void add(const float* x, const float* y, float* out, int64_t n, cudaStream_t s);
 void gather_rows_bf16(const float* x, const int32_t* idx, int64_t n, int div, int64_t D, uint16_t* out,
                       cudaStream_t s);
 
+// dst [rows, dw] = src [rows, sw] with columns past sw zero (dw > sw pads, dw < sw truncates): runs
+// the attention kernels at a head_dim they support (zero channels change no score or output).
+void copy_cols(const float* src, int64_t rows, int64_t sw, float* dst, int64_t dw, cudaStream_t s);
+
 // dst[i] = v for i < n.
 void fill(float* dst, float v, int64_t n, cudaStream_t s);
 
