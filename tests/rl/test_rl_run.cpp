@@ -32,33 +32,6 @@ namespace fs = std::filesystem;
 namespace quads {
 namespace {
 
-rl::RunConfig tiny_config() {
-  rl::RunConfig c;
-  c.model.hidden = 32;
-  c.model.layers = 1;
-  c.model.heads = 2;
-  c.model.kv_heads = 1;
-  c.model.head_dim = 16;
-  c.model.experts = 4;
-  c.model.experts_per_token = 2;
-  c.model.moe_intermediate = 32;
-  c.model.max_seq_len = 64;
-  c.sft.steps = 120;
-  c.sft.batch = 16;
-  c.sft.warmup_steps = 10;
-  c.rl.steps = 4;
-  c.rl.group_size = 4;
-  c.rl.prompts_per_step = 2;
-  c.rl.max_new_tokens = 12;
-  c.rl.eval_every = 2;
-  c.rl.eval_size = 8;
-  c.rl.checkpoint_every = 2;
-  c.rl.lr = 1e-3;
-  // One-digit additions: a tiny model learns to get some right, so rewards vary within groups.
-  c.tasks.families = {"add"};
-  c.tasks.add_digits = {1};
-  return c;
-}
 
 class RlLoopRun : public ::testing::Test {
  protected:
@@ -66,7 +39,7 @@ class RlLoopRun : public ::testing::Test {
     root_ = fs::temp_directory_path() / fmt::format("quads_rl_run_{}", ::getpid());
     fs::remove_all(root_);
     fs::create_directories(root_);
-    rl::run_sft(tiny_config(), base(), false);
+    rl::run_sft(test::tiny_run_config(), base(), false);
   }
   static void TearDownTestSuite() { fs::remove_all(root_); }
   static std::string base() { return (root_ / "base").string(); }
@@ -99,12 +72,12 @@ TEST_F(RlLoopRun, BaseCheckpointLoads) {
   EXPECT_GE(b.weights.cfg.vocab_size, b.tok.vocab_size());
   EXPECT_TRUE(fs::exists(base() + "/sft.json"));
   // A second ensure_base with the same config reuses the folder; another config retrains.
-  EXPECT_TRUE(rl::ensure_base(tiny_config(), base(), false).cached);
+  EXPECT_TRUE(rl::ensure_base(test::tiny_run_config(), base(), false).cached);
   EXPECT_THROW(rl::load_base(dir("nowhere")), Error);
 }
 
 TEST_F(RlLoopRun, ResumeIsBitwiseIdentical) {
-  const rl::RunConfig cfg = tiny_config();
+  const rl::RunConfig cfg = test::tiny_run_config();
   rl::RunOutcome straight = rl::run_rl(cfg, options("quads", dir("straight")));
   EXPECT_EQ(straight.steps_done, 4);
   double grad = 0;
@@ -143,7 +116,7 @@ TEST_F(RlLoopRun, NanStopsTheRunAndKeepsTheLastCheckpoint) {
     if (step == 3) g[0] = std::numeric_limits<float>::quiet_NaN();
   };
   try {
-    rl::run_rl(tiny_config(), o);
+    rl::run_rl(test::tiny_run_config(), o);
     FAIL() << "the run did not stop";
   } catch (const Error& e) {
     const std::string msg = e.what();
@@ -158,11 +131,11 @@ TEST_F(RlLoopRun, NanStopsTheRunAndKeepsTheLastCheckpoint) {
   // Resuming without the fault finishes the run.
   o.grad_hook = nullptr;
   o.resume = true;
-  EXPECT_EQ(rl::run_rl(tiny_config(), o).steps_done, 4);
+  EXPECT_EQ(rl::run_rl(test::tiny_run_config(), o).steps_done, 4);
 }
 
 TEST_F(RlLoopRun, Bf16RolloutAndTrainerAgreeExactly) {
-  rl::RunConfig cfg = tiny_config();
+  rl::RunConfig cfg = test::tiny_run_config();
   cfg.rl.steps = 2;
   for (const char* mode : {"bf16", "nvfp4"}) {
     rl::RunOutcome r = rl::run_rl(cfg, options(mode, dir(std::string("gap_") + mode)));
@@ -188,7 +161,7 @@ TEST_F(RlLoopRun, Bf16RolloutAndTrainerAgreeExactly) {
 }
 
 TEST_F(RlLoopRun, RoutingReplayAndKlRun) {
-  rl::RunConfig cfg = tiny_config();
+  rl::RunConfig cfg = test::tiny_run_config();
   cfg.rl.steps = 1;
   cfg.rl.routing_replay = true;
   cfg.rl.kl_coef = 0.1;
@@ -228,7 +201,7 @@ TEST(RlLoopSummary, FollowsTheDefinitions) {
 }
 
 TEST_F(RlLoopRun, CompareWritesSummaryReportAndTable) {
-  rl::RunConfig cfg = tiny_config();
+  rl::RunConfig cfg = test::tiny_run_config();
   cfg.modes = {"bf16", "quads"};
   cfg.rl.steps = 1;
   cfg.rl.seeds = 2;
@@ -262,7 +235,7 @@ TEST_F(RlLoopRun, CompareWritesSummaryReportAndTable) {
 // compare --analyze on the generated tasks: the SFT base analyzed on worked solutions, and the
 // report section built from DIR/analysis.
 TEST_F(RlLoopRun, AnalyzeBaseOnGeneratedTasks) {
-  rl::RunConfig cfg = tiny_config();
+  rl::RunConfig cfg = test::tiny_run_config();
   cfg.analysis.batches = 2;
   cfg.analysis.batch_size = 3;
   cfg.analysis.max_len = 20;

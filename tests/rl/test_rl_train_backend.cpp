@@ -51,32 +51,14 @@ class CpuAsBackend : public train::TrainBackend {
   int* calls_;
 };
 
+// The shared tiny run with a reference model (kl) and two minibatches (a separate no-grad pass for
+// the old log-probs, two optimizer steps per RL step) on the backend too.
 rl::RunConfig tiny() {
-  rl::RunConfig c;
-  c.model.hidden = 32;
-  c.model.layers = 1;
-  c.model.heads = 2;
-  c.model.kv_heads = 1;
-  c.model.head_dim = 16;
-  c.model.experts = 4;
-  c.model.experts_per_token = 2;
-  c.model.moe_intermediate = 32;
-  c.model.max_seq_len = 64;
-  c.sft.steps = 120;
-  c.sft.batch = 16;
-  c.sft.warmup_steps = 10;
+  rl::RunConfig c = test::tiny_run_config();
   c.rl.steps = 3;
-  c.rl.group_size = 4;
   c.rl.prompts_per_step = 4;
-  c.rl.max_new_tokens = 12;
-  c.rl.eval_every = 2;
-  c.rl.eval_size = 8;
-  c.rl.checkpoint_every = 2;
-  c.rl.lr = 1e-3;
-  c.rl.kl_coef = 0.05;   // a reference model on the backend too
-  c.rl.minibatches = 2;  // a separate no-grad pass for the old log-probs, two optimizer steps
-  c.tasks.families = {"add"};
-  c.tasks.add_digits = {1};
+  c.rl.kl_coef = 0.05;
+  c.rl.minibatches = 2;
   return c;
 }
 
