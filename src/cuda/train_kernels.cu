@@ -1,0 +1,1157 @@
+// Kernels of the GPU trainer; see train_kernels.h for what each one computes. Where the CPU twin's
+// float arithmetic is cheap to follow, it is followed operation by operation with explicit
+// __fmul_rn / __fadd_rn / __dmul_rn / __dadd_rn (nvcc contracts a*b+c into an FMA, the CPU build
+// does not), so those kernels give the CPU's bits. Reductions run in fixed trees; no float atomics.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <numeric>
+#include <vector>
+
+#include "common/error.h"
+#include "cuda/check.h"
+#include "cuda/train_kernels.h"
+
+namespace quads::cuda::kern {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+int grid_for(int64_t n, int threads = kThreads) {
+  const int64_t g = (n + threads - 1) / threads;
+  return static_cast<int>(std::min<int64_t>(std::max<int64_t>(g, 1), 1 << 20));
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+int max_smem_optin() {
+  int dev = 0, v = 0;
+  QUADS_CUDA_CHECK(cudaGetDevice(&dev));
+  QUADS_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  return v;
+}
+
+// Fixed-order warp reductions (xor butterfly): every lane ends with the same value.
+__device__ __forceinline__ double warp_sum(double v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// The same over the 16 lanes of a half-warp (lane bits 0..3).
+__device__ __forceinline__ double half_sum(double v) {
+  for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float half_max(float v) {
+  for (int o = 8; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Block-wide sum / max (blockDim.x a multiple of 32): warp trees, then every warp reduces the warp
+// results in the same order, so all threads return the same value. red: shared [32].
+__device__ double block_sum(double v, double* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();  // red may still be read by a previous call
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  return warp_sum(lane < nw ? red[lane] : 0.0);
+}
+__device__ float block_max(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  return warp_max(lane < nw ? red[lane] : -INFINITY);
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm
+
+// kWarp: one warp per row (per-head q/k norms, D <= 1024), else one CTA per row. Sum of squares in
+// double; y = w * (x * inv) as the CPU rounds it.
+template <bool kWarp>
+__global__ void rmsnorm_fwd_kernel(const float* __restrict__ x, const float* __restrict__ w, int64_t rows, int64_t D,
+                                   float eps, float* __restrict__ y, float* __restrict__ inv_rms) {
+  __shared__ double red[32];
+  int64_t r;
+  int tid, nt;
+  if constexpr (kWarp) {
+    r = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    tid = threadIdx.x & 31;
+    nt = 32;
+    if (r >= rows) return;  // whole warps; no block barrier on this path
+  } else {
+    r = blockIdx.x;
+    tid = threadIdx.x;
+    nt = blockDim.x;
+  }
+  const float* xr = x + r * D;
+  double ss = 0;
+  for (int64_t i = tid; i < D; i += nt) ss += double(xr[i]) * double(xr[i]);  // exact products
+  if constexpr (kWarp) ss = warp_sum(ss);
+  else ss = block_sum(ss, red);
+  const float inv = static_cast<float>(1.0 / sqrt(ss / double(D) + double(eps)));
+  if (tid == 0 && inv_rms) inv_rms[r] = inv;
+  float* yr = y + r * D;
+  for (int64_t i = tid; i < D; i += nt) yr[i] = __fmul_rn(w[i], __fmul_rn(xr[i], inv));
+}
+
+// dx_j = r w_j dy_j - x_j r^3 / D * sum_i dy_i w_i x_i, in double as cpu::rmsnorm_backward.
+template <bool kWarp>
+__global__ void rmsnorm_bwd_dx_kernel(const float* __restrict__ dy, const float* __restrict__ x,
+                                      const float* __restrict__ w, const float* __restrict__ inv_rms, int64_t rows,
+                                      int64_t D, float* __restrict__ dx) {
+  __shared__ double red[32];
+  int64_t r;
+  int tid, nt;
+  if constexpr (kWarp) {
+    r = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    tid = threadIdx.x & 31;
+    nt = 32;
+    if (r >= rows) return;
+  } else {
+    r = blockIdx.x;
+    tid = threadIdx.x;
+    nt = blockDim.x;
+  }
+  const float* xr = x + r * D;
+  const float* dyr = dy + r * D;
+  double dot = 0;
+  for (int64_t i = tid; i < D; i += nt)
+    dot = __dadd_rn(dot, __dmul_rn(__dmul_rn(double(dyr[i]), double(w[i])), double(xr[i])));
+  if constexpr (kWarp) dot = warp_sum(dot);
+  else dot = block_sum(dot, red);
+  const double inv = inv_rms[r];
+  const double c = dot * inv * inv * inv / double(D);
+  float* dxr = dx + r * D;
+  for (int64_t i = tid; i < D; i += nt)
+    dxr[i] = static_cast<float>(
+        __dsub_rn(__dmul_rn(__dmul_rn(inv, double(w[i])), double(dyr[i])), __dmul_rn(double(xr[i]), c)));
+}
+
+// dw partials: rows are cut into chunks of rmsnorm_chunk_rows(rows) (a function of the shape only);
+// part[chunk, col] = sum over the chunk's rows, in row order, of (dy * x) * inv in double.
+int64_t rmsnorm_chunk_rows(int64_t rows) { return std::max<int64_t>(16, (rows + 1023) / 1024); }
+
+__global__ void rmsnorm_dw_part_kernel(const float* __restrict__ dy, const float* __restrict__ x,
+                                       const float* __restrict__ inv_rms, int64_t rows, int64_t D, int64_t chunk,
+                                       double* __restrict__ part) {
+  const int64_t col = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (col >= D) return;
+  const int64_t r0 = int64_t(blockIdx.y) * chunk, r1 = min(rows, r0 + chunk);
+  double acc = 0;
+  for (int64_t r = r0; r < r1; ++r)
+    acc = __dadd_rn(acc, __dmul_rn(__dmul_rn(double(dy[r * D + col]), double(x[r * D + col])), double(inv_rms[r])));
+  part[int64_t(blockIdx.y) * D + col] = acc;
+}
+
+// One CTA per column: the chunk partials in a fixed tree, then dw[col] += float(sum).
+__global__ void rmsnorm_dw_sum_kernel(const double* __restrict__ part, int64_t nchunks, int64_t D,
+                                      float* __restrict__ dw) {
+  __shared__ double red[32];
+  const int64_t col = blockIdx.x;
+  double s = 0;
+  for (int64_t c = threadIdx.x; c < nchunks; c += blockDim.x) s += part[c * D + col];
+  s = block_sum(s, red);
+  if (threadIdx.x == 0) dw[col] = __fadd_rn(dw[col], static_cast<float>(s));
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE (rotate-half pairs (i, i + hd/2)), the CPU's float operations.
+
+__global__ void rope_kernel(float* __restrict__ x, int64_t n, int heads, int hd, const float* __restrict__ cos,
+                            const float* __restrict__ sin, bool backward) {
+  const int half = hd / 2;
+  const int64_t total = n * heads * half;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = e / half;
+    const int i = static_cast<int>(e - row * half);
+    const int64_t t = row / heads;
+    const float c = cos[t * half + i], s = sin[t * half + i];
+    float* v = x + row * hd;
+    const float a = v[i], b = v[i + half];
+    if (!backward) {
+      v[i] = __fadd_rn(__fmul_rn(a, c), __fmul_rn(-b, s));
+      v[i + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+    } else {
+      v[i] = __fadd_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+      v[i + half] = __fsub_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention over a packed batch. Tiles of BT rows (queries or keys) by HD columns (head_dim padded
+// up to 32/64/128/256; the padding columns load as zeros and are never stored) live in shared
+// memory; 256 threads as a 16 x 16 grid (ty, tx). Score tiles [BT, BT]: thread (ty, tx) holds rows
+// ty + 16 i and columns tx + 16 j (i, j < R), dot products over d in order (float4 steps, FMA).
+// Output tiles [BT, HD]: rows ty + 16 i, the C = HD / 16 adjacent columns from tx * C, summed over
+// the contracted index in order. So each thread's arithmetic is a fixed function of the shape.
+// seq0 is nondecreasing (sequences are packed back to back): a query tile's keys start at seq0 of
+// its first query, and the queries that see a key tile end where seq0 passes its last key.
+
+template <int HD, int BT>
+struct AttnTile {
+  static constexpr int R = BT / 16;
+  static constexpr int C = HD / 16;
+  static constexpr int LD = HD + 4;  // padded rows: float4 reads of 8 different rows are conflict-free
+  static constexpr int LP = BT + 4;
+};
+
+constexpr int kAttnThreads = 256;
+
+// Rows row0 .. row0 + BT of a [T, heads, hd] tensor (base = the head's first column, ld = heads * hd)
+// into dst [BT][LD]; rows past T and columns past hd are zeros.
+template <int HD, int BT>
+__device__ __forceinline__ void load_tile(float* __restrict__ dst, const float* __restrict__ base, int64_t row0,
+                                          int64_t T, int64_t ld, int hd) {
+  constexpr int LD = AttnTile<HD, BT>::LD, V4 = HD / 4;
+  for (int i = threadIdx.x; i < BT * V4; i += kAttnThreads) {
+    const int r = i / V4, c = (i - r * V4) * 4;
+    const int64_t t = row0 + r;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (t < T && c < hd) v = *reinterpret_cast<const float4*>(base + t * ld + c);
+    *reinterpret_cast<float4*>(dst + r * LD + c) = v;
+  }
+}
+
+// S[i][j] = A[ty + 16 i] . B[tx + 16 j] over HD columns.
+template <int HD, int BT>
+__device__ __forceinline__ void tile_dot(const float* __restrict__ A, const float* __restrict__ B,
+                                         float (&S)[BT / 16][BT / 16], int ty, int tx) {
+  constexpr int R = AttnTile<HD, BT>::R, LD = AttnTile<HD, BT>::LD;
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int j = 0; j < R; ++j) S[i][j] = 0.f;
+#pragma unroll 4
+  for (int d = 0; d < HD; d += 4) {
+    float4 a[R], b[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) a[i] = *reinterpret_cast<const float4*>(A + (ty + 16 * i) * LD + d);
+#pragma unroll
+    for (int j = 0; j < R; ++j) b[j] = *reinterpret_cast<const float4*>(B + (tx + 16 * j) * LD + d);
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+      for (int j = 0; j < R; ++j) {
+        float s = S[i][j];
+        s = fmaf(a[i].x, b[j].x, s);
+        s = fmaf(a[i].y, b[j].y, s);
+        s = fmaf(a[i].z, b[j].z, s);
+        s = fmaf(a[i].w, b[j].w, s);
+        S[i][j] = s;
+      }
+  }
+}
+
+// O[i][c] += sum_j P[ty + 16 i][j] * M[j][tx * C + c], j = 0 .. BT in order. P [BT][LP], M [BT][LD].
+template <int HD, int BT>
+__device__ __forceinline__ void tile_acc(const float* __restrict__ P, const float* __restrict__ M,
+                                         float (&O)[BT / 16][HD / 16], int ty, int tx) {
+  constexpr int R = AttnTile<HD, BT>::R, C = AttnTile<HD, BT>::C, LD = AttnTile<HD, BT>::LD,
+                LP = AttnTile<HD, BT>::LP;
+#pragma unroll 2
+  for (int j = 0; j < BT; j += 4) {
+    float4 p[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) p[i] = *reinterpret_cast<const float4*>(P + (ty + 16 * i) * LP + j);
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      float m[C];
+      const float* row = M + (j + jj) * LD + tx * C;
+      if constexpr (C % 4 == 0) {
+#pragma unroll
+        for (int c = 0; c < C; c += 4) {
+          const float4 v = *reinterpret_cast<const float4*>(row + c);
+          m[c] = v.x, m[c + 1] = v.y, m[c + 2] = v.z, m[c + 3] = v.w;
+        }
+      } else {
+#pragma unroll
+        for (int c = 0; c < C; c += 2) {
+          const float2 v = *reinterpret_cast<const float2*>(row + c);
+          m[c] = v.x, m[c + 1] = v.y;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        const float pv = jj == 0 ? p[i].x : jj == 1 ? p[i].y : jj == 2 ? p[i].z : p[i].w;
+#pragma unroll
+        for (int c = 0; c < C; ++c) O[i][c] = fmaf(pv, m[c], O[i][c]);
+      }
+    }
+  }
+}
+
+// Rows ty + 16 i of an output tile to dst (a [T, heads, hd] tensor's head base, ld = heads * hd),
+// times mul[i] (1 for none).
+template <int HD, int BT>
+__device__ __forceinline__ void store_tile(float* __restrict__ base, const float (&O)[BT / 16][HD / 16],
+                                           const float (&mul)[BT / 16], int64_t row0, int64_t T, int64_t ld, int hd,
+                                           int ty, int tx) {
+  constexpr int R = AttnTile<HD, BT>::R, C = AttnTile<HD, BT>::C;
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const int64_t t = row0 + ty + 16 * i;
+    if (t >= T) continue;
+    float* dst = base + t * ld + tx * C;
+#pragma unroll
+    for (int c = 0; c < C; ++c)
+      if (tx * C + c < hd) dst[c] = __fmul_rn(O[i][c], mul[i]);
+  }
+}
+
+// D = dout . out of row t in double (lane tx of a half-warp owns columns tx + 16 c), as a float as
+// the CPU uses it. Both backward kernels call it with this layout, so they agree bit for bit.
+// Every lane of the warp must call it (shuffles).
+template <int HD>
+__device__ __forceinline__ float attn_row_D(const float* __restrict__ out, const float* __restrict__ dout, int64_t t,
+                                            int64_t T, int64_t off, int64_t ld, int hd, int tx) {
+  double s = 0;
+  if (t < T) {
+    const float* o = out + t * ld + off;
+    const float* g = dout + t * ld + off;
+#pragma unroll
+    for (int c = 0; c < HD / 16; ++c) {
+      const int d = tx + 16 * c;
+      if (d < hd) s += double(o[d]) * double(g[d]);  // exact products
+    }
+  }
+  return static_cast<float>(half_sum(s));
+}
+
+// Forward: one CTA per (query tile, head), the heaviest (last) query tiles first. Online softmax
+// over key tiles; the running sum in double; out = O * float(1 / sum), lse = m + log(sum).
+template <int HD, int BT>
+__global__ void __launch_bounds__(kAttnThreads)
+attn_fwd_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                const int32_t* __restrict__ seq0, int64_t T, int nh, int nkv, int hd, float scale,
+                float* __restrict__ out, float* __restrict__ lse) {
+  using Tl = AttnTile<HD, BT>;
+  constexpr int R = Tl::R, C = Tl::C, LD = Tl::LD, LP = Tl::LP;
+  extern __shared__ float4 smem4[];
+  float* Qs = reinterpret_cast<float*>(smem4);
+  float* Ks = Qs + BT * LD;
+  float* Vs = Ks + BT * LD;
+  float* Ps = Vs + BT * LD;
+  __shared__ int32_t s0q[BT];
+  const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+  const int64_t q0 = int64_t(gridDim.x - 1 - blockIdx.x) * BT;
+  const int h = blockIdx.y, g = h / (nh / nkv);
+  const int64_t ldq = int64_t(nh) * hd, ldk = int64_t(nkv) * hd;
+  load_tile<HD, BT>(Qs, q + int64_t(h) * hd, q0, T, ldq, hd);
+  for (int i = threadIdx.x; i < BT; i += kAttnThreads) s0q[i] = q0 + i < T ? seq0[q0 + i] : INT_MAX;
+  const int64_t qlast = min(q0 + BT, T) - 1;
+  const int64_t kbeg = seq0[q0];
+  float m[R], O[R][C];
+  double l[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    m[i] = -INFINITY;
+    l[i] = 0;
+#pragma unroll
+    for (int c = 0; c < C; ++c) O[i][c] = 0.f;
+  }
+  for (int64_t k0 = kbeg; k0 <= qlast; k0 += BT) {
+    __syncthreads();  // the previous tile's K, V, P are consumed (and Q, s0q are in place)
+    load_tile<HD, BT>(Ks, k + int64_t(g) * hd, k0, T, ldk, hd);
+    load_tile<HD, BT>(Vs, v + int64_t(g) * hd, k0, T, ldk, hd);
+    __syncthreads();
+    float S[R][R];
+    tile_dot<HD, BT>(Qs, Ks, S, ty, tx);
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const int r = ty + 16 * i;
+      const int64_t t = q0 + r;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < R; ++j) {
+        const int64_t kj = k0 + tx + 16 * j;
+        const bool ok = t < T && kj <= t && kj >= s0q[r];
+        S[i][j] = ok ? __fmul_rn(S[i][j], scale) : -INFINITY;
+        mx = fmaxf(mx, S[i][j]);
+      }
+      mx = half_max(mx);
+      const float mnew = fmaxf(m[i], mx);
+      const float mref = mnew == -INFINITY ? 0.f : mnew;  // no valid key yet: everything stays 0
+      const float alpha = expf(__fsub_rn(m[i], mref));
+      double ps = 0;
+#pragma unroll
+      for (int j = 0; j < R; ++j) {
+        const float p = expf(__fsub_rn(S[i][j], mref));
+        Ps[r * LP + tx + 16 * j] = p;
+        ps += p;
+      }
+      ps = half_sum(ps);
+      l[i] = __dadd_rn(__dmul_rn(l[i], double(alpha)), ps);
+      m[i] = mnew;
+#pragma unroll
+      for (int c = 0; c < C; ++c) O[i][c] = __fmul_rn(O[i][c], alpha);
+    }
+    __syncthreads();
+    tile_acc<HD, BT>(Ps, Vs, O, ty, tx);
+  }
+  float inv[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const int64_t t = q0 + ty + 16 * i;
+    inv[i] = l[i] > 0 ? static_cast<float>(1.0 / l[i]) : 0.f;
+    if (tx == 0 && t < T) lse[t * nh + h] = static_cast<float>(double(m[i]) + log(l[i]));
+  }
+  store_tile<HD, BT>(out + int64_t(h) * hd, O, inv, q0, T, ldq, hd, ty, tx);
+}
+
+// dq: one CTA per (query tile, head); P = exp(S * scale - lse), dS = P (dP - D) scale, dQ = dS K
+// over the key tiles in order.
+template <int HD, int BT>
+__global__ void __launch_bounds__(kAttnThreads)
+attn_bwd_dq_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                   const float* __restrict__ out, const float* __restrict__ lse, const float* __restrict__ dout,
+                   const int32_t* __restrict__ seq0, int64_t T, int nh, int nkv, int hd, float scale,
+                   float* __restrict__ dq) {
+  using Tl = AttnTile<HD, BT>;
+  constexpr int R = Tl::R, C = Tl::C, LD = Tl::LD, LP = Tl::LP;
+  extern __shared__ float4 smem4[];
+  float* Qs = reinterpret_cast<float*>(smem4);
+  float* dOs = Qs + BT * LD;
+  float* Ks = dOs + BT * LD;
+  float* Vs = Ks + BT * LD;
+  float* dSs = Vs + BT * LD;
+  __shared__ int32_t s0q[BT];
+  const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+  const int64_t q0 = int64_t(gridDim.x - 1 - blockIdx.x) * BT;
+  const int h = blockIdx.y, g = h / (nh / nkv);
+  const int64_t ldq = int64_t(nh) * hd, ldk = int64_t(nkv) * hd, hoff = int64_t(h) * hd;
+  load_tile<HD, BT>(Qs, q + hoff, q0, T, ldq, hd);
+  load_tile<HD, BT>(dOs, dout + hoff, q0, T, ldq, hd);
+  for (int i = threadIdx.x; i < BT; i += kAttnThreads) s0q[i] = q0 + i < T ? seq0[q0 + i] : INT_MAX;
+  float lr[R], Dr[R], dQ[R][C];
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const int64_t t = q0 + ty + 16 * i;
+    lr[i] = t < T ? lse[t * nh + h] : 0.f;
+    Dr[i] = attn_row_D<HD>(out, dout, t, T, hoff, ldq, hd, tx);
+#pragma unroll
+    for (int c = 0; c < C; ++c) dQ[i][c] = 0.f;
+  }
+  const int64_t qlast = min(q0 + BT, T) - 1;
+  for (int64_t k0 = seq0[q0]; k0 <= qlast; k0 += BT) {
+    __syncthreads();
+    load_tile<HD, BT>(Ks, k + int64_t(g) * hd, k0, T, ldk, hd);
+    load_tile<HD, BT>(Vs, v + int64_t(g) * hd, k0, T, ldk, hd);
+    __syncthreads();
+    float S[R][R], dP[R][R];
+    tile_dot<HD, BT>(Qs, Ks, S, ty, tx);
+    tile_dot<HD, BT>(dOs, Vs, dP, ty, tx);
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const int r = ty + 16 * i;
+      const int64_t t = q0 + r;
+#pragma unroll
+      for (int j = 0; j < R; ++j) {
+        const int64_t kj = k0 + tx + 16 * j;
+        float ds = 0.f;
+        if (t < T && kj <= t && kj >= s0q[r]) {
+          const float p = expf(__fsub_rn(__fmul_rn(S[i][j], scale), lr[i]));
+          ds = __fmul_rn(__fmul_rn(p, __fsub_rn(dP[i][j], Dr[i])), scale);
+        }
+        dSs[r * LP + tx + 16 * j] = ds;
+      }
+    }
+    __syncthreads();
+    tile_acc<HD, BT>(dSs, Ks, dQ, ty, tx);
+  }
+  float one[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) one[i] = 1.f;
+  store_tile<HD, BT>(dq + hoff, dQ, one, q0, T, ldq, hd, ty, tx);
+}
+
+// dk, dv: one CTA per (key tile, kv head), looping over the group's heads in order and, for each,
+// the query tiles that can see the key tile in order. Transposed tiles: rows are keys.
+template <int HD, int BT>
+__global__ void __launch_bounds__(kAttnThreads)
+attn_bwd_dkdv_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                     const float* __restrict__ out, const float* __restrict__ lse, const float* __restrict__ dout,
+                     const int32_t* __restrict__ seq0, int64_t T, int nh, int nkv, int hd, float scale,
+                     float* __restrict__ dk, float* __restrict__ dv) {
+  using Tl = AttnTile<HD, BT>;
+  constexpr int R = Tl::R, C = Tl::C, LD = Tl::LD, LP = Tl::LP;
+  extern __shared__ float4 smem4[];
+  float* Ks = reinterpret_cast<float*>(smem4);
+  float* Vs = Ks + BT * LD;
+  float* Qs = Vs + BT * LD;
+  float* dOs = Qs + BT * LD;
+  float* Ps = dOs + BT * LD;
+  float* dSs = Ps + BT * LP;
+  __shared__ int32_t s0q[BT];
+  __shared__ float lse_s[BT], D_s[BT];
+  __shared__ int64_t qend_s;
+  const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+  const int64_t k0 = int64_t(blockIdx.x) * BT;
+  const int g = blockIdx.y, G = nh / nkv;
+  const int64_t ldq = int64_t(nh) * hd, ldk = int64_t(nkv) * hd, goff = int64_t(g) * hd;
+  load_tile<HD, BT>(Ks, k + goff, k0, T, ldk, hd);
+  load_tile<HD, BT>(Vs, v + goff, k0, T, ldk, hd);
+  const int64_t klast = min(k0 + BT, T) - 1;
+  if (threadIdx.x == 0) {  // the first query past klast whose sequence starts after klast
+    int64_t lo = klast + 1, hi = T;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (seq0[mid] > klast) hi = mid;
+      else lo = mid + 1;
+    }
+    qend_s = lo;
+  }
+  __syncthreads();
+  const int64_t qend = qend_s;
+  float dK[R][C], dV[R][C];
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int c = 0; c < C; ++c) dK[i][c] = dV[i][c] = 0.f;
+  for (int h = g * G; h < (g + 1) * G; ++h) {
+    const int64_t hoff = int64_t(h) * hd;
+    for (int64_t qt0 = k0; qt0 < qend; qt0 += BT) {
+      __syncthreads();  // the previous query tile is consumed
+      load_tile<HD, BT>(Qs, q + hoff, qt0, T, ldq, hd);
+      load_tile<HD, BT>(dOs, dout + hoff, qt0, T, ldq, hd);
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        const int r = ty + 16 * i;
+        const int64_t t = qt0 + r;
+        const float D = attn_row_D<HD>(out, dout, t, T, hoff, ldq, hd, tx);
+        if (tx == 0) {
+          D_s[r] = D;
+          lse_s[r] = t < T ? lse[t * nh + h] : 0.f;
+          s0q[r] = t < T ? seq0[t] : INT_MAX;
+        }
+      }
+      __syncthreads();
+      float S[R][R], dP[R][R];
+      tile_dot<HD, BT>(Ks, Qs, S, ty, tx);
+      tile_dot<HD, BT>(Vs, dOs, dP, ty, tx);
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        const int r = ty + 16 * i;
+        const int64_t kj = k0 + r;
+#pragma unroll
+        for (int j = 0; j < R; ++j) {
+          const int cq = tx + 16 * j;
+          const int64_t t = qt0 + cq;
+          float p = 0.f, ds = 0.f;
+          if (t < T && kj <= t && kj >= s0q[cq]) {
+            p = expf(__fsub_rn(__fmul_rn(S[i][j], scale), lse_s[cq]));
+            ds = __fmul_rn(__fmul_rn(p, __fsub_rn(dP[i][j], D_s[cq])), scale);
+          }
+          Ps[r * LP + cq] = p;
+          dSs[r * LP + cq] = ds;
+        }
+      }
+      __syncthreads();
+      tile_acc<HD, BT>(Ps, dOs, dV, ty, tx);
+      tile_acc<HD, BT>(dSs, Qs, dK, ty, tx);
+    }
+  }
+  float one[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) one[i] = 1.f;
+  store_tile<HD, BT>(dk + goff, dK, one, k0, T, ldk, hd, ty, tx);
+  store_tile<HD, BT>(dv + goff, dV, one, k0, T, ldk, hd, ty, tx);
+}
+
+template <int HD>
+constexpr int attn_bt() {
+  return HD <= 128 ? 64 : 32;
+}
+
+template <typename Kernel>
+void attn_prepare(Kernel kernel, size_t smem, const char* what) {
+  const int maxs = max_smem_optin();
+  QUADS_CHECK(smem + 1024 <= size_t(maxs), "cuda {}: {} bytes of shared memory per CTA (the device allows {})", what,
+              smem, maxs);
+  if (smem > 48 * 1024)
+    QUADS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+}
+
+template <int HD>
+void attn_fwd_launch(const float* q, const float* k, const float* v, const int32_t* seq0, int64_t T, int nh, int nkv,
+                     int hd, float scale, float* out, float* lse, cudaStream_t s) {
+  constexpr int BT = attn_bt<HD>();
+  using Tl = AttnTile<HD, BT>;
+  const size_t smem = sizeof(float) * (3 * size_t(BT) * Tl::LD + size_t(BT) * Tl::LP);
+  attn_prepare(attn_fwd_kernel<HD, BT>, smem, "attention_train_fwd");
+  const dim3 grid(static_cast<unsigned>((T + BT - 1) / BT), static_cast<unsigned>(nh));
+  attn_fwd_kernel<HD, BT><<<grid, kAttnThreads, smem, s>>>(q, k, v, seq0, T, nh, nkv, hd, scale, out, lse);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+template <int HD>
+void attn_bwd_launch(const float* q, const float* k, const float* v, const float* out, const float* lse,
+                     const float* dout, const int32_t* seq0, int64_t T, int nh, int nkv, int hd, float scale, float* dq,
+                     float* dk, float* dv, cudaStream_t s) {
+  constexpr int BT = attn_bt<HD>();
+  using Tl = AttnTile<HD, BT>;
+  const unsigned tiles = static_cast<unsigned>((T + BT - 1) / BT);
+  const size_t smem_kv = sizeof(float) * (4 * size_t(BT) * Tl::LD + 2 * size_t(BT) * Tl::LP);
+  attn_prepare(attn_bwd_dkdv_kernel<HD, BT>, smem_kv, "attention_train_bwd (dk, dv)");
+  attn_bwd_dkdv_kernel<HD, BT><<<dim3(tiles, static_cast<unsigned>(nkv)), kAttnThreads, smem_kv, s>>>(
+      q, k, v, out, lse, dout, seq0, T, nh, nkv, hd, scale, dk, dv);
+  QUADS_CUDA_LAUNCH_CHECK();
+  const size_t smem_q = sizeof(float) * (4 * size_t(BT) * Tl::LD + size_t(BT) * Tl::LP);
+  attn_prepare(attn_bwd_dq_kernel<HD, BT>, smem_q, "attention_train_bwd (dq)");
+  attn_bwd_dq_kernel<HD, BT><<<dim3(tiles, static_cast<unsigned>(nh)), kAttnThreads, smem_q, s>>>(
+      q, k, v, out, lse, dout, seq0, T, nh, nkv, hd, scale, dq);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void attn_check(const char* what, int64_t T, int nh, int nkv, int hd, std::initializer_list<const void*> ptrs) {
+  QUADS_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0, "cuda {}: {} query heads over {} kv heads", what, nh, nkv);
+  QUADS_CHECK(hd > 0 && hd % 32 == 0 && hd <= 256, "cuda {}: head_dim {} (a multiple of 32, at most 256)", what, hd);
+  QUADS_CHECK(nh <= 65535 && nkv <= 65535, "cuda {}: {} heads", what, nh);
+  QUADS_CHECK(T < (int64_t(1) << 31), "cuda {}: {} tokens (at most 2^31 - 1)", what, T);
+  for (const void* p : ptrs)
+    QUADS_CHECK(aligned16(p), "cuda {}: a q/k/v/out/dout/dq/dk/dv pointer is not 16-byte aligned", what);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Router
+
+// One thread per token: softmax as cpu::softmax_forward (exp rounded from double, so it matches the
+// correctly rounded float exp almost always; the sum in double in expert order), then the top-k
+// by repeated arg-max (strict >: the lower id on ties) or the forced experts, as
+// cpu::router_topk_forward. A forced id outside 0..E-1 gets a NaN weight (it shows in the loss).
+__global__ void router_topk_fwd_kernel(const float* __restrict__ logits, int64_t T, int E, int k, bool norm_topk,
+                                       float* __restrict__ probs, int32_t* __restrict__ idx, float* __restrict__ w,
+                                       const int32_t* __restrict__ forced) {
+  const int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (t >= T) return;
+  const float* x = logits + t * E;
+  float* p = probs + t * E;
+  float m = -INFINITY;
+  for (int e = 0; e < E; ++e) m = fmaxf(m, x[e]);
+  double sum = 0;
+  for (int e = 0; e < E; ++e) {
+    const float ev = static_cast<float>(exp(double(__fsub_rn(x[e], m))));
+    p[e] = ev;
+    sum = __dadd_rn(sum, double(ev));
+  }
+  const float inv = static_cast<float>(1.0 / sum);
+  for (int e = 0; e < E; ++e) p[e] = __fmul_rn(p[e], inv);
+  int32_t* it = idx + t * k;
+  if (forced) {
+    for (int s = 0; s < k; ++s) it[s] = forced[t * k + s];
+  } else {
+    for (int s = 0; s < k; ++s) {
+      int best = -1;
+      for (int e = 0; e < E; ++e) {
+        bool taken = false;
+        for (int r = 0; r < s; ++r) taken |= (it[r] == e);
+        if (taken) continue;
+        if (best < 0 || p[e] > p[best]) best = e;
+      }
+      it[s] = best;
+    }
+  }
+  float tot = 0;
+  for (int s = 0; s < k; ++s) {
+    const int e = it[s];
+    const float pe = e >= 0 && e < E ? p[e] : NAN;
+    w[t * k + s] = pe;
+    tot = __fadd_rn(tot, pe);
+  }
+  if (norm_topk)
+    for (int s = 0; s < k; ++s) w[t * k + s] = __fdiv_rn(w[t * k + s], tot);
+}
+
+// One warp per token; dp [E] (double) in shared memory. Lane 0 forms the sums in the CPU's order
+// (selected experts, then experts 0..E-1), so the result is cpu::router_topk_backward's.
+constexpr int kRouterWarps = 4;
+__global__ void router_topk_bwd_kernel(const float* __restrict__ probs, const int32_t* __restrict__ idx,
+                                       const float* __restrict__ w, const float* __restrict__ dw,
+                                       const float* __restrict__ dprobs_extra, int64_t T, int E, int k,
+                                       bool norm_topk, float* __restrict__ dlogits) {
+  extern __shared__ double dps[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t t = int64_t(blockIdx.x) * kRouterWarps + warp;
+  if (t >= T) return;  // whole warps; only warp-level sync below
+  double* dp = dps + int64_t(warp) * E;
+  __shared__ double dot_s[kRouterWarps];
+  const float* p = probs + t * E;
+  for (int e = lane; e < E; e += 32) dp[e] = dprobs_extra ? double(dprobs_extra[t * E + e]) : 0.0;
+  __syncwarp();
+  if (lane == 0) {
+    const int32_t* it = idx + t * k;
+    if (norm_topk) {
+      double S = 0, c = 0;
+      for (int s = 0; s < k; ++s) {
+        S = __dadd_rn(S, double(p[it[s]]));
+        c = __dadd_rn(c, __dmul_rn(double(dw[t * k + s]), double(w[t * k + s])));
+      }
+      for (int s = 0; s < k; ++s) dp[it[s]] = __dadd_rn(dp[it[s]], __dsub_rn(double(dw[t * k + s]), c) / S);
+    } else {
+      for (int s = 0; s < k; ++s) dp[it[s]] = __dadd_rn(dp[it[s]], double(dw[t * k + s]));
+    }
+    double dot = 0;
+    for (int e = 0; e < E; ++e) dot = __dadd_rn(dot, __dmul_rn(double(p[e]), dp[e]));
+    dot_s[warp] = dot;
+  }
+  __syncwarp();
+  const double dot = dot_s[warp];
+  for (int e = lane; e < E; e += 32)
+    dlogits[t * E + e] = static_cast<float>(__dmul_rn(double(p[e]), __dsub_rn(dp[e], dot)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// MoE combine / scatter (the CPU's float operations, slots in order)
+
+__global__ void moe_combine_fwd_kernel(const float* __restrict__ ye, const int32_t* __restrict__ inv,
+                                       const float* __restrict__ w, int64_t T, int k, int64_t D, float* __restrict__ y) {
+  const int64_t n = T * D;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / D, c = i - t * D;
+    float a = 0.f;
+    for (int s = 0; s < k; ++s) a = __fadd_rn(a, __fmul_rn(w[t * k + s], ye[int64_t(inv[t * k + s]) * D + c]));
+    y[i] = a;
+  }
+}
+
+// One warp per (token, slot): dye = w * dy (exact as the CPU), dw = <dy, ye> in double (fixed tree).
+__global__ void moe_combine_bwd_kernel(const float* __restrict__ dy, const float* __restrict__ ye,
+                                       const int32_t* __restrict__ inv, const float* __restrict__ w, int64_t T, int k,
+                                       int64_t D, float* __restrict__ dye, float* __restrict__ dw) {
+  const int64_t pair = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (pair >= T * k) return;
+  const int64_t t = pair / k, r = inv[pair];
+  const float ws = w[pair];
+  const float* dyt = dy + t * D;
+  const float* yr = ye + r * D;
+  float* dr = dye + r * D;
+  double acc = 0;
+  for (int64_t i = lane; i < D; i += 32) {
+    const float g = dyt[i];
+    dr[i] = __fmul_rn(ws, g);
+    acc += double(g) * double(yr[i]);  // exact products
+  }
+  acc = warp_sum(acc);
+  if (lane == 0) dw[pair] = static_cast<float>(acc);
+}
+
+__global__ void moe_scatter_add_kernel(const float* __restrict__ dxe, const int32_t* __restrict__ inv, int64_t T,
+                                       int k, int64_t D, float* __restrict__ dx, bool accumulate) {
+  const int64_t n = T * D;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / D, c = i - t * D;
+    float a = accumulate ? dx[i] : 0.f;
+    for (int s = 0; s < k; ++s) a = __fadd_rn(a, dxe[int64_t(inv[t * k + s]) * D + c]);
+    dx[i] = a;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// SwiGLU backward, in double as cpu::swiglu_backward.
+
+__global__ void swiglu_bwd_kernel(const float* __restrict__ gu, const float* __restrict__ dh, int64_t n, int64_t I,
+                                  float* __restrict__ dgu) {
+  const int64_t total = n * I;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = e / I, i = e - r * I;
+    const double g = gu[r * 2 * I + i], u = gu[r * 2 * I + I + i], d = dh[e];
+    const double sg = 1.0 / __dadd_rn(1.0, exp(-g));
+    const double silu = __dmul_rn(g, sg);
+    dgu[r * 2 * I + i] = static_cast<float>(
+        __dmul_rn(__dmul_rn(__dmul_rn(d, u), sg), __dadd_rn(1.0, __dmul_rn(g, __dsub_rn(1.0, sg)))));
+    dgu[r * 2 * I + I + i] = static_cast<float>(__dmul_rn(d, silu));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Embedding backward: one CTA per distinct id, its tokens in order, added into the table row.
+
+__global__ void embedding_bwd_kernel(const float* __restrict__ dout, const int32_t* __restrict__ order,
+                                     const int32_t* __restrict__ starts, const int32_t* __restrict__ ids, int64_t H,
+                                     float* __restrict__ dtable) {
+  const int64_t u = blockIdx.x;
+  const int32_t b = starts[u], e = starts[u + 1];
+  float* row = dtable + int64_t(ids[u]) * H;
+  for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
+    float a = row[c];
+    for (int32_t i = b; i < e; ++i) a = __fadd_rn(a, dout[int64_t(order[i]) * H + c]);
+    row[c] = a;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Losses on logits: one CTA per row. Row statistics in double from the scaled float row (max,
+// then sum of exp(x - max), fixed trees), as train::row_stats.
+
+constexpr int kLossThreads = 512;
+
+// x_scale * logits[i], the float the CPU forms before its row statistics.
+template <bool kVec>
+__device__ __forceinline__ void row_max_lse(const float* __restrict__ x, int64_t V, float xs, double* red_d,
+                                            float* red_f, float* m_out, double* lse_out) {
+  float m = -INFINITY;
+  if constexpr (kVec) {
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    for (int64_t i = threadIdx.x; i < V / 4; i += blockDim.x) {
+      const float4 a = x4[i];
+      m = fmaxf(m, fmaxf(fmaxf(__fmul_rn(a.x, xs), __fmul_rn(a.y, xs)), fmaxf(__fmul_rn(a.z, xs), __fmul_rn(a.w, xs))));
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) m = fmaxf(m, __fmul_rn(x[i], xs));
+  }
+  m = block_max(m, red_f);
+  const double md = m;
+  double s = 0;
+  if constexpr (kVec) {
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    for (int64_t i = threadIdx.x; i < V / 4; i += blockDim.x) {
+      const float4 a = x4[i];
+      s += exp(double(__fmul_rn(a.x, xs)) - md) + exp(double(__fmul_rn(a.y, xs)) - md);
+      s += exp(double(__fmul_rn(a.z, xs)) - md) + exp(double(__fmul_rn(a.w, xs)) - md);
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) s += exp(double(__fmul_rn(x[i], xs)) - md);
+  }
+  s = block_sum(s, red_d);
+  *m_out = m;
+  *lse_out = md + log(s);
+}
+
+template <bool kVec>
+__global__ void __launch_bounds__(kLossThreads)
+token_logprobs_kernel(const float* __restrict__ logits, int64_t V, const int32_t* __restrict__ targets, float xs,
+                      float* __restrict__ logp, float* __restrict__ H) {
+  __shared__ double red_d[32];
+  __shared__ float red_f[32];
+  const int64_t t = blockIdx.x;
+  const int32_t tg = targets[t];
+  if (tg < 0 && !H) {
+    if (threadIdx.x == 0) logp[t] = 0.f;
+    return;
+  }
+  const float* x = logits + t * V;
+  float m;
+  double lse;
+  row_max_lse<kVec>(x, V, xs, red_d, red_f, &m, &lse);
+  if (threadIdx.x == 0) logp[t] = tg >= 0 && tg < V ? static_cast<float>(double(__fmul_rn(x[tg], xs)) - lse) : 0.f;
+  if (!H) return;
+  double h = 0;
+  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
+    const double lp = double(__fmul_rn(x[i], xs)) - lse;
+    h = __dsub_rn(h, __dmul_rn(exp(lp), lp));
+  }
+  h = block_sum(h, red_d);
+  if (threadIdx.x == 0) H[t] = static_cast<float>(h);
+}
+
+template <bool kVec>
+__global__ void __launch_bounds__(kLossThreads)
+token_logprobs_bwd_kernel(const float* __restrict__ logits, int64_t V, const int32_t* __restrict__ targets, float xs,
+                          const float* __restrict__ dlogp, float* __restrict__ dlogits) {
+  __shared__ double red_d[32];
+  __shared__ float red_f[32];
+  const int64_t t = blockIdx.x;
+  const int32_t tg = targets[t];
+  float* d = dlogits + t * V;
+  if (tg < 0 || dlogp[t] == 0.f) {
+    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) d[i] = 0.f;
+    return;
+  }
+  const float* x = logits + t * V;
+  float m;
+  double lse;
+  row_max_lse<kVec>(x, V, xs, red_d, red_f, &m, &lse);
+  const double g = __dmul_rn(double(xs), double(dlogp[t]));
+  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
+    const double p = exp(double(__fmul_rn(x[i], xs)) - lse);
+    d[i] = static_cast<float>(__dmul_rn(g, __dsub_rn(i == tg ? 1.0 : 0.0, p)));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Optimizer
+
+constexpr int64_t kNormChunk = int64_t(1) << 16;  // elements per CTA of global_norm
+constexpr int kNormThreads = 256;
+
+template <bool kVec>
+__global__ void norm_part_kernel(const float* __restrict__ g, int64_t n, double* __restrict__ part) {
+  __shared__ double red[32];
+  const int64_t b = int64_t(blockIdx.x) * kNormChunk, e = min(n, b + kNormChunk);
+  double s = 0;
+  if constexpr (kVec) {
+    const float4* g4 = reinterpret_cast<const float4*>(g + b);
+    const int64_t n4 = (e - b) / 4;
+    for (int64_t i = threadIdx.x; i < n4; i += blockDim.x) {
+      const float4 a = g4[i];
+      s += (double(a.x) * double(a.x) + double(a.y) * double(a.y)) + (double(a.z) * double(a.z) + double(a.w) * double(a.w));
+    }
+    for (int64_t i = b + n4 * 4 + threadIdx.x; i < e; i += blockDim.x) s += double(g[i]) * double(g[i]);
+  } else {
+    for (int64_t i = b + threadIdx.x; i < e; i += blockDim.x) s += double(g[i]) * double(g[i]);
+  }
+  s = block_sum(s, red);
+  if (threadIdx.x == 0) part[blockIdx.x] = s;
+}
+
+__global__ void norm_final_kernel(const double* __restrict__ part, int64_t nparts, double* __restrict__ out) {
+  __shared__ double red[32];
+  double s = 0;
+  for (int64_t i = threadIdx.x; i < nparts; i += blockDim.x) s += part[i];
+  s = block_sum(s, red);
+  if (threadIdx.x == 0) *out = sqrt(s);
+}
+
+__global__ void scale_kernel(float* __restrict__ x, int64_t n, float coef) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    x[i] = __fmul_rn(x[i], coef);
+}
+
+// train::AdamW::step's element update, operation by operation.
+__global__ void adamw_kernel(float* __restrict__ params, const float* __restrict__ grads, float* __restrict__ m,
+                             float* __restrict__ v, const uint8_t* __restrict__ mask, int64_t n, float b1, float b2,
+                             float step_size, float bc2_sqrt, float eps, float decay) {
+  const float c1 = __fsub_rn(1.f, b1), c2 = __fsub_rn(1.f, b2);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float g = grads[i];
+    const float f = (mask == nullptr || mask[i]) ? decay : 1.f;
+    const float p = __fmul_rn(params[i], f);
+    const float mi = __fadd_rn(__fmul_rn(b1, m[i]), __fmul_rn(c1, g));
+    const float vi = __fadd_rn(__fmul_rn(b2, v[i]), __fmul_rn(c2, __fmul_rn(g, g)));
+    m[i] = mi;
+    v[i] = vi;
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
+    params[i] = __fsub_rn(p, __fmul_rn(step_size, __fdiv_rn(mi, denom)));
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Launchers
+
+void rmsnorm_fwd(const float* x, const float* w, int64_t rows, int64_t D, float eps, float* y, float* inv_rms,
+                 cudaStream_t s) {
+  if (rows == 0) return;
+  QUADS_CHECK(D > 0, "cuda rmsnorm_fwd: row length D = {}", D);
+  QUADS_CHECK(rows < (int64_t(1) << 31), "cuda rmsnorm_fwd: {} rows is too many", rows);
+  if (D <= 1024) {
+    rmsnorm_fwd_kernel<true><<<grid_for(rows, kThreads / 32), kThreads, 0, s>>>(x, w, rows, D, eps, y, inv_rms);
+  } else {
+    rmsnorm_fwd_kernel<false><<<static_cast<unsigned>(rows), kThreads, 0, s>>>(x, w, rows, D, eps, y, inv_rms);
+  }
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+int64_t rmsnorm_bwd_scratch(int64_t rows, int64_t D) {
+  if (rows <= 0 || D <= 0) return 0;
+  const int64_t chunk = rmsnorm_chunk_rows(rows);
+  return 2 * ((rows + chunk - 1) / chunk) * D;  // doubles, as pairs of floats
+}
+
+void rmsnorm_bwd(const float* dy, const float* x, const float* w, const float* inv_rms, int64_t rows, int64_t D,
+                 float* dx, float* dw, float* scratch, cudaStream_t s) {
+  if (rows == 0) return;
+  QUADS_CHECK(D > 0, "cuda rmsnorm_bwd: row length D = {}", D);
+  QUADS_CHECK(rows < (int64_t(1) << 31), "cuda rmsnorm_bwd: {} rows is too many", rows);
+  if (D <= 1024) {
+    rmsnorm_bwd_dx_kernel<true><<<grid_for(rows, kThreads / 32), kThreads, 0, s>>>(dy, x, w, inv_rms, rows, D, dx);
+  } else {
+    rmsnorm_bwd_dx_kernel<false><<<static_cast<unsigned>(rows), kThreads, 0, s>>>(dy, x, w, inv_rms, rows, D, dx);
+  }
+  QUADS_CUDA_LAUNCH_CHECK();
+  if (!dw) return;
+  QUADS_CHECK(scratch != nullptr, "cuda rmsnorm_bwd: dw needs scratch (rmsnorm_bwd_scratch floats)");
+  QUADS_CHECK((reinterpret_cast<uintptr_t>(scratch) & 7u) == 0, "cuda rmsnorm_bwd: scratch must be 8-byte aligned");
+  QUADS_CHECK(D < 65536 * 128, "cuda rmsnorm_bwd: D = {} is too large", D);
+  const int64_t chunk = rmsnorm_chunk_rows(rows), nchunks = (rows + chunk - 1) / chunk;
+  double* part = reinterpret_cast<double*>(scratch);
+  const dim3 grid(static_cast<unsigned>((D + 127) / 128), static_cast<unsigned>(nchunks));
+  rmsnorm_dw_part_kernel<<<grid, 128, 0, s>>>(dy, x, inv_rms, rows, D, chunk, part);
+  QUADS_CUDA_LAUNCH_CHECK();
+  rmsnorm_dw_sum_kernel<<<static_cast<unsigned>(D), 128, 0, s>>>(part, nchunks, D, dw);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void rope_fwd(float* x, int64_t n, int heads, int hd, const float* cos, const float* sin, cudaStream_t s) {
+  QUADS_CHECK(hd > 0 && hd % 2 == 0, "cuda rope_fwd: head_dim {} must be even", hd);
+  if (n * heads == 0) return;
+  rope_kernel<<<grid_for(n * heads * (hd / 2)), kThreads, 0, s>>>(x, n, heads, hd, cos, sin, false);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void rope_bwd(float* dx, int64_t n, int heads, int hd, const float* cos, const float* sin, cudaStream_t s) {
+  QUADS_CHECK(hd > 0 && hd % 2 == 0, "cuda rope_bwd: head_dim {} must be even", hd);
+  if (n * heads == 0) return;
+  rope_kernel<<<grid_for(n * heads * (hd / 2)), kThreads, 0, s>>>(dx, n, heads, hd, cos, sin, true);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void attention_train_fwd(const float* q, const float* k, const float* v, const int32_t* seq0, int64_t T, int nh,
+                         int nkv, int hd, float scale, float* out, float* lse, cudaStream_t s) {
+  if (T == 0) return;
+  attn_check("attention_train_fwd", T, nh, nkv, hd, {q, k, v, out});
+  if (hd <= 32) attn_fwd_launch<32>(q, k, v, seq0, T, nh, nkv, hd, scale, out, lse, s);
+  else if (hd <= 64) attn_fwd_launch<64>(q, k, v, seq0, T, nh, nkv, hd, scale, out, lse, s);
+  else if (hd <= 128) attn_fwd_launch<128>(q, k, v, seq0, T, nh, nkv, hd, scale, out, lse, s);
+  else attn_fwd_launch<256>(q, k, v, seq0, T, nh, nkv, hd, scale, out, lse, s);
+}
+
+void attention_train_bwd(const float* q, const float* k, const float* v, const float* out, const float* lse,
+                         const float* dout, const int32_t* seq0, int64_t T, int nh, int nkv, int hd, float scale,
+                         float* dq, float* dk, float* dv, cudaStream_t s) {
+  if (T == 0) return;
+  attn_check("attention_train_bwd", T, nh, nkv, hd, {q, k, v, out, dout, dq, dk, dv});
+  if (hd <= 32) attn_bwd_launch<32>(q, k, v, out, lse, dout, seq0, T, nh, nkv, hd, scale, dq, dk, dv, s);
+  else if (hd <= 64) attn_bwd_launch<64>(q, k, v, out, lse, dout, seq0, T, nh, nkv, hd, scale, dq, dk, dv, s);
+  else if (hd <= 128) attn_bwd_launch<128>(q, k, v, out, lse, dout, seq0, T, nh, nkv, hd, scale, dq, dk, dv, s);
+  else attn_bwd_launch<256>(q, k, v, out, lse, dout, seq0, T, nh, nkv, hd, scale, dq, dk, dv, s);
+}
+
+void router_topk_fwd(const float* logits, int64_t T, int E, int k, bool norm_topk, float* probs, int32_t* idx,
+                     float* w, const int32_t* forced, cudaStream_t s) {
+  if (T == 0) return;
+  QUADS_CHECK(E > 0 && k > 0 && k <= E, "cuda router_topk_fwd: top-{} of {} experts", k, E);
+  router_topk_fwd_kernel<<<grid_for(T, 128), 128, 0, s>>>(logits, T, E, k, norm_topk, probs, idx, w, forced);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void router_topk_bwd(const float* probs, const int32_t* idx, const float* w, const float* dw,
+                     const float* dprobs_extra, int64_t T, int E, int k, bool norm_topk, float* dlogits,
+                     cudaStream_t s) {
+  if (T == 0) return;
+  QUADS_CHECK(E > 0 && k > 0 && k <= E, "cuda router_topk_bwd: top-{} of {} experts", k, E);
+  const size_t smem = sizeof(double) * size_t(kRouterWarps) * size_t(E);
+  QUADS_CHECK(smem <= 48 * 1024, "cuda router_topk_bwd: {} experts is too many", E);
+  router_topk_bwd_kernel<<<static_cast<unsigned>((T + kRouterWarps - 1) / kRouterWarps), 32 * kRouterWarps, smem,
+                           s>>>(probs, idx, w, dw, dprobs_extra, T, E, k, norm_topk, dlogits);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void moe_combine_fwd(const float* ye, const int32_t* inv, const float* w, int64_t T, int k, int64_t D, float* y,
+                     cudaStream_t s) {
+  if (T * D == 0) return;
+  QUADS_CHECK(k > 0, "cuda moe_combine_fwd: k = {}", k);
+  moe_combine_fwd_kernel<<<grid_for(T * D), kThreads, 0, s>>>(ye, inv, w, T, k, D, y);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void moe_combine_bwd(const float* dy, const float* ye, const int32_t* inv, const float* w, int64_t T, int k,
+                     int64_t D, float* dye, float* dw, cudaStream_t s) {
+  if (T * k == 0) return;
+  QUADS_CHECK(k > 0, "cuda moe_combine_bwd: k = {}", k);
+  moe_combine_bwd_kernel<<<grid_for(T * k, kThreads / 32), kThreads, 0, s>>>(dy, ye, inv, w, T, k, D, dye, dw);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void moe_scatter_add(const float* dxe, const int32_t* inv, int64_t T, int k, int64_t D, float* dx, bool accumulate,
+                     cudaStream_t s) {
+  if (T * D == 0) return;
+  moe_scatter_add_kernel<<<grid_for(T * D), kThreads, 0, s>>>(dxe, inv, T, k, D, dx, accumulate);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void swiglu_bwd(const float* gu, const float* dh, int64_t n, int64_t I, float* dgu, cudaStream_t s) {
+  if (n * I == 0) return;
+  swiglu_bwd_kernel<<<grid_for(n * I), kThreads, 0, s>>>(gu, dh, n, I, dgu);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void embedding_bwd_plan(const int32_t* tokens_host, int64_t T, int32_t* order_host, int32_t* starts_host,
+                        int32_t* ids_host, int64_t* nuniq) {
+  QUADS_CHECK(T >= 0 && T < (int64_t(1) << 31), "embedding_bwd_plan: {} tokens", T);
+  for (int64_t t = 0; t < T; ++t)
+    QUADS_CHECK(tokens_host[t] >= 0, "embedding_bwd_plan: token {} has the negative id {}", t, tokens_host[t]);
+  std::iota(order_host, order_host + T, 0);
+  std::stable_sort(order_host, order_host + T,
+                   [&](int32_t a, int32_t b) { return tokens_host[a] < tokens_host[b]; });
+  int64_t u = 0;
+  for (int64_t i = 0; i < T; ++i) {
+    if (i == 0 || tokens_host[order_host[i]] != tokens_host[order_host[i - 1]]) {
+      ids_host[u] = tokens_host[order_host[i]];
+      starts_host[u] = static_cast<int32_t>(i);
+      ++u;
+    }
+  }
+  starts_host[u] = static_cast<int32_t>(T);
+  *nuniq = u;
+}
+
+void embedding_bwd(const float* dout, const int32_t* order, const int32_t* starts, const int32_t* ids, int64_t nuniq,
+                   int64_t H, float* dtable, cudaStream_t s) {
+  if (nuniq == 0 || H == 0) return;
+  QUADS_CHECK(nuniq < (int64_t(1) << 31), "cuda embedding_bwd: {} distinct ids", nuniq);
+  embedding_bwd_kernel<<<static_cast<unsigned>(nuniq), kThreads, 0, s>>>(dout, order, starts, ids, H, dtable);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void token_logprobs(const float* logits, int64_t T, int64_t V, const int32_t* targets, float x_scale, float* logp,
+                    float* H, cudaStream_t s) {
+  if (T == 0) return;
+  QUADS_CHECK(V > 0, "cuda token_logprobs: vocabulary of {}", V);
+  QUADS_CHECK(T < (int64_t(1) << 31), "cuda token_logprobs: {} rows", T);
+  if (V % 4 == 0 && aligned16(logits))
+    token_logprobs_kernel<true><<<static_cast<unsigned>(T), kLossThreads, 0, s>>>(logits, V, targets, x_scale, logp, H);
+  else
+    token_logprobs_kernel<false><<<static_cast<unsigned>(T), kLossThreads, 0, s>>>(logits, V, targets, x_scale, logp, H);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void token_logprobs_bwd(const float* logits, int64_t T, int64_t V, const int32_t* targets, float x_scale,
+                        const float* dlogp, float* dlogits, cudaStream_t s) {
+  if (T == 0) return;
+  QUADS_CHECK(V > 0, "cuda token_logprobs_bwd: vocabulary of {}", V);
+  QUADS_CHECK(T < (int64_t(1) << 31), "cuda token_logprobs_bwd: {} rows", T);
+  if (V % 4 == 0 && aligned16(logits))
+    token_logprobs_bwd_kernel<true><<<static_cast<unsigned>(T), kLossThreads, 0, s>>>(logits, V, targets, x_scale,
+                                                                                    dlogp, dlogits);
+  else
+    token_logprobs_bwd_kernel<false><<<static_cast<unsigned>(T), kLossThreads, 0, s>>>(logits, V, targets, x_scale,
+                                                                                     dlogp, dlogits);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+int64_t global_norm_scratch(int64_t n) { return std::max<int64_t>(1, (n + kNormChunk - 1) / kNormChunk); }
+
+void global_norm(const float* g, int64_t n, double* scratch, double* out, cudaStream_t s) {
+  QUADS_CHECK(n >= 0, "cuda global_norm: n = {}", n);
+  const int64_t parts = global_norm_scratch(n);
+  QUADS_CHECK(parts < (int64_t(1) << 31), "cuda global_norm: {} elements", n);
+  if (n == 0) {
+    QUADS_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(double), s));
+    return;
+  }
+  if (aligned16(g)) norm_part_kernel<true><<<static_cast<unsigned>(parts), kNormThreads, 0, s>>>(g, n, scratch);
+  else norm_part_kernel<false><<<static_cast<unsigned>(parts), kNormThreads, 0, s>>>(g, n, scratch);
+  QUADS_CUDA_LAUNCH_CHECK();
+  norm_final_kernel<<<1, 1024, 0, s>>>(scratch, parts, out);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void scale(float* x, int64_t n, float coef, cudaStream_t s) {
+  if (n == 0) return;
+  scale_kernel<<<grid_for(n), kThreads, 0, s>>>(x, n, coef);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void adamw(float* params, const float* grads, float* m, float* v, const uint8_t* mask, int64_t n, float b1, float b2,
+           float step_size, float bc2_sqrt, float eps, float decay, cudaStream_t s) {
+  if (n == 0) return;
+  adamw_kernel<<<grid_for(n), kThreads, 0, s>>>(params, grads, m, v, mask, n, b1, b2, step_size, bc2_sqrt, eps, decay);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace quads::cuda::kern
