@@ -1,0 +1,433 @@
+// The GPU trainer (cuda/train_gpu.h) against the CPU trainer (model::Model forward/backward,
+// train::AdamW) and the transformers references of the fixture tiny_qwen3moe_a: logits, loss and
+// every gradient in fp32; bf16 / qat / qat-sym against the CPU model in the same preset; the QAT
+// weight operand against model::LinearQ::wq; routing record; packed sequences; AdamW; the
+// TrainBackend adapter; a short SFT loop. Every test skips itself without a GPU. Measured
+// deviations are printed on lines with "rel L2" (scripts/gpu/test_and_bench.sh greps them).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <random>
+
+#include <nlohmann/json.hpp>
+
+#include "common/error.h"
+#include "common/fixtures.h"
+#include "cuda/train_gpu.h"
+#include "cuda_test_util.h"
+#include "model/model.h"
+#include "numerics/formats.h"
+#include "train/adamw.h"
+#include "train/losses.h"
+
+using namespace quads;
+
+namespace {
+
+std::string fixture(const std::string& f) { return fixtures_dir() + "/tiny_qwen3moe_a/" + f; }
+
+const model::Weights& fixture_weights() {
+  static const model::Weights w = model::Weights::load(fixtures_dir() + "/tiny_qwen3moe_a");
+  return w;
+}
+
+nlohmann::json read_json(const std::string& path) {
+  std::ifstream f(path);
+  EXPECT_TRUE(f.good()) << path;
+  return nlohmann::json::parse(f);
+}
+
+std::vector<float> read_f32(const std::string& path) {
+  std::ifstream f(path, std::ios::binary | std::ios::ate);
+  EXPECT_TRUE(f.good()) << path;
+  const size_t n = static_cast<size_t>(f.tellg());
+  f.seekg(0);
+  std::vector<float> v(n / 4);
+  f.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(n));
+  return v;
+}
+
+double rel_l2(const float* a, const float* b, size_t n) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; ++i) {
+    num += (double(a[i]) - double(b[i])) * (double(a[i]) - double(b[i]));
+    den += double(b[i]) * double(b[i]);
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  return rel_l2(a.data(), b.data(), std::min(a.size(), b.size()));
+}
+
+std::vector<int32_t> input_ids() { return read_json(fixture("input_ids.json"))["input_ids"].get<std::vector<int32_t>>(); }
+
+std::vector<int32_t> random_tokens(int64_t n, uint64_t seed, int vocab) {
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> t(n);
+  for (auto& x : t) x = static_cast<int32_t>(rng() % uint64_t(vocab));
+  return t;
+}
+
+// What the CPU trainer computes for one batch: logits, mean next-token CE, every gradient.
+struct CpuResult {
+  std::vector<float> logits, grads;
+  double loss = 0;
+  model::Routing routing;
+};
+CpuResult cpu_train_step(model::Weights& w, const std::string& preset, const model::Batch& b) {
+  model::Model m(w, model::PrecisionConfig::preset(preset));
+  const int64_t T = b.ntokens(), V = m.config().vocab_size;
+  CpuResult r;
+  r.logits.resize(T * V);
+  std::vector<float> dlogits(T * V);
+  model::Activations acts;
+  model::ForwardOptions opt;
+  opt.record = &r.routing;
+  m.forward(b, r.logits.data(), &acts, opt);
+  const auto targets = train::next_token_targets(b);
+  r.loss = train::cross_entropy(r.logits.data(), T, V, targets.data(), nullptr, dlogits.data());
+  r.grads.assign(w.size(), 0.f);
+  m.backward(acts, dlogits.data(), r.grads.data());
+  return r;
+}
+
+// The same on the GPU through the device CE path.
+CpuResult gpu_train_step(cuda::GpuTrainer& g, const model::Batch& b) {
+  const int64_t T = b.ntokens(), V = g.config().vocab_size;
+  CpuResult r;
+  r.logits.resize(T * V);
+  g.zero_grad();
+  g.forward(b, r.logits.data(), true, &r.routing);
+  r.loss = g.loss_ce(train::next_token_targets(b));
+  r.grads = g.grads();
+  return r;
+}
+
+// Worst per-tensor relative L2 of a against b over tensors whose reference is not all zero
+// (unused experts must be exactly zero in a as well), and the rel L2 of the whole buffer.
+struct GradCompare {
+  double worst = 0, all = 0;
+  std::string worst_name;
+};
+GradCompare compare_grads(const model::Layout& lay, const std::vector<float>& a, const std::vector<float>& ref,
+                          bool zero_exact) {
+  GradCompare c;
+  for (const auto& p : lay.params) {
+    const float* r = ref.data() + p.offset;
+    const float* x = a.data() + p.offset;
+    if (std::all_of(r, r + p.numel, [](float v) { return v == 0.f; })) {
+      if (zero_exact) {
+        for (size_t i = 0; i < p.numel; ++i) EXPECT_EQ(x[i], 0.f) << p.name << " should have no gradient";
+      }
+      continue;
+    }
+    const double e = rel_l2(x, r, p.numel);
+    if (e > c.worst) {
+      c.worst = e;
+      c.worst_name = p.name;
+    }
+  }
+  c.all = rel_l2(a, ref);
+  return c;
+}
+
+}  // namespace
+
+// fp32: the exact path against the transformers references and against the CPU trainer.
+TEST(CudaTrain, Fp32LogitsLossAndEveryGradientMatchReferenceAndCpu) {
+  QUADS_REQUIRE_GPU();
+  model::Weights w = fixture_weights();
+  const model::Batch b = model::Batch::of({input_ids()});
+  cuda::GpuTrainer g(w, model::PrecisionConfig::preset("fp32"));
+  EXPECT_EQ(g.linear_path("model.layers.0.self_attn.q_proj"), "exact");
+  EXPECT_EQ(g.linear_path("lm_head"), "exact");
+  const CpuResult gr = gpu_train_step(g, b);
+  const CpuResult cr = cpu_train_step(w, "fp32", b);
+
+  const auto ref_logits = read_f32(fixture("logits.f32"));
+  const double lr_ref = rel_l2(gr.logits, ref_logits), lr_cpu = rel_l2(gr.logits, cr.logits);
+  std::printf("fp32 logits rel L2: vs transformers %.3g, vs CPU %.3g\n", lr_ref, lr_cpu);
+  EXPECT_LT(lr_ref, 1e-5);
+  EXPECT_LT(lr_cpu, 1e-5);
+  const double ref_loss = read_json(fixture("loss.json"))["loss"].get<double>();
+  std::printf("fp32 loss: GPU %.9f CPU %.9f transformers %.9f\n", gr.loss, cr.loss, ref_loss);
+  EXPECT_NEAR(gr.loss, ref_loss, 1e-5);
+  EXPECT_NEAR(gr.loss, cr.loss, 1e-6);
+
+  std::vector<float> ref(w.size(), 0.f);
+  model::read_hf_tensors({fixture("grads.safetensors")}, w.cfg, w.layout, ref.data(), /*require_all=*/true);
+  const GradCompare vr = compare_grads(w.layout, gr.grads, ref, true);
+  const GradCompare vc = compare_grads(w.layout, gr.grads, cr.grads, true);
+  std::printf("fp32 grads rel L2 vs transformers: all %.3g, worst %.3g (%s)\n", vr.all, vr.worst, vr.worst_name.c_str());
+  std::printf("fp32 grads rel L2 vs CPU: all %.3g, worst %.3g (%s)\n", vc.all, vc.worst, vc.worst_name.c_str());
+  EXPECT_LT(vr.all, 1e-5);
+  EXPECT_LT(vr.worst, 1e-4);  // the CPU's own bound against the reference (tests/model)
+  EXPECT_LT(vc.all, 1e-5);
+  EXPECT_LT(vc.worst, 1e-4);
+
+  // The routing record: the same expert ids as the CPU's, layer by layer.
+  ASSERT_EQ(gr.routing.experts.size(), cr.routing.experts.size());
+  for (size_t l = 0; l < cr.routing.experts.size(); ++l) EXPECT_EQ(gr.routing.experts[l], cr.routing.experts[l]) << l;
+
+  // Routing replay of the recorded choices reproduces the same logits bit for bit.
+  std::vector<float> replayed(gr.logits.size());
+  g.forward(b, replayed.data(), false, nullptr, &gr.routing);
+  EXPECT_EQ(cuda::testing::first_float_mismatch(replayed, gr.logits), -1);
+}
+
+// bf16 and qat run the fast path (BF16 tensor-core GEMMs, dY rounded to BF16 in the backward);
+// qat-sym the exact path with NVFP4 activations. Tolerances: the forward differs from the CPU only
+// in the FP32 accumulation order; the backward adds BF16 rounding of dY (2^-9 relative per element).
+class CudaTrainPreset : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(CudaTrainPreset, MatchesCpuInTheSamePreset) {
+  QUADS_REQUIRE_GPU();
+  const std::string preset = GetParam();
+  model::Weights w = fixture_weights();
+  const auto ids = input_ids();
+  const model::Batch b = model::Batch::of({ids, random_tokens(17, 3, w.cfg.vocab_size)});
+  cuda::GpuTrainer g(w, model::PrecisionConfig::preset(preset));
+  const bool fast = preset != "qat-sym";
+  EXPECT_EQ(g.linear_path("model.layers.1.mlp.experts.3.down_proj"), fast ? "fast" : "exact");
+  EXPECT_EQ(g.linear_path("model.layers.1.mlp.gate"), "fast");  // the router stays bf16 in these presets
+  const CpuResult gr = gpu_train_step(g, b);
+  const CpuResult cr = cpu_train_step(w, preset, b);
+  const double el = rel_l2(gr.logits, cr.logits);
+  const GradCompare gc = compare_grads(w.layout, gr.grads, cr.grads, false);
+  std::printf("%s vs CPU rel L2: logits %.3g, grads all %.3g, worst tensor %.3g (%s); loss GPU %.7f CPU %.7f\n",
+              preset.c_str(), el, gc.all, gc.worst, gc.worst_name.c_str(), gr.loss, cr.loss);
+  size_t flips = 0;
+  for (size_t l = 0; l < cr.routing.experts.size(); ++l)
+    for (size_t i = 0; i < cr.routing.experts[l].size(); ++i) flips += gr.routing.experts[l][i] != cr.routing.experts[l][i];
+  EXPECT_LE(flips, 3u) << "expert choices that differ from the CPU's";
+  EXPECT_LT(el, fast ? 1e-3 : 2e-2);
+  EXPECT_NEAR(gr.loss, cr.loss, fast ? 1e-3 : 1e-2);
+  EXPECT_LT(gc.all, fast ? 2e-2 : 5e-2);
+  EXPECT_LT(gc.worst, fast ? 1e-1 : 2e-1);
+}
+
+INSTANTIATE_TEST_SUITE_P(CudaTrain, CudaTrainPreset, ::testing::Values("bf16", "qat", "qat-sym"));
+
+// The QAT weight operand: BF16(code * E4M3 scale) from exactly the CPU's codes and scales, alpha =
+// amax * fp32(1/2688), and operand * alpha equal to the CPU's W_eff up to the rounding of the scale
+// product (the CPU forms (scale * amax) * (1/2688) first).
+TEST(CudaTrain, QatOperandIsTheCpuQuantizedWeight) {
+  QUADS_REQUIRE_GPU();
+  model::Weights w = fixture_weights();
+  cuda::GpuTrainer g(w, model::PrecisionConfig::preset("qat"));
+  model::Model m(w, model::PrecisionConfig::preset("qat"));
+  int checked = 0;
+  double worst = 0;
+  for (const model::LinearQ& L : m.linears()) {
+    if (L.num.weight.kind != model::QuantKind::Quant) {
+      if (L.num.weight.kind == model::QuantKind::BF16) {  // router, lm_head: plain BF16 of the master
+        float alpha = 0;
+        const auto wb = g.fast_weight(L.name, &alpha);
+        EXPECT_EQ(alpha, 1.f) << L.name;
+        const float* src = w.data.data() + L.offset;
+        for (int64_t i = 0; i < L.out * L.in; ++i) ASSERT_EQ(wb[i], num::bf16_from_f32(src[i])) << L.name << " " << i;
+      }
+      continue;
+    }
+    ASSERT_EQ(g.linear_path(L.name), "fast") << L.name;
+    float alpha = 0;
+    const auto wb = g.fast_weight(L.name, &alpha);
+    ASSERT_EQ(L.wq.amax.size(), 1u);
+    EXPECT_EQ(alpha, L.wq.amax[0] * (1.f / 2688.f)) << L.name;
+    const float* weff = m.effective_weights() + L.offset;
+    const int64_t nb = L.in / 16;
+    for (int64_t r = 0; r < L.out; ++r)
+      for (int64_t c = 0; c < L.in; ++c) {
+        const uint8_t byte = L.wq.codes[(r * L.in + c) / 2];
+        const uint8_t code = (c % 2) ? byte >> 4 : byte & 15;
+        const float v = num::e2m1_to_f32(code) * num::e4m3_to_f32(L.wq.scales[r * nb + c / 16]);
+        const uint16_t got = wb[r * L.in + c];
+        ASSERT_EQ(num::bf16_to_f32(got), v) << L.name << " [" << r << ", " << c << "]";
+        ASSERT_EQ(got, num::bf16_from_f32(v));
+        const float prod = v * alpha, want = weff[r * L.in + c];
+        const double err = std::fabs(double(prod) - double(want));
+        worst = std::max(worst, want != 0 ? err / std::fabs(double(want)) : err);
+        ASSERT_LE(err, 4.0 * std::ldexp(std::fabs(double(want)), -23)) << L.name << " [" << r << ", " << c << "]";
+      }
+    ++checked;
+  }
+  std::printf("qat operand * alpha vs CPU W_eff: %d linears, worst relative difference %.3g\n", checked, worst);
+  EXPECT_GT(checked, 50);
+}
+
+// Several packed sequences of different lengths: the same as the CPU, and each sequence's rows equal
+// (up to accumulation order) what it gets alone: attention never crosses a boundary.
+TEST(CudaTrain, PackedSequencesOfDifferentLengths) {
+  QUADS_REQUIRE_GPU();
+  model::Weights w = fixture_weights();
+  const int V = w.cfg.vocab_size;
+  const std::vector<std::vector<int32_t>> seqs = {random_tokens(5, 11, V), input_ids(), random_tokens(1, 12, V),
+                                                  random_tokens(40, 13, V)};
+  const model::Batch b = model::Batch::of(seqs);
+  cuda::GpuTrainer g(w, model::PrecisionConfig::preset("fp32"));
+  const CpuResult gr = gpu_train_step(g, b);
+  const CpuResult cr = cpu_train_step(w, "fp32", b);
+  const GradCompare gc = compare_grads(w.layout, gr.grads, cr.grads, true);
+  const double el = rel_l2(gr.logits, cr.logits);
+  std::printf("packed fp32 vs CPU rel L2: logits %.3g, grads all %.3g, worst %.3g (%s)\n", el, gc.all, gc.worst,
+              gc.worst_name.c_str());
+  EXPECT_LT(el, 1e-5);
+  EXPECT_NEAR(gr.loss, cr.loss, 1e-6);
+  EXPECT_LT(gc.all, 1e-5);
+  EXPECT_LT(gc.worst, 1e-4);
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    std::vector<float> alone(seqs[s].size() * V);
+    g.forward(model::Batch::of({seqs[s]}), alone.data(), false);
+    const float* packed = gr.logits.data() + b.offsets[s] * V;
+    EXPECT_LT(rel_l2(alone.data(), packed, alone.size()), 1e-6) << "sequence " << s;
+  }
+}
+
+// AdamW on the device against train::AdamW on the host, fed the same gradients, three steps with
+// weight decay and clipping.
+TEST(CudaTrain, AdamWMatchesHostAdamW) {
+  QUADS_REQUIRE_GPU();
+  model::Weights w = fixture_weights();
+  const model::Batch b = model::Batch::of({input_ids()});
+  cuda::GpuTrainer g(w, model::PrecisionConfig::preset("fp32"));
+  train::AdamWConfig cfg;
+  cfg.lr = 1e-3;
+  cfg.weight_decay = 0.1;
+  cfg.max_grad_norm = 0.5;
+  train::AdamW host(w.size(), cfg, train::AdamW::decay_mask(w.layout));
+  model::Weights gw = w;
+  for (int step = 1; step <= 3; ++step) {
+    g.zero_grad();
+    g.forward(b, nullptr, true);
+    g.loss_ce(train::next_token_targets(b));
+    std::vector<float> gh = g.grads();
+    const double hn = host.step(w.data.data(), gh.data());
+    const double gn = g.adamw_step(cfg, step);
+    EXPECT_NEAR(gn, hn, 1e-9 * hn) << "step " << step;
+    g.download(gw);
+    int64_t differ = 0, far = 0;
+    for (size_t i = 0; i < w.size(); ++i) {
+      if (gw.data[i] == w.data[i]) continue;
+      ++differ;
+      // 2 ulp, or a millionth of a step where a parameter is so small that its ulp is tinier.
+      const double ulp = std::ldexp(1.0, std::ilogb(std::max(std::fabs(w.data[i]), 1e-30f)) - 23);
+      far += std::fabs(double(gw.data[i]) - double(w.data[i])) > 2 * ulp + 1e-6 * cfg.lr;
+    }
+    std::printf("adamw step %d: grad norm GPU %.9g host %.9g; %lld of %zu parameters differ (rel L2 %.3g)\n", step, gn,
+                hn, static_cast<long long>(differ), w.size(), rel_l2(gw.data, w.data));
+    EXPECT_EQ(far, 0) << "parameters more than 2 ulp from the host's at step " << step;
+    // Continue both from the host's masters, so that each step compares one update.
+    g.upload(w);
+  }
+  std::vector<float> m, v;
+  g.adam_state(&m, &v);
+  EXPECT_LT(rel_l2(m, host.m), 1e-6);
+  EXPECT_LT(rel_l2(v, host.v), 1e-6);
+}
+
+// The TrainBackend adapter: forward/backward through host buffers equal the direct calls, the
+// gradient is added to what the caller's buffer holds, sync uploads new masters.
+TEST(CudaTrain, BackendAdapterEqualsDirectCalls) {
+  QUADS_REQUIRE_GPU();
+  model::Weights w = fixture_weights();
+  const model::Batch b = model::Batch::of({input_ids(), random_tokens(9, 5, w.cfg.vocab_size)});
+  const int64_t T = b.ntokens(), V = w.cfg.vocab_size;
+  const auto p = model::PrecisionConfig::preset("qat");
+  auto be = cuda::make_gpu_trainer(w, p);
+  EXPECT_EQ(be->name().rfind("cuda:", 0), 0u) << be->name();
+  cuda::GpuTrainer g(w, p);
+
+  std::vector<float> l1(T * V), l2(T * V), dl(T * V);
+  model::Routing r1, r2;
+  be->forward(b, l1.data(), true, &r1);
+  g.forward(b, l2.data(), true, &r2);
+  EXPECT_EQ(cuda::testing::first_float_mismatch(l1, l2), -1);
+  EXPECT_EQ(r1.experts, r2.experts);
+  const auto targets = train::next_token_targets(b);
+  train::cross_entropy(l1.data(), T, V, targets.data(), nullptr, dl.data());
+  std::vector<float> ga(w.size(), 0.5f);
+  be->backward(dl.data(), ga.data());
+  g.zero_grad();
+  g.backward(dl.data());
+  const std::vector<float> gd = g.grads();
+  int64_t bad = 0;
+  for (size_t i = 0; i < gd.size(); ++i) bad += ga[i] != 0.5f + gd[i];
+  EXPECT_EQ(bad, 0);
+  // A second backward accumulates on the device (twice the gradient); with a host buffer, that
+  // buffer receives the call's own gradient only.
+  std::vector<float> gh(w.size(), 0.f);
+  g.backward(dl.data(), gh.data());
+  std::vector<float> g2 = g.grads(), twice(gd.size());
+  for (size_t i = 0; i < gd.size(); ++i) twice[i] = 2.f * gd[i];
+  EXPECT_LT(rel_l2(g2, twice), 1e-6);
+  EXPECT_LT(rel_l2(gh, gd), 1e-6);
+
+  // sync: new masters change the logits; the same masters give the same logits back.
+  model::Weights w2 = w;
+  for (auto& x : w2.data) x *= 1.01f;
+  be->sync(w2);
+  be->forward(b, l2.data(), false);
+  EXPECT_GT(rel_l2(l2, l1), 1e-4);
+  be->sync(w);
+  be->forward(b, l2.data(), false);
+  EXPECT_EQ(cuda::testing::first_float_mismatch(l1, l2), -1);
+}
+
+// A short SFT loop (forward, device CE + backward, device AdamW) lowers the loss and follows the
+// CPU trainer's losses.
+TEST(CudaTrain, SftLoopLowersTheLossLikeTheCpu) {
+  QUADS_REQUIRE_GPU();
+  for (const char* preset : {"fp32", "qat"}) {
+    model::Weights wc = fixture_weights();
+    const model::Batch b = model::Batch::of({input_ids(), random_tokens(30, 21, wc.cfg.vocab_size)});
+    const int64_t T = b.ntokens(), V = wc.cfg.vocab_size;
+    const auto targets = train::next_token_targets(b);
+    train::AdamWConfig cfg;
+    cfg.lr = 3e-3;
+    cfg.max_grad_norm = 1.0;
+    model::Model m(wc, model::PrecisionConfig::preset(preset));
+    train::AdamW opt(wc.size(), cfg, train::AdamW::decay_mask(wc.layout));
+    cuda::GpuTrainer g(wc, model::PrecisionConfig::preset(preset));
+    std::vector<double> lc, lg;
+    std::vector<float> logits(T * V), dlogits(T * V), grads(wc.size());
+    model::Activations acts;
+    for (int step = 1; step <= 5; ++step) {
+      m.forward(b, logits.data(), &acts);
+      lc.push_back(train::cross_entropy(logits.data(), T, V, targets.data(), nullptr, dlogits.data()));
+      std::fill(grads.begin(), grads.end(), 0.f);
+      m.backward(acts, dlogits.data(), grads.data());
+      opt.step(wc.data.data(), grads.data());
+      m.sync();
+      g.zero_grad();
+      g.forward(b, nullptr, true);
+      lg.push_back(g.loss_ce(targets));
+      g.adamw_step(cfg, step);
+    }
+    for (int s = 0; s < 5; ++s)
+      std::printf("sft %s step %d: loss GPU %.6f CPU %.6f (rel L2 %.3g)\n", preset, s + 1, lg[s], lc[s],
+                  std::fabs(lg[s] - lc[s]) / lc[s]);
+    EXPECT_LT(lg.back(), lg.front() - 0.05) << preset;
+    for (int s = 0; s < 5; ++s) EXPECT_NEAR(lg[s], lc[s], (std::string(preset) == "fp32" ? 1e-4 : 1e-2) * lc[s]) << s;
+  }
+}
+
+TEST(CudaTrain, UnsupportedSettingsAreErrors) {
+  QUADS_REQUIRE_GPU();
+  model::Weights w = fixture_weights();
+  cuda::GpuTrainer g(w, model::PrecisionConfig::preset("bf16"));
+  EXPECT_NO_THROW(g.set_router_losses(0, 0));
+  EXPECT_THROW(g.set_router_losses(0.001, 0), Error);
+  EXPECT_THROW(g.set_router_losses(0, 1e-3), Error);
+  const model::Batch b = model::Batch::of({input_ids()});
+  g.forward(b, nullptr, false);
+  std::vector<float> dl(b.ntokens() * w.cfg.vocab_size, 0.f);
+  EXPECT_THROW(g.backward(dl.data()), Error);  // the forward kept nothing
+  model::Batch bad = b;
+  bad.tokens[3] = w.cfg.vocab_size;
+  EXPECT_THROW(g.forward(bad, nullptr, true), Error);
+  EXPECT_THROW(g.linear_path("model.layers.0.mlp.nope"), Error);
+}
