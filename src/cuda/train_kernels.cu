@@ -332,8 +332,9 @@ __device__ __forceinline__ float attn_row_D(const float* __restrict__ out, const
 
 // Forward: one CTA per (query tile, head), the heaviest (last) query tiles first. Online softmax
 // over key tiles; the running sum in double; out = O * float(1 / sum), lse = m + log(sum).
+// K and V take turns in one buffer, so that two CTAs fit on an SM (one's loads overlap the other's math).
 template <int HD, int BT>
-__global__ void __launch_bounds__(kAttnThreads)
+__global__ void __launch_bounds__(kAttnThreads, 2)
 attn_fwd_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                 const int32_t* __restrict__ seq0, int64_t T, int nh, int nkv, int hd, float scale,
                 float* __restrict__ out, float* __restrict__ lse) {
@@ -341,9 +342,8 @@ attn_fwd_kernel(const float* __restrict__ q, const float* __restrict__ k, const 
   constexpr int R = Tl::R, C = Tl::C, LD = Tl::LD, LP = Tl::LP;
   extern __shared__ float4 smem4[];
   float* Qs = reinterpret_cast<float*>(smem4);
-  float* Ks = Qs + BT * LD;
-  float* Vs = Ks + BT * LD;
-  float* Ps = Vs + BT * LD;
+  float* KVs = Qs + BT * LD;
+  float* Ps = KVs + BT * LD;
   __shared__ int32_t s0q[BT];
   const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
   const int64_t q0 = int64_t(gridDim.x - 1 - blockIdx.x) * BT;
@@ -363,12 +363,11 @@ attn_fwd_kernel(const float* __restrict__ q, const float* __restrict__ k, const 
     for (int c = 0; c < C; ++c) O[i][c] = 0.f;
   }
   for (int64_t k0 = kbeg; k0 <= qlast; k0 += BT) {
-    __syncthreads();  // the previous tile's K, V, P are consumed (and Q, s0q are in place)
-    load_tile<HD, BT>(Ks, k + int64_t(g) * hd, k0, T, ldk, hd);
-    load_tile<HD, BT>(Vs, v + int64_t(g) * hd, k0, T, ldk, hd);
+    __syncthreads();  // the previous tile's V and P are consumed (and Q, s0q are in place)
+    load_tile<HD, BT>(KVs, k + int64_t(g) * hd, k0, T, ldk, hd);
     __syncthreads();
     float S[R][R];
-    tile_dot<HD, BT>(Qs, Ks, S, ty, tx);
+    tile_dot<HD, BT>(Qs, KVs, S, ty, tx);
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       const int r = ty + 16 * i;
@@ -398,8 +397,10 @@ attn_fwd_kernel(const float* __restrict__ q, const float* __restrict__ k, const 
 #pragma unroll
       for (int c = 0; c < C; ++c) O[i][c] = __fmul_rn(O[i][c], alpha);
     }
+    __syncthreads();  // K is consumed
+    load_tile<HD, BT>(KVs, v + int64_t(g) * hd, k0, T, ldk, hd);
     __syncthreads();
-    tile_acc<HD, BT>(Ps, Vs, O, ty, tx);
+    tile_acc<HD, BT>(Ps, KVs, O, ty, tx);
   }
   float inv[R];
 #pragma unroll
@@ -589,7 +590,7 @@ void attn_fwd_launch(const float* q, const float* k, const float* v, const int32
                      int hd, float scale, float* out, float* lse, cudaStream_t s) {
   constexpr int BT = attn_bt<HD>();
   using Tl = AttnTile<HD, BT>;
-  const size_t smem = sizeof(float) * (3 * size_t(BT) * Tl::LD + size_t(BT) * Tl::LP);
+  const size_t smem = sizeof(float) * (2 * size_t(BT) * Tl::LD + size_t(BT) * Tl::LP);
   attn_prepare(attn_fwd_kernel<HD, BT>, smem, "attention_train_fwd");
   const dim3 grid(static_cast<unsigned>((T + BT - 1) / BT), static_cast<unsigned>(nh));
   attn_fwd_kernel<HD, BT><<<grid, kAttnThreads, smem, s>>>(q, k, v, seq0, T, nh, nkv, hd, scale, out, lse);

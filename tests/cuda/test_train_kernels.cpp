@@ -178,15 +178,26 @@ TEST(CudaTrainKernels, AttentionMatchesCpuPerSequence) {
     device_sync();
     const auto out1 = gout.download(), lse1 = glse.download();
     const auto dq1 = gdq.download(), dk1 = gdk.download(), dv1 = gdv.download();
+    // Gradients relative to at least 0.1 |dout|: with one-token sequences dq and dk are zero
+    // up to rounding (p = 1), and a relative error of rounding noise means nothing.
+    auto grad_err = [&](const std::vector<float>& a, const std::vector<float>& b) {
+      double num = 0, den = 0, ref = 0;
+      for (size_t i = 0; i < b.size(); ++i) {
+        num += (double(a[i]) - double(b[i])) * (double(a[i]) - double(b[i]));
+        den += double(b[i]) * double(b[i]);
+      }
+      for (float x : dout) ref += double(x) * double(x);
+      return std::sqrt(num / std::max(den, 1e-2 * ref));
+    };
     const double e_out = rel_l2(out1, out), e_lse = rel_l2(lse1, lse);
-    const double e_dq = rel_l2(dq1, dq), e_dk = rel_l2(dk1, dk), e_dv = rel_l2(dv1, dv);
+    const double e_dq = grad_err(dq1, dq), e_dk = grad_err(dk1, dk), e_dv = grad_err(dv1, dv);
     std::printf("attention case %zu (T %lld, heads %d/%d, hd %d): rel L2 out %.3g lse %.3g dq %.3g dk %.3g dv %.3g\n",
                 ci, static_cast<long long>(T), c.nh, c.nkv, c.hd, e_out, e_lse, e_dq, e_dk, e_dv);
     EXPECT_LT(e_out, 2e-6) << "case " << ci;
     EXPECT_LT(e_lse, 1e-6) << "case " << ci;
-    EXPECT_LT(e_dq, 1e-5) << "case " << ci;
-    EXPECT_LT(e_dk, 1e-5) << "case " << ci;
-    EXPECT_LT(e_dv, 2e-6) << "case " << ci;
+    EXPECT_LT(e_dq, 5e-6) << "case " << ci;
+    EXPECT_LT(e_dk, 5e-6) << "case " << ci;
+    EXPECT_LT(e_dv, 5e-6) << "case " << ci;
 
     for (auto* a : {&gout, &glse, &gdq, &gdk, &gdv}) a->fill_bytes(0);
     kern::attention_train_fwd(gq.data(), gk.data(), gv.data(), gs0.data(), T, c.nh, c.nkv, c.hd, scale, gout.data(),
