@@ -415,11 +415,11 @@ attn_fwd_kernel(const float* __restrict__ q, const float* __restrict__ k, const 
 // dq: one CTA per (query tile, head); P = exp(S * scale - lse), dS = P (dP - D) scale, dQ = dS K
 // over the key tiles in order.
 template <int HD, int BT>
-__global__ void __launch_bounds__(kAttnThreads)
-attn_bwd_dq_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-                   const float* __restrict__ out, const float* __restrict__ lse, const float* __restrict__ dout,
-                   const int32_t* __restrict__ seq0, int64_t T, int nh, int nkv, int hd, float scale,
-                   float* __restrict__ dq) {
+__device__ __forceinline__ void attn_bwd_dq_cta(const float* __restrict__ q, const float* __restrict__ k,
+                                                const float* __restrict__ v, const float* __restrict__ out,
+                                                const float* __restrict__ lse, const float* __restrict__ dout,
+                                                const int32_t* __restrict__ seq0, int64_t T, int nh, int nkv, int hd,
+                                                float scale, float* __restrict__ dq, int64_t qtile, int h) {
   using Tl = AttnTile<HD, BT>;
   constexpr int R = Tl::R, C = Tl::C, LD = Tl::LD, LP = Tl::LP;
   extern __shared__ float4 smem4[];
@@ -430,8 +430,8 @@ attn_bwd_dq_kernel(const float* __restrict__ q, const float* __restrict__ k, con
   float* dSs = Vs + BT * LD;
   __shared__ int32_t s0q[BT];
   const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
-  const int64_t q0 = int64_t(gridDim.x - 1 - blockIdx.x) * BT;
-  const int h = blockIdx.y, g = h / (nh / nkv);
+  const int64_t q0 = qtile * BT;
+  const int g = h / (nh / nkv);
   const int64_t ldq = int64_t(nh) * hd, ldk = int64_t(nkv) * hd, hoff = int64_t(h) * hd;
   load_tile<HD, BT>(Qs, q + hoff, q0, T, ldq, hd);
   load_tile<HD, BT>(dOs, dout + hoff, q0, T, ldq, hd);
@@ -481,11 +481,12 @@ attn_bwd_dq_kernel(const float* __restrict__ q, const float* __restrict__ k, con
 // dk, dv: one CTA per (key tile, kv head), looping over the group's heads in order and, for each,
 // the query tiles that can see the key tile in order. Transposed tiles: rows are keys.
 template <int HD, int BT>
-__global__ void __launch_bounds__(kAttnThreads)
-attn_bwd_dkdv_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-                     const float* __restrict__ out, const float* __restrict__ lse, const float* __restrict__ dout,
-                     const int32_t* __restrict__ seq0, int64_t T, int nh, int nkv, int hd, float scale,
-                     float* __restrict__ dk, float* __restrict__ dv) {
+__device__ __forceinline__ void attn_bwd_dkdv_cta(const float* __restrict__ q, const float* __restrict__ k,
+                                                  const float* __restrict__ v, const float* __restrict__ out,
+                                                  const float* __restrict__ lse, const float* __restrict__ dout,
+                                                  const int32_t* __restrict__ seq0, int64_t T, int nh, int nkv, int hd,
+                                                  float scale, float* __restrict__ dk, float* __restrict__ dv,
+                                                  int64_t ktile, int g) {
   using Tl = AttnTile<HD, BT>;
   constexpr int R = Tl::R, C = Tl::C, LD = Tl::LD, LP = Tl::LP;
   extern __shared__ float4 smem4[];
@@ -499,8 +500,8 @@ attn_bwd_dkdv_kernel(const float* __restrict__ q, const float* __restrict__ k, c
   __shared__ float lse_s[BT], D_s[BT];
   __shared__ int64_t qend_s;
   const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
-  const int64_t k0 = int64_t(blockIdx.x) * BT;
-  const int g = blockIdx.y, G = nh / nkv;
+  const int64_t k0 = ktile * BT;
+  const int G = nh / nkv;
   const int64_t ldq = int64_t(nh) * hd, ldk = int64_t(nkv) * hd, goff = int64_t(g) * hd;
   load_tile<HD, BT>(Ks, k + goff, k0, T, ldk, hd);
   load_tile<HD, BT>(Vs, v + goff, k0, T, ldk, hd);
@@ -571,6 +572,26 @@ attn_bwd_dkdv_kernel(const float* __restrict__ q, const float* __restrict__ k, c
   store_tile<HD, BT>(dv + goff, dV, one, k0, T, ldk, hd, ty, tx);
 }
 
+// Both backward passes in one launch: the (key tile, kv head) CTAs first (the longest: a key tile
+// early in a sequence is seen by all of the sequence's later queries), then the (query tile, head)
+// CTAs, the latest query tiles first; these fill the SMs that the first kind leaves idle.
+template <int HD, int BT>
+__global__ void __launch_bounds__(kAttnThreads)
+attn_bwd_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                const float* __restrict__ out, const float* __restrict__ lse, const float* __restrict__ dout,
+                const int32_t* __restrict__ seq0, int64_t T, int nh, int nkv, int hd, float scale,
+                float* __restrict__ dq, float* __restrict__ dk, float* __restrict__ dv, int64_t tiles) {
+  const int64_t b = blockIdx.x, nkv_ctas = tiles * nkv;
+  if (b < nkv_ctas) {
+    attn_bwd_dkdv_cta<HD, BT>(q, k, v, out, lse, dout, seq0, T, nh, nkv, hd, scale, dk, dv, b % tiles,
+                              static_cast<int>(b / tiles));
+  } else {
+    const int64_t c = b - nkv_ctas;
+    attn_bwd_dq_cta<HD, BT>(q, k, v, out, lse, dout, seq0, T, nh, nkv, hd, scale, dq, tiles - 1 - c % tiles,
+                            static_cast<int>(c / tiles));
+  }
+}
+
 template <int HD>
 constexpr int attn_bt() {
   return HD <= 128 ? 64 : 32;
@@ -603,16 +624,14 @@ void attn_bwd_launch(const float* q, const float* k, const float* v, const float
                      float* dk, float* dv, cudaStream_t s) {
   constexpr int BT = attn_bt<HD>();
   using Tl = AttnTile<HD, BT>;
-  const unsigned tiles = static_cast<unsigned>((T + BT - 1) / BT);
-  const size_t smem_kv = sizeof(float) * (4 * size_t(BT) * Tl::LD + 2 * size_t(BT) * Tl::LP);
-  attn_prepare(attn_bwd_dkdv_kernel<HD, BT>, smem_kv, "attention_train_bwd (dk, dv)");
-  attn_bwd_dkdv_kernel<HD, BT><<<dim3(tiles, static_cast<unsigned>(nkv)), kAttnThreads, smem_kv, s>>>(
-      q, k, v, out, lse, dout, seq0, T, nh, nkv, hd, scale, dk, dv);
-  QUADS_CUDA_LAUNCH_CHECK();
-  const size_t smem_q = sizeof(float) * (4 * size_t(BT) * Tl::LD + size_t(BT) * Tl::LP);
-  attn_prepare(attn_bwd_dq_kernel<HD, BT>, smem_q, "attention_train_bwd (dq)");
-  attn_bwd_dq_kernel<HD, BT><<<dim3(tiles, static_cast<unsigned>(nh)), kAttnThreads, smem_q, s>>>(
-      q, k, v, out, lse, dout, seq0, T, nh, nkv, hd, scale, dq);
+  const int64_t tiles = (T + BT - 1) / BT;
+  // The dk/dv CTAs' tiles: K, V, Q, dO and P, dS; the dq CTAs' (Q, dO, K, V and dS) fit in them.
+  const size_t smem = sizeof(float) * (4 * size_t(BT) * Tl::LD + 2 * size_t(BT) * Tl::LP);
+  attn_prepare(attn_bwd_kernel<HD, BT>, smem, "attention_train_bwd");
+  const int64_t ctas = tiles * (nkv + nh);
+  QUADS_CHECK(ctas < (int64_t(1) << 31), "cuda attention_train_bwd: {} tokens x {} heads is too many", T, nh + nkv);
+  attn_bwd_kernel<HD, BT><<<static_cast<unsigned>(ctas), kAttnThreads, smem, s>>>(q, k, v, out, lse, dout, seq0, T, nh,
+                                                                                  nkv, hd, scale, dq, dk, dv, tiles);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
