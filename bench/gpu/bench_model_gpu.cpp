@@ -4,7 +4,13 @@
 // prompts, 128 new tokens) and prefill tokens/s (16 x 1024), per precision, beside the weight-read
 // bound (GEMM weight bytes read per decode step, counted by the model, over the measured copy
 // bandwidth) and the transformers 5.17 numbers of issue 6 (same H200 model, bf16).
-//   bench_model_gpu [--quick] [--precisions bf16,nvfp4,nvfp4+rac]
+//   bench_model_gpu [--quick] [--precisions bf16,nvfp4,nvfp4+rac] [--train-only]
+// Training rows (cuda::GpuTrainer, cuda/train_gpu.h): tokens/s of one optimizer step on 8 x 1024
+// random tokens (forward + CE on the device + backward + clipping + AdamW + re-quantization; best
+// of 3 after a warm-up step) for the `bf16` and `qat` presets, beside the transformers bf16 number
+// of issue 6 (47000 tok/s on the same H200), and the QAT overhead; then the NVFP4 quantizer's
+// throughput on a 16384 x 8192 float32 tensor (per-row global scale) against the copy bandwidth.
+// --train-only skips the rollout rows.
 // nvfp4+rac: the nvfp4 preset with RAC on the first half of every quantized linear's input channels
 // (model::RacConfig's default ratio; the cost of RAC, not a calibrated selection).
 // Wall-clock times (host steady clock, the GPU synchronized at the end of each timed region).
@@ -24,7 +30,12 @@
 #include "cuda/check.h"
 #include "cuda/device.h"
 #include "cuda/model_gpu.h"
+#include "cuda/model_kernels.h"
+#include "cuda/quant.h"
+#include "cuda/train_gpu.h"
 #include "model/rac.h"
+#include "train/adamw.h"
+#include "train/losses.h"
 
 using namespace quads;
 
@@ -194,6 +205,89 @@ bool bench_precision(const model::ModelConfig& cfg, const std::string& p, double
   }
 }
 
+// Seconds of one training step (best of `reps` after a warm-up), or < 0 after printing the error.
+double train_step_seconds(const model::ModelConfig& cfg, const std::string& preset, int nseq, int64_t len, int reps) {
+  try {
+    const double t0 = now();
+    cuda::GpuTrainer g(cfg, model::PrecisionConfig::preset(preset), 42, 0.02f);
+    std::fprintf(stderr, "train %s: trainer set up in %.1f s\n", preset.c_str(), now() - t0);
+    std::vector<std::vector<int32_t>> seqs;
+    for (int s = 0; s < nseq; ++s) seqs.push_back(random_prompt(len, 9000 + s, cfg.vocab_size));
+    const model::Batch b = model::Batch::of(seqs);
+    const std::vector<int32_t> targets = train::next_token_targets(b);
+    train::AdamWConfig ac;
+    ac.lr = 1e-5;
+    ac.weight_decay = 0.01;
+    double best = 1e30;
+    for (int r = 0; r <= reps; ++r) {
+      QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+      const double a = now();
+      g.zero_grad();
+      g.forward(b, nullptr, true);
+      const double loss = g.loss_ce(targets);
+      g.adamw_step(ac, r + 1);
+      QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+      const double dt = now() - a;
+      std::fprintf(stderr, "train %s step %d: %.3f s, loss %.4f\n", preset.c_str(), r, dt, loss);
+      if (r > 0) best = std::min(best, dt);  // step 0 is the warm-up (allocations, cuBLAS heuristics)
+    }
+    return best;
+  } catch (const std::exception& e) {
+    std::printf("| train %s | failed: %s |\n", preset.c_str(), e.what());
+    std::fflush(stdout);
+    return -1;
+  }
+}
+
+void bench_training(const model::ModelConfig& cfg, double bw, bool quick) {
+  const int nseq = quick ? 2 : 8;
+  const int64_t len = 1024;
+  const double peer = 47000;
+  std::printf("\n| training step (fwd + CE + bwd + AdamW + requant) | tokens | tok/s | transformers bf16 tok/s | x peer |\n"
+              "|---|---|---|---|---|\n");
+  std::fflush(stdout);
+  double sec[2] = {-1, -1};
+  const char* presets[2] = {"bf16", "qat"};
+  for (int i = 0; i < 2; ++i) {
+    sec[i] = train_step_seconds(cfg, presets[i], nseq, len, 3);
+    if (sec[i] <= 0) continue;
+    const double tps = double(nseq) * len / sec[i];
+    std::printf("| train %s | %dx%lld | %.0f | %.0f | %.2f |\n", presets[i], nseq, static_cast<long long>(len), tps,
+                peer, tps / peer);
+    std::fflush(stdout);
+  }
+  if (sec[0] > 0 && sec[1] > 0)
+    std::printf("QAT overhead (qat step time over bf16): %+.1f %%\n", 100.0 * (sec[1] / sec[0] - 1.0));
+
+  // NVFP4 quantization of a float32 tensor, one global scale per row (the trainer's re-quantization
+  // uses per-tensor weights; the per-row activation variant reads and writes the same bytes).
+  try {
+    const int64_t rows = 16384, cols = 8192;
+    num::QConfig qc;
+    qc.global = num::Global::PerRow;
+    cuda::DeviceArray<float> x(size_t(rows * cols));
+    cuda::kern::fill_normal(x.data(), rows * cols, 7, 0.f, 1.f, nullptr);
+    cuda::DeviceQTensor q = cuda::make_qtensor(rows, cols, qc);
+    cuda::quantize(x.data(), q, nullptr);  // warm-up
+    double best = 1e30;
+    for (int r = 0; r < 5; ++r) {
+      QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+      const double a = now();
+      cuda::quantize(x.data(), q, nullptr);
+      QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+      best = std::min(best, now() - a);
+    }
+    const double in = double(rows * cols) * 4, out = double(q.codes.bytes() + q.scales.bytes() + q.amax.bytes());
+    std::printf("| nvfp4 quantize %lldx%lld f32 (per-row global) | %.0f GB/s of input | %.0f GB/s read+write | copy "
+                "%.0f GB/s | %.0f %% of copy |\n",
+                static_cast<long long>(rows), static_cast<long long>(cols), in / best / 1e9, (in + out) / best / 1e9, bw,
+                100.0 * (in + out) / best / 1e9 / bw);
+  } catch (const std::exception& e) {
+    std::printf("| nvfp4 quantize | failed: %s |\n", e.what());
+  }
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -202,10 +296,11 @@ int main(int argc, char** argv) {
       std::printf("bench_model_gpu: no CUDA device\n");
       return 0;
     }
-    bool quick = false;
+    bool quick = false, train_only = false;
     std::vector<std::string> precisions{"bf16", "nvfp4", "nvfp4+eager", "nvfp4+rac", "nvfp4+attnl1", "nvfp4+attn"};
     for (int i = 1; i < argc; ++i) {
       if (!std::strcmp(argv[i], "--quick")) quick = true;
+      else if (!std::strcmp(argv[i], "--train-only")) train_only = true;
       else if (!std::strcmp(argv[i], "--precisions") && i + 1 < argc) {
         precisions.clear();
         std::stringstream ss(argv[++i]);
@@ -216,10 +311,13 @@ int main(int argc, char** argv) {
     const double bw = copy_gbs();
     std::printf("\nPeer model (%s) on %s; copy bandwidth %.0f GB/s\n", cfg.describe().c_str(),
                 cuda::device_name(0).c_str(), bw);
-    std::printf("| precision | batch | new tok/s (prefill+decode) | decode tok/s | weight GB read/step | bound tok/s | "
-                "%% of bound | transformers bf16 tok/s | x peer |\n|---|---|---|---|---|---|---|---|---|\n");
     int failures = 0;
-    for (const std::string& p : precisions) failures += !bench_precision(cfg, p, bw, quick);
+    if (!train_only) {
+      std::printf("| precision | batch | new tok/s (prefill+decode) | decode tok/s | weight GB read/step | bound tok/s | "
+                  "%% of bound | transformers bf16 tok/s | x peer |\n|---|---|---|---|---|---|---|---|---|\n");
+      for (const std::string& p : precisions) failures += !bench_precision(cfg, p, bw, quick);
+    }
+    bench_training(cfg, bw, quick);
     return failures ? 1 : 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_model_gpu: %s\n", e.what());
