@@ -224,13 +224,23 @@ double train_step_seconds(const model::ModelConfig& cfg, const std::string& pres
       const double a = now();
       g.zero_grad();
       g.forward(b, nullptr, true);
+      const double fwd = now() - a;  // forward() ends with a sync
       const double loss = g.loss_ce(targets);
+      const double bwd = now() - a - fwd;
       g.adamw_step(ac, r + 1);
       QUADS_CUDA_CHECK(cudaDeviceSynchronize());
       const double dt = now() - a;
-      std::fprintf(stderr, "train %s step %d: %.3f s, loss %.4f\n", preset.c_str(), r, dt, loss);
+      std::fprintf(stderr, "train %s step %d: %.3f s (forward %.3f, CE + backward %.3f, AdamW + requant %.3f), loss %.4f\n",
+                   preset.c_str(), r, dt, fwd, bwd, dt - fwd - bwd, loss);
       if (r > 0) best = std::min(best, dt);  // step 0 is the warm-up (allocations, cuBLAS heuristics)
     }
+    // One more step with CUDA events between the pieces (not timed above): where the GPU time goes.
+    g.set_profiling(true);
+    g.zero_grad();
+    g.forward(b, nullptr, true);
+    g.loss_ce(targets);
+    g.adamw_step(ac, reps + 2);
+    std::fprintf(stderr, "train %s profile: %s\n", preset.c_str(), g.profile_report().c_str());
     return best;
   } catch (const std::exception& e) {
     std::printf("| train %s | failed: %s |\n", preset.c_str(), e.what());

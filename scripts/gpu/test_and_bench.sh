@@ -12,7 +12,8 @@
 #                     they must have been built for sm_90 against the same .debs)
 #   QUADS_GPU_FILTER  gtest filter for the tests (default: all)
 #   QUADS_GPU_BENCH   0 to skip the benchmarks; "model" or "kernels" for only one of them
-#   QUADS_GPU_BENCH_ARGS  extra arguments of bench_model_gpu (e.g. --quick, --precisions nvfp4)
+#   QUADS_GPU_BENCH_ARGS  extra arguments of bench_model_gpu (e.g. --quick, --precisions nvfp4,
+#                         --train-only for the training rows alone)
 #   OUT               when set, logs are copied there
 # Fixtures: the GPU machine has no ../shared, so the fixtures travel in .gpufix/ (copies of
 # /work/shared/fixtures/nvfp4 and tiny_qwen3moe_a):
@@ -66,8 +67,9 @@ run_tests() {  # name filter
 if [ -n "${QUADS_GPU_FILTER:-}" ]; then
   run_tests filter "$QUADS_GPU_FILTER"
 else
-  run_tests kernels "-CudaModel*:CudaRl*"
+  run_tests kernels "-CudaModel*:CudaRl*:CudaTrain*"
   run_tests model "CudaModel*"
+  run_tests train "CudaTrain*"  # the GPU trainer (and its kernels) against the CPU trainer and the fixture
   run_tests rl "CudaRl*"  # GRPO runs with GPU rollouts next to the same runs on the CPU
 fi
 

@@ -140,6 +140,34 @@ struct GpuTrainer::Impl {
   DeviceArray<uint16_t> dyb;
   DeviceArray<int32_t> counts, eoff_d, bad_d;
 
+  // Profiling: an event closes each segment of stream work and names its category.
+  enum Cat { kGemm, kAttn, kRoute, kLoss, kOpt, kRequant, kOther, kNcat };
+  bool prof = false;
+  std::vector<cudaEvent_t> ev;
+  std::vector<int> ev_cat;  // category of the segment ending at event i; -1 starts a phase
+  double prof_ms[kNcat] = {};
+  void tick(int cat) {
+    if (!prof) return;
+    if (ev_cat.size() == ev.size()) {
+      cudaEvent_t e;
+      QUADS_CUDA_CHECK(cudaEventCreate(&e));
+      ev.push_back(e);
+    }
+    QUADS_CUDA_CHECK(cudaEventRecord(ev[ev_cat.size()], stream));
+    ev_cat.push_back(cat);
+  }
+  void collect() {
+    if (!prof || ev_cat.empty()) return;
+    QUADS_CUDA_CHECK(cudaStreamSynchronize(stream));
+    for (size_t i = 1; i < ev_cat.size(); ++i) {
+      if (ev_cat[i] < 0) continue;
+      float ms = 0;
+      QUADS_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[i - 1], ev[i]));
+      prof_ms[ev_cat[i]] += ms;
+    }
+    ev_cat.clear();
+  }
+
   Impl(const model::ModelConfig& c, const model::PrecisionConfig& p) : cfg(c), prec(p) {
     cfg.validate("GpuTrainer config");
     QUADS_CHECK(device_count() > 0, "GpuTrainer: no CUDA device");
@@ -166,6 +194,7 @@ struct GpuTrainer::Impl {
     bad_d.fill_bytes(0);
   }
   ~Impl() {
+    for (cudaEvent_t e : ev) cudaEventDestroy(e);
     if (blas) cublasDestroy(blas);
     if (stream) cudaStreamDestroy(stream);
   }
@@ -325,10 +354,12 @@ struct GpuTrainer::Impl {
   // Y[:, outputs of linears i0 .. i0+n-1] = op(X) · W_effᵀ (model::ModelImpl::gemm).
   void linear_fwd(int i0, int n, const Opnd& x, int64_t M, float* Y, int64_t ldy) {
     if (M == 0) return;
+    tick(kOther);
     if (fusable(i0, n)) {
       int64_t N = 0;
       for (int j = 0; j < n; ++j) N += lin[i0 + j].out;
       gemm_nt(lin[i0], lin[i0].offset, N, x, M, Y, ldy, i0);
+      tick(kGemm);
       return;
     }
     int64_t c0 = 0;
@@ -337,6 +368,7 @@ struct GpuTrainer::Impl {
       gemm_nt(L, L.offset, L.out, x, M, Y + c0, ldy, i0 + j);
       c0 += L.out;
     }
+    tick(kGemm);
   }
 
   // Backward of linear_fwd: dX (+)= dY · W_eff (straight through the activation quantizer) and
@@ -348,6 +380,7 @@ struct GpuTrainer::Impl {
     const Lin& L0 = lin[i0];
     const int K = static_cast<int>(L0.in), Mi = static_cast<int>(M), ld = static_cast<int>(lddy);
     const bool fast = L0.path == Path::Fast;
+    tick(kOther);
     auto dx_gemm = [&](size_t off, int64_t N, int64_t c0, int li, bool acc) {
       const float* beta = acc ? one() : zero();
       if (fast)
@@ -381,6 +414,7 @@ struct GpuTrainer::Impl {
         c0 += L.out;
       }
     }
+    tick(kGemm);
     grads_zero = false;
   }
 
@@ -513,6 +547,7 @@ struct GpuTrainer::Impl {
     const int hdp = attn_hd();
     const float* M = master.data();
 
+    tick(-1);
     kern::embedding(M + lay.embed, tok_d.data(), T, H, X(0), stream);
     for (int l = 0; l < L; ++l) {
       const model::LayerOffsets& o = lay.layers[l];
@@ -532,6 +567,7 @@ struct GpuTrainer::Impl {
       kern::rope_fwd(a.q.data(), T, nh, hd, cosb.data(), sinb.data(), stream);
       kern::rope_fwd(a.k.data(), T, nkv, hd, cosb.data(), sinb.data(), stream);
       float* attn = need(a.attn, T * qd);
+      tick(kOther);
       if (hdp == hd) {
         kern::attention_train_fwd(a.q.data(), a.k.data(), a.v.data(), seq0.data(), T, nh, nkv, hd, scale, attn,
                                   need(a.lse, T * nh), stream);
@@ -543,6 +579,7 @@ struct GpuTrainer::Impl {
                                   need(a.attn_p, T * nh * hdp), need(a.lse, T * nh), stream);
         kern::copy_cols(a.attn_p.data(), T * nh, hdp, attn, hd, stream);
       }
+      tick(kAttn);
       a.op_o = make_op(lin[li.o], a.attn.data(), T, a.f_o, a.b_o);
       linear_fwd(li.o, 1, a.op_o, T, tmp.data(), H);
       kern::add(xin, tmp.data(), need(a.x_mid, T * H), T * H, stream);
@@ -558,6 +595,7 @@ struct GpuTrainer::Impl {
         float* rl = need(dlog, size_t(T * E));  // router logits: scratch (no z-loss)
         a.op_r = make_op(Lr, a.xn2.data(), T, a.f_r, a.b_r);
         linear_fwd(li.router, 1, a.op_r, T, rl, E);
+        tick(kOther);
         const int32_t* fr = nullptr;
         if (replay) {
           forced.upload(replay->experts[l]);
@@ -579,6 +617,7 @@ struct GpuTrainer::Impl {
         }
         a.eoff.assign(heoff.begin(), heoff.end());
         QUADS_CHECK(a.eoff[E] == R, "GpuTrainer: layer {} routed {} rows, expected {}", l, a.eoff[E], R);
+        tick(kRoute);
         if (record) {
           record->experts[l].resize(R);
           QUADS_CUDA_CHECK(cudaMemcpy(record->experts[l].data(), a.idx.data(), sizeof(int32_t) * R,
@@ -626,6 +665,8 @@ struct GpuTrainer::Impl {
     linear_fwd(lm_head, 1, op_lm, T, need(logits, size_t(T * V)), V);
     if (logits_host)
       QUADS_CUDA_CHECK(cudaMemcpyAsync(logits_host, logits.data(), sizeof(float) * T * V, cudaMemcpyDeviceToHost, stream));
+    tick(kOther);
+    collect();
     QUADS_CUDA_CHECK(cudaStreamSynchronize(stream));
     kept = keep;
   }
@@ -650,6 +691,7 @@ struct GpuTrainer::Impl {
     float* dtp = need(dtmp, size_t(T * H));
     float* dxnp = need(dxn, size_t(T * H));
     grads_zero = false;
+    tick(-1);
 
     // lm_head and the final norm.
     const Lin& Llm = lin[lm_head];
@@ -712,6 +754,7 @@ struct GpuTrainer::Impl {
       float* dkp = need(dk, size_t(T * kvd));
       float* dvp = need(dv, size_t(T * kvd));
       const int hdp = attn_hd();
+      tick(kOther);
       if (hdp == hd) {
         kern::attention_train_bwd(a.q.data(), a.k.data(), a.v.data(), a.attn.data(), a.lse.data(), dap, seq0.data(), T,
                                   nh, nkv, hd, scale, dqp, dkp, dvp, stream);
@@ -724,6 +767,7 @@ struct GpuTrainer::Impl {
         kern::copy_cols(dk_p.data(), T * nkv, hdp, dkp, hd, stream);
         kern::copy_cols(dv_p.data(), T * nkv, hdp, dvp, hd, stream);
       }
+      tick(kAttn);
       kern::rope_bwd(dqp, T, nh, hd, cosb.data(), sinb.data(), stream);
       kern::rope_bwd(dkp, T, nkv, hd, cosb.data(), sinb.data(), stream);
       float* dqr = need(dq_raw, size_t(T * qd));
@@ -741,6 +785,8 @@ struct GpuTrainer::Impl {
       kern::add_inplace(dxp, dtp, T * H, stream);
     }
     kern::embedding_bwd(dxp, emb_order.data(), emb_starts.data(), emb_ids.data(), emb_nuniq, H, G + lay.embed, stream);
+    tick(kOther);
+    collect();
   }
 };
 
@@ -834,6 +880,7 @@ double GpuTrainer::loss_ce(const std::vector<int32_t>& targets, bool run_backwar
   if (N == 0) return 0.0;
   QUADS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
   m.targets_d.upload(targets);
+  m.tick(-1);
   float* logp = need(m.logp, size_t(m.T));
   kern::token_logprobs(m.logits.data(), m.T, V, m.targets_d.data(), 1.f, logp, nullptr, m.stream);
   std::vector<float> hl(m.T);
@@ -843,6 +890,8 @@ double GpuTrainer::loss_ce(const std::vector<int32_t>& targets, bool run_backwar
     kern::fill(need(m.dlogp, size_t(m.T)), static_cast<float>(-1.0 / double(N)), m.T, m.stream);
     kern::token_logprobs_bwd(m.logits.data(), m.T, V, m.targets_d.data(), 1.f, m.dlogp.data(),
                              need(m.dlogits, size_t(m.T * V)), m.stream);
+    m.tick(Impl::kLoss);
+    m.collect();
     m.backward_device();
   }
   QUADS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
@@ -878,6 +927,7 @@ double GpuTrainer::adamw_step(const train::AdamWConfig& c, int64_t t, double lr_
     m.norm_scratch.resize(size_t(std::max<int64_t>(kern::global_norm_scratch(n), 1)));
     m.norm_out.resize(1);
   }
+  m.tick(-1);
   kern::global_norm(m.grads.data(), n, m.norm_scratch.data(), m.norm_out.data(), m.stream);
   double norm = 0;
   QUADS_CUDA_CHECK(cudaMemcpyAsync(&norm, m.norm_out.data(), sizeof(double), cudaMemcpyDeviceToHost, m.stream));
@@ -895,8 +945,32 @@ double GpuTrainer::adamw_step(const train::AdamWConfig& c, int64_t t, double lr_
   const float decay = static_cast<float>(1.0 - lr * c.weight_decay);
   kern::adamw(m.master.data(), m.grads.data(), m.adam_m.data(), m.adam_v.data(), m.decay_mask.data(), n, b1, b2,
               step_size, bc2_sqrt, eps, decay, m.stream);
+  m.tick(Impl::kOpt);
   m.requantize();
+  m.tick(Impl::kRequant);
+  m.collect();
   return norm;
+}
+
+void GpuTrainer::set_profiling(bool on) {
+  Impl& m = *impl_;
+  m.collect();
+  m.prof = on;
+}
+
+std::string GpuTrainer::profile_report() {
+  Impl& m = *impl_;
+  m.collect();
+  static const char* names[Impl::kNcat] = {"GEMMs", "attention", "MoE routing (+ host sync)", "losses",
+                                           "clip + AdamW", "re-quantization", "other"};
+  std::string r;
+  double total = 0;
+  for (int c = 0; c < Impl::kNcat; ++c) total += m.prof_ms[c];
+  for (int c = 0; c < Impl::kNcat; ++c) {
+    r += fmt::format("{}{} {:.1f} ms", r.empty() ? "" : ", ", names[c], m.prof_ms[c]);
+    m.prof_ms[c] = 0;
+  }
+  return fmt::format("{:.1f} ms: {}", total, r);
 }
 
 void GpuTrainer::adam_state(std::vector<float>* mo, std::vector<float>* vo) const {

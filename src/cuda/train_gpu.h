@@ -97,6 +97,12 @@ class GpuTrainer {
   // AdamW's moments (empty before the first step), for tests and checkpoints.
   void adam_state(std::vector<float>* m, std::vector<float>* v) const;
 
+  // Profiling (benchmarks): with it on, CUDA events split the GPU time into GEMMs, attention, MoE
+  // routing (including its host sync), losses, optimizer, re-quantization and the rest;
+  // profile_report() returns the milliseconds accumulated since the last report and resets them.
+  void set_profiling(bool on);
+  std::string profile_report();
+
   // ---- introspection (tests)
   // "exact" or "fast" for a linear (HF module name); throws for an unknown one.
   std::string linear_path(const std::string& module) const;
