@@ -204,10 +204,12 @@ TEST_P(CudaTrainPreset, MatchesCpuInTheSamePreset) {
   for (size_t l = 0; l < cr.routing.experts.size(); ++l)
     for (size_t i = 0; i < cr.routing.experts[l].size(); ++i) flips += gr.routing.experts[l][i] != cr.routing.experts[l][i];
   EXPECT_LE(flips, 3u) << "expert choices that differ from the CPU's";
-  EXPECT_LT(el, fast ? 1e-3 : 2e-2);
-  EXPECT_NEAR(gr.loss, cr.loss, fast ? 1e-3 : 1e-2);
-  EXPECT_LT(gc.all, fast ? 2e-2 : 5e-2);
-  EXPECT_LT(gc.worst, fast ? 1e-1 : 2e-1);
+  // Measured on the H200: bf16 logits 3.3e-4 / grads 3.4e-3 (worst 4.9e-3); qat 7.9e-8 / 3.3e-3
+  // (4.0e-3); qat-sym 7.7e-8 / 1.4e-3 (2.8e-3).
+  EXPECT_LT(el, 1e-3);
+  EXPECT_NEAR(gr.loss, cr.loss, 1e-3);
+  EXPECT_LT(gc.all, 1e-2);
+  EXPECT_LT(gc.worst, 3e-2);
 }
 
 INSTANTIATE_TEST_SUITE_P(CudaTrain, CudaTrainPreset, ::testing::Values("bf16", "qat", "qat-sym"));
@@ -411,7 +413,9 @@ TEST(CudaTrain, SftLoopLowersTheLossLikeTheCpu) {
       std::printf("sft %s step %d: loss GPU %.6f CPU %.6f (rel L2 %.3g)\n", preset, s + 1, lg[s], lc[s],
                   std::fabs(lg[s] - lc[s]) / lc[s]);
     EXPECT_LT(lg.back(), lg.front() - 0.05) << preset;
-    for (int s = 0; s < 5; ++s) EXPECT_NEAR(lg[s], lc[s], (std::string(preset) == "fp32" ? 1e-4 : 1e-2) * lc[s]) << s;
+    // qat: BF16 dY moves near-zero gradients' signs, which AdamW turns into full-size steps
+    // (measured: at most 0.8% apart over 5 steps).
+    for (int s = 0; s < 5; ++s) EXPECT_NEAR(lg[s], lc[s], (std::string(preset) == "fp32" ? 1e-5 : 3e-2) * lc[s]) << s;
   }
 }
 
