@@ -11,6 +11,7 @@
 #include "common/error.h"
 #include "reqat/config.h"
 #include "reqat/pipeline.h"
+#include "rl/run.h"
 
 namespace {
 
@@ -20,6 +21,7 @@ struct Options {
   bool quiet = false;
   bool no_checkpoints = false;
   bool print_config = false;
+  std::string device;
 };
 
 std::function<int()> setup(CLI::App& app) {
@@ -29,10 +31,24 @@ std::function<int()> setup(CLI::App& app) {
   app.add_option("--out", o->out, "output folder");
   app.add_flag("--quiet", o->quiet, "no progress output");
   app.add_flag("--no-checkpoints", o->no_checkpoints, "do not save the model checkpoints");
+  app.add_option("--device", o->device, "where the evaluation rollouts run: cpu | cuda (sets eval.device)");
   app.add_flag("--print-config", o->print_config, "print the resolved configuration (TOML) and exit");
   return [o] {
     using namespace quads;
-    const reqat::ReqatConfig cfg = reqat::load_reqat_config(o->config, o->sets);
+    std::vector<std::string> sets = o->sets;
+    if (!o->device.empty()) sets.push_back("eval.device=\"" + o->device + "\"");
+    const reqat::ReqatConfig cfg = reqat::load_reqat_config(o->config, sets);
+#ifdef QUADS_HAVE_CUDA
+    rl::install_cuda_rollouts();
+#endif
+    if (cfg.eval.device == "cuda") {  // fail before any work
+      try {
+        (void)rl::rollout_backend_factory();
+      } catch (const Error&) {
+        fail("reqat: eval.device = \"cuda\" (--device cuda), but this build has no CUDA backend (configure with "
+             "-DQUADS_CUDA=ON, or use the cpu)");
+      }
+    }
     if (o->print_config) {
       std::printf("%s", reqat::to_toml(cfg).c_str());
       return 0;

@@ -159,6 +159,13 @@ struct GpuModel::Impl {
   std::unique_ptr<Blas> blas;
   GpuModelStats stats;
 
+  // ReQAT's KV-cache transform (set_kv_transform): per layer a pre-RoPE factor and a post-RoPE key
+  // shift (empty: none), and the row quantizer of K and V.
+  std::vector<DeviceArray<float>> kv_factor, kv_shift;
+  bool kv_quant = false;
+  num::QConfig kv_qc;
+  DeviceArray<float> kbuf, vbuf, kv_amax;
+
   // KV cache
   int slots = 0;
   int64_t max_len = 0;
@@ -936,6 +943,11 @@ struct GpuModel::Impl {
     float* ap = grow(attn, T * qd);
     float* tp = grow(tmp, T * H);
     float* qkvp = grow(qkvbuf, T * (qd + 2 * kvd));
+    bool kv_post = kv_quant;
+    for (const auto& m : kv_shift) kv_post |= m.size() > 0;
+    float* kbp = kv_post ? grow(kbuf, T * kvd) : nullptr;
+    float* vbp = kv_post ? grow(vbuf, T * kvd) : nullptr;
+    float* kvap = kv_quant ? grow(kv_amax, T * nkv) : nullptr;
     float* xep = grow(xe, R * H);
     float* yep = grow(ye, R * H);
     grow(g, R * 2 * maxI);
@@ -1008,8 +1020,18 @@ struct GpuModel::Impl {
       }
       float* kcl = kc.data() + l * cache_layer;
       float* vcl = vc.data() + l * cache_layer;
+      const float* kvf = l < int(kv_factor.size()) && kv_factor[l].size() ? kv_factor[l].data() : nullptr;
       kern::qk_norm_rope_store(qp, kp, vp, M + o.q_norm, M + o.k_norm, eps, d_cos, d_sin, d_slot, d_pos, T, nh, nkv,
-                               hd, kcl, vcl, max_len, stream);
+                               hd, kcl, vcl, max_len, stream, kvf);
+      if (kv_post) {  // ReQAT: the new rows out of the cache (keys shifted), quantized, back
+        const float* kvm = l < int(kv_shift.size()) && kv_shift[l].size() ? kv_shift[l].data() : nullptr;
+        kern::kv_rows(kcl, vcl, d_slot, d_pos, T, nkv, hd, max_len, kvm, kbp, vbp, false, stream);
+        if (kv_quant) {
+          fake_quantize(kbp, kbp, T * nkv, hd, kv_qc, stream, kvap);
+          fake_quantize(vbp, vbp, T * nkv, hd, kv_qc, stream, kvap);
+        }
+        kern::kv_rows(kcl, vcl, d_slot, d_pos, T, nkv, hd, max_len, nullptr, kbp, vbp, true, stream);
+      }
       if (tiled)
         kern::attention_tiled(qp, kcl, vcl, d_slot, d_pos, d_blk, nblk, nh, nkv, hd, scale, max_len, max_ctx, attn_hpc,
                               attn_tpc, ap, stream);
@@ -1208,6 +1230,41 @@ void GpuModel::set_rac(const model::Model& m) {
   g.clear_graphs();
 }
 
+void GpuModel::set_kv_transform(const model::KvTransform& t) {
+  Impl& g = *impl_;
+  const model::ModelConfig& c = g.cfg;
+  const size_t kvd = size_t(c.num_key_value_heads) * c.head_dim;
+  const size_t L = size_t(c.num_hidden_layers);
+  QUADS_CHECK(t.factor.empty() || t.factor.size() == L, "GpuModel::set_kv_transform: {} factor layers, the model has {}",
+              t.factor.size(), L);
+  QUADS_CHECK(t.shift.empty() || t.shift.size() == L, "GpuModel::set_kv_transform: {} shift layers, the model has {}",
+              t.shift.size(), L);
+  for (size_t l = 0; l < t.factor.size(); ++l)
+    QUADS_CHECK(t.factor[l].empty() || t.factor[l].size() == kvd,
+                "GpuModel::set_kv_transform: layer {} factor has {} values, kv_dim is {}", l, t.factor[l].size(), kvd);
+  for (size_t l = 0; l < t.shift.size(); ++l)
+    QUADS_CHECK(t.shift[l].empty() || t.shift[l].size() == kvd,
+                "GpuModel::set_kv_transform: layer {} shift has {} values, kv_dim is {}", l, t.shift[l].size(), kvd);
+  QUADS_CHECK(!t.quantize || c.head_dim % 16 == 0,
+              "GpuModel::set_kv_transform: KV quantization needs head_dim a multiple of 16 (has {})", c.head_dim);
+  QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+  auto upload = [&](const std::vector<std::vector<float>>& src, std::vector<DeviceArray<float>>& dst) {
+    dst.clear();
+    dst.resize(L);
+    for (size_t l = 0; l < src.size(); ++l)
+      if (!src[l].empty()) {
+        dst[l].resize(src[l].size());
+        QUADS_CUDA_CHECK(cudaMemcpy(dst[l].data(), src[l].data(), src[l].size() * sizeof(float), cudaMemcpyHostToDevice));
+      }
+  };
+  upload(t.factor, g.kv_factor);
+  upload(t.shift, g.kv_shift);
+  g.kv_quant = t.quantize;
+  g.kv_qc = t.qconfig;
+  ++g_alloc_gen;  // captured graphs do not have the new kernels
+  g.clear_graphs();
+}
+
 void GpuModel::set_rac_first_channels(double ratio) {
   Impl& g = *impl_;
   QUADS_CUDA_CHECK(cudaDeviceSynchronize());
@@ -1323,9 +1380,15 @@ class GpuBackend : public rollout::StepBackend {
   void copy(int src, int dst) override { m_.copy(src, dst); }
   void clear(int slot) override { m_.clear(slot); }
   void set_rac(const model::Model& calibrated) override { m_.set_rac(calibrated); }
+  void set_kv_transform(const model::KvTransform& t) override {
+    m_.set_kv_transform(t);
+    kv_ = !t.empty();
+  }
+  bool has_kv_transform() const override { return kv_; }
 
  private:
   GpuModel m_;
+  bool kv_ = false;
 };
 
 }  // namespace

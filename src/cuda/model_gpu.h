@@ -25,7 +25,8 @@
 // RAC (model/rac.h) with static channels in whole 16-channel blocks: set_rac copies them from a
 // calibrated CPU model; W4A4 linears run the residual through cuda::w4a4_gemm_gather on W's own
 // codes, fake-quant linears through an SGEMM on the gathered W_eff columns.
-// Not supported (quads::Error): dynamic RAC, KV hooks, routing replay/record.
+// Not supported (quads::Error): dynamic RAC, KV hooks (set_kv_transform is their data form),
+// routing replay/record.
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -79,6 +80,12 @@ class GpuModel {
   // model::rac_count(in, ratio) channels with the default NVFP4 residual (RAC's cost, not a
   // calibrated choice). ratio <= 0 turns RAC off.
   void set_rac_first_channels(double ratio);
+
+  // ReQAT's KV cache (model::KvTransform, built by reqat::make_kv_transform): the pre-RoPE Q-FIT
+  // factor inside the q/k norm + RoPE kernel (between the two, as the CPU hook), then the new K/V
+  // rows shifted and fake-quantized by cuda::fake_quantize (bit-identical to num::fake_quantize)
+  // before attention reads them. An empty transform turns it off.
+  void set_kv_transform(const model::KvTransform& t);
 
   // An empty cache of num_slots sequences of at most max_len positions each.
   void reset_cache(int num_slots, int64_t max_len);

@@ -76,6 +76,26 @@ __global__ void rmsnorm_kernel(const float* __restrict__ x, const float* __restr
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) yr[i] = __fmul_rn(w[i], __fmul_rn(xr[i], inv));
 }
 
+// The new tokens' K and V rows of one layer's cache, [T, kvd] each, to/from contiguous buffers
+// (ReQAT's KV quantization runs the row quantizer on them); keys lose `shift` on the way out.
+__global__ void kv_rows_kernel(float* __restrict__ kcache, float* __restrict__ vcache, const int32_t* __restrict__ slot,
+                               const int32_t* __restrict__ pos, int64_t T, int64_t kvd, int64_t max_len,
+                               const float* __restrict__ shift, float* __restrict__ kbuf, float* __restrict__ vbuf,
+                               bool to_cache) {
+  const int64_t total = T * kvd;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / kvd, c = i - t * kvd;
+    const int64_t at = (int64_t(slot[t]) * max_len + pos[t]) * kvd + c;
+    if (to_cache) {
+      kcache[at] = kbuf[i];
+      vcache[at] = vbuf[i];
+    } else {
+      kbuf[i] = shift ? __fsub_rn(kcache[at], shift[c]) : kcache[at];
+      vbuf[i] = vcache[at];
+    }
+  }
+}
+
 __global__ void gather_rows_kernel(const float* __restrict__ x, const int32_t* __restrict__ idx, int64_t n, int div,
                                    int64_t D, float* __restrict__ out) {
   const int64_t total = n * D;
@@ -86,9 +106,12 @@ __global__ void gather_rows_kernel(const float* __restrict__ x, const int32_t* _
 }
 
 // One warp per (token, head) row of hd: RMSNorm (double sum, fixed tree), then RoPE on the pairs
-// (i, i + hd/2) as cpu::rope_forward: v[i] = a*c + (-b)*s, v[i+half] = b*c + a*s.
+// (i, i + hd/2) as cpu::rope_forward: v[i] = a*c + (-b)*s, v[i+half] = b*c + a*s. Between the two,
+// ReQAT's pre-RoPE Q-FIT factor f (when non-null): queries multiplied, keys divided (div), as
+// reqat's pre_rope hook does between the norm and RoPE on the CPU.
 __device__ void norm_rope_row(const float* __restrict__ src, float* __restrict__ dst, const float* __restrict__ wn,
-                              float eps, const float* __restrict__ c, const float* __restrict__ sn, int hd) {
+                              float eps, const float* __restrict__ c, const float* __restrict__ sn, int hd,
+                              const float* __restrict__ f = nullptr, bool div = false) {
   const int lane = threadIdx.x & 31;
   double ss = 0;
   for (int i = lane; i < hd; i += 32) ss += double(src[i]) * double(src[i]);
@@ -96,8 +119,12 @@ __device__ void norm_rope_row(const float* __restrict__ src, float* __restrict__
   const float inv = static_cast<float>(1.0 / sqrt(ss / double(hd) + double(eps)));
   const int half = hd / 2;
   for (int i = lane; i < half; i += 32) {
-    const float a = __fmul_rn(wn[i], __fmul_rn(src[i], inv));
-    const float b = __fmul_rn(wn[i + half], __fmul_rn(src[i + half], inv));
+    float a = __fmul_rn(wn[i], __fmul_rn(src[i], inv));
+    float b = __fmul_rn(wn[i + half], __fmul_rn(src[i + half], inv));
+    if (f) {
+      a = div ? __fdiv_rn(a, f[i]) : __fmul_rn(a, f[i]);
+      b = div ? __fdiv_rn(b, f[i + half]) : __fmul_rn(b, f[i + half]);
+    }
     const float lo = __fadd_rn(__fmul_rn(a, c[i]), __fmul_rn(-b, sn[i]));
     const float hi = __fadd_rn(__fmul_rn(b, c[i]), __fmul_rn(a, sn[i]));
     dst[i] = lo;
@@ -111,7 +138,8 @@ __global__ void qk_norm_rope_store_kernel(float* __restrict__ q, const float* __
                                           const float* __restrict__ kn, float eps, const float* __restrict__ cos,
                                           const float* __restrict__ sin, const int32_t* __restrict__ slot,
                                           const int32_t* __restrict__ pos, int nh, int nkv, int hd,
-                                          float* __restrict__ kcache, float* __restrict__ vcache, int64_t max_len) {
+                                          float* __restrict__ kcache, float* __restrict__ vcache, int64_t max_len,
+                                          const float* __restrict__ prescale) {
   const int64_t t = blockIdx.x;
   const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5, lane = threadIdx.x & 31;
   const float* c = cos + t * (hd / 2);
@@ -121,10 +149,11 @@ __global__ void qk_norm_rope_store_kernel(float* __restrict__ q, const float* __
   for (int r = warp; r < nh + 2 * nkv; r += nwarps) {
     if (r < nh) {
       float* row = q + (t * nh + r) * hd;
-      norm_rope_row(row, row, qn, eps, c, sn, hd);
+      norm_rope_row(row, row, qn, eps, c, sn, hd, prescale ? prescale + int64_t(r / (nh / nkv)) * hd : nullptr);
     } else if (r < nh + nkv) {
       const int g = r - nh;
-      norm_rope_row(k + (t * nkv + g) * hd, kcache + cpos + int64_t(g) * hd, kn, eps, c, sn, hd);
+      norm_rope_row(k + (t * nkv + g) * hd, kcache + cpos + int64_t(g) * hd, kn, eps, c, sn, hd,
+                    prescale ? prescale + int64_t(g) * hd : nullptr, true);
     } else {
       const int g = r - nh - nkv;
       const float* src = v + (t * nkv + g) * hd;
@@ -466,11 +495,21 @@ void gather_rows(const float* x, const int32_t* idx, int64_t n, int div, int64_t
 
 void qk_norm_rope_store(float* q, const float* k, const float* v, const float* qn, const float* kn, float eps,
                         const float* cos, const float* sin, const int32_t* slot, const int32_t* pos, int64_t T,
-                        int nh, int nkv, int hd, float* kcache, float* vcache, int64_t max_len, cudaStream_t s) {
+                        int nh, int nkv, int hd, float* kcache, float* vcache, int64_t max_len, cudaStream_t s,
+                        const float* prescale) {
   if (T == 0) return;
   QUADS_CHECK(hd % 2 == 0, "cuda qk_norm_rope: head_dim {} must be even", hd);
   qk_norm_rope_store_kernel<<<static_cast<unsigned>(T), 256, 0, s>>>(q, k, v, qn, kn, eps, cos, sin, slot, pos, nh, nkv,
-                                                                     hd, kcache, vcache, max_len);
+                                                                     hd, kcache, vcache, max_len, prescale);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void kv_rows(float* kcache, float* vcache, const int32_t* slot, const int32_t* pos, int64_t T, int nkv, int hd,
+             int64_t max_len, const float* shift, float* kbuf, float* vbuf, bool to_cache, cudaStream_t s) {
+  const int64_t kvd = int64_t(nkv) * hd;
+  if (T * kvd == 0) return;
+  kv_rows_kernel<<<grid_for(T * kvd), kThreads, 0, s>>>(kcache, vcache, slot, pos, T, kvd, max_len, shift, kbuf, vbuf,
+                                                         to_cache);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 

@@ -26,7 +26,16 @@ void gather_rows(const float* x, const int32_t* idx, int64_t n, int div, int64_t
 // (slot[t], pos[t]). Cache layout per layer: [slots, max_len, nkv, hd].
 void qk_norm_rope_store(float* q, const float* k, const float* v, const float* qn, const float* kn, float eps,
                         const float* cos, const float* sin, const int32_t* slot, const int32_t* pos, int64_t T,
-                        int nh, int nkv, int hd, float* kcache, float* vcache, int64_t max_len, cudaStream_t s);
+                        int nh, int nkv, int hd, float* kcache, float* vcache, int64_t max_len, cudaStream_t s,
+                        const float* prescale = nullptr);
+// prescale (optional, [nkv, hd]): ReQAT's Q-FIT factor, applied between the norm and RoPE (queries
+// multiplied by their kv head's row, keys divided), as reqat's pre_rope hook on the CPU.
+
+// The new tokens' K/V rows of one layer's cache (at (slot[t], pos[t])) to contiguous kbuf, vbuf
+// [T, nkv*hd] (keys minus `shift` [nkv*hd] when non-null), or back into the cache with to_cache:
+// ReQAT's post-RoPE shift and KV quantization run on the contiguous rows.
+void kv_rows(float* kcache, float* vcache, const int32_t* slot, const int32_t* pos, int64_t T, int nkv, int hd,
+             int64_t max_len, const float* shift, float* kbuf, float* vbuf, bool to_cache, cudaStream_t s);
 
 // Causal attention over the cache (cpu::attention_forward): token t (query q[t], [nh, hd]) attends
 // to keys/values 0..pos[t] of its slot; out [T, nh*hd]. GQA: head h uses kv head h / (nh / nkv).

@@ -913,20 +913,37 @@ std::vector<float> GpuTrainer::grads() const {
   return m.grads.download();
 }
 
+namespace {
+// AdamW's device state, zero-initialized at first use.
+void ensure_adam(GpuTrainer::Impl& m) {
+  const int64_t n = static_cast<int64_t>(m.lay.total);
+  if (m.adam_m.size() == size_t(n)) return;
+  QUADS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  m.adam_m.resize(n);
+  m.adam_v.resize(n);
+  m.adam_m.fill_bytes(0);
+  m.adam_v.fill_bytes(0);
+  m.decay_mask.upload(train::AdamW::decay_mask(m.lay));
+  m.norm_scratch.resize(size_t(std::max<int64_t>(kern::global_norm_scratch(n), 1)));
+  m.norm_out.resize(1);
+}
+}  // namespace
+
+void GpuTrainer::set_adam_state(const std::vector<float>& mo, const std::vector<float>& vo) {
+  Impl& m = *impl_;
+  QUADS_CHECK(mo.size() == m.lay.total && vo.size() == m.lay.total,
+              "GpuTrainer::set_adam_state: {} / {} moments for {} parameters", mo.size(), vo.size(), m.lay.total);
+  ensure_adam(m);
+  QUADS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  QUADS_CUDA_CHECK(cudaMemcpy(m.adam_m.data(), mo.data(), mo.size() * sizeof(float), cudaMemcpyHostToDevice));
+  QUADS_CUDA_CHECK(cudaMemcpy(m.adam_v.data(), vo.data(), vo.size() * sizeof(float), cudaMemcpyHostToDevice));
+}
+
 double GpuTrainer::adamw_step(const train::AdamWConfig& c, int64_t t, double lr_override) {
   Impl& m = *impl_;
   QUADS_CHECK(t >= 1, "GpuTrainer::adamw_step: step number {} (the first step is 1)", t);
   const int64_t n = static_cast<int64_t>(m.lay.total);
-  if (m.adam_m.size() != size_t(n)) {
-    QUADS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
-    m.adam_m.resize(n);
-    m.adam_v.resize(n);
-    m.adam_m.fill_bytes(0);
-    m.adam_v.fill_bytes(0);
-    m.decay_mask.upload(train::AdamW::decay_mask(m.lay));
-    m.norm_scratch.resize(size_t(std::max<int64_t>(kern::global_norm_scratch(n), 1)));
-    m.norm_out.resize(1);
-  }
+  ensure_adam(m);
   m.tick(-1);
   kern::global_norm(m.grads.data(), n, m.norm_scratch.data(), m.norm_out.data(), m.stream);
   double norm = 0;
@@ -1024,6 +1041,21 @@ class GpuTrainBackend : public train::TrainBackend {
     g_.backward(dlogits, grads);
   }
   void sync(const model::Weights& w) override { g_.upload(w); }
+
+  // AdamW on the device: no gradient or master crosses PCIe in a step.
+  bool has_optimizer() const override { return true; }
+  double optimizer_step(train::AdamW& opt, double lr) override {
+    const double norm = g_.adamw_step(opt.cfg, opt.t + 1, lr);
+    ++opt.t;
+    return norm;
+  }
+  void download(model::Weights& w, train::AdamW* opt) override {
+    g_.download(w);
+    if (opt && opt->t > 0) g_.adam_state(&opt->m, &opt->v);
+  }
+  void upload_optimizer(const train::AdamW& opt) override {
+    if (opt.t > 0) g_.set_adam_state(opt.m, opt.v);
+  }
 
  private:
   GpuTrainer g_;

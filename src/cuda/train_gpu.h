@@ -96,6 +96,8 @@ class GpuTrainer {
   double adamw_step(const train::AdamWConfig& cfg, int64_t t, double lr = 0);
   // AdamW's moments (empty before the first step), for tests and checkpoints.
   void adam_state(std::vector<float>* m, std::vector<float>* v) const;
+  // ... and back to the device (resume from a checkpoint); sizes must match the model.
+  void set_adam_state(const std::vector<float>& m, const std::vector<float>& v);
 
   // Profiling (benchmarks): with it on, CUDA events split the GPU time into GEMMs, attention, MoE
   // routing (including its host sync), losses, optimizer, re-quantization and the rest;

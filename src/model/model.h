@@ -55,6 +55,22 @@ struct KvHooks {
   bool empty() const { return !pre_rope && !post_rope; }
 };
 
+// The same transform as data (reqat::make_kv_transform builds it and the CPU hooks from it), for
+// step backends that cannot call KvHooks (the GPU): per decoder layer an optional pre-RoPE factor
+// f [n_kv * head_dim] (queries *= f of their kv head, keys /= f), an optional post-RoPE key shift
+// m [n_kv * head_dim] (keys -= m), then, with `quantize`, K and V fake-quantized per (token, kv head)
+// row of head_dim values with `qconfig`.
+struct KvTransform {
+  std::vector<std::vector<float>> factor, shift;  // per layer, or empty; an empty entry: identity
+  bool quantize = false;
+  num::QConfig qconfig;
+  bool empty() const {
+    for (const auto& f : factor) if (!f.empty()) return false;
+    for (const auto& m : shift) if (!m.empty()) return false;
+    return !quantize;
+  }
+};
+
 // Expert choices: for each decoder layer, [T, k] expert ids (empty for dense layers), T in batch
 // order. Recorded by forward/step on request, or replayed by the training forward (routing
 // replay: the expert SET is taken from the replay, the weights from this model's own router

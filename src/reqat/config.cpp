@@ -57,6 +57,7 @@ std::vector<Field> fields(ReqatConfig& c) {
   add("eval.size", &c.eval.size);
   add("eval.max_new_tokens", &c.eval.max_new_tokens);
   add("eval.low_entropy", &c.eval.low_entropy);
+  add("eval.device", &c.eval.device);
   add("tasks.families", &c.tasks.families);
   add("tasks.add_digits", &c.tasks.add_digits);
   add("tasks.mul_digits", &c.tasks.mul_digits);
@@ -245,6 +246,8 @@ void validate(const ReqatConfig& c, const std::string& origin) {
   QUADS_CHECK(c.qfit.grid >= 1 && c.qfit.grid <= 100, "{}: 'qfit.grid' must be in 1..100", origin);
   QUADS_CHECK(c.eval.size > 0 && c.eval.max_new_tokens > 0, "{}: [eval] size and max_new_tokens must be positive",
               origin);
+  QUADS_CHECK(c.eval.device == "cpu" || c.eval.device == "cuda", "{}: 'eval.device' is \"{}\" (cpu | cuda)", origin,
+              c.eval.device);
   // The task and model keys are checked by the RL config's validator.
   rl::RunConfig rc;
   rc.model = c.model;

@@ -53,6 +53,7 @@ struct EvalSection {
   int64_t size = 128;
   int64_t max_new_tokens = 48;
   double low_entropy = 0.5;  // nats: "low-entropy" token in the divergence analysis
+  std::string device = "cpu";  // cpu | cuda: where the evaluation rollouts run (training: the CPU)
 };
 
 // Stage-2 variants: plain_qat (QAT on different data: worked solutions of fresh prompts, no SEM,

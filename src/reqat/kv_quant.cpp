@@ -123,62 +123,62 @@ void apply_post(float* k, float* v, int64_t n, int64_t kvd, int hd, const float*
   }
 }
 
-struct HookState {
-  int nh = 0, nkv = 0, hd = 0;
-  std::vector<std::vector<float>> f, m;  // per layer; empty = identity
-  bool quant = false;
-  num::QConfig qc;
-};
 
 }  // namespace
 
-model::KvHooks make_kv_hooks(const model::ModelConfig& cfg, const KvQuantConfig& kv, const QFit* qfit) {
-  auto st = std::make_shared<HookState>();
-  st->nh = cfg.num_attention_heads;
-  st->nkv = cfg.num_key_value_heads;
-  st->hd = cfg.head_dim;
+model::KvTransform make_kv_transform(const model::ModelConfig& cfg, const KvQuantConfig& kv, const QFit* qfit) {
+  model::KvTransform t;
   const int64_t kvd = cfg.kv_dim();
-  st->quant = kv.enabled;
+  t.quantize = kv.enabled;
   if (kv.enabled) {
-    st->qc = kv.qconfig();
+    t.qconfig = kv.qconfig();
     QUADS_CHECK(cfg.head_dim % 16 == 0, "KV-cache quantization needs head_dim a multiple of 16 (16-element blocks), "
                                         "the model has head_dim {}", cfg.head_dim);
   }
-  bool any_scale = false, any_shift = false;
   if (qfit && !qfit->empty()) {
     QUADS_CHECK(static_cast<int>(qfit->layers.size()) == cfg.num_hidden_layers,
                 "Q-FIT has {} layers, the model {}", qfit->layers.size(), cfg.num_hidden_layers);
-    st->f.resize(cfg.num_hidden_layers);
-    st->m.resize(cfg.num_hidden_layers);
+    t.factor.resize(cfg.num_hidden_layers);
+    t.shift.resize(cfg.num_hidden_layers);
     for (int l = 0; l < cfg.num_hidden_layers; ++l) {
       const QFitLayer& L = qfit->layers[l];
       QUADS_CHECK(L.scale.empty() || static_cast<int64_t>(L.scale.size()) == kvd,
                   "Q-FIT layer {}: scale has {} values, the model's kv_dim is {}", l, L.scale.size(), kvd);
       QUADS_CHECK(L.shift.empty() || static_cast<int64_t>(L.shift.size()) == kvd,
                   "Q-FIT layer {}: shift has {} values, the model's kv_dim is {}", l, L.shift.size(), kvd);
-      if (!L.scale.empty() && L.alpha != 0) {
-        st->f[l] = scale_factors(L.scale, L.alpha);
-        any_scale = true;
-      }
-      if (!L.shift.empty() && L.beta != 0) {
-        st->m[l] = shift_values(L.shift, L.beta);
-        any_shift = true;
-      }
+      if (!L.scale.empty() && L.alpha != 0) t.factor[l] = scale_factors(L.scale, L.alpha);
+      if (!L.shift.empty() && L.beta != 0) t.shift[l] = shift_values(L.shift, L.beta);
     }
   }
+  return t;
+}
+
+model::KvHooks make_kv_hooks(const model::ModelConfig& cfg, const KvQuantConfig& kv, const QFit* qfit) {
+  struct State {
+    int nh = 0, nkv = 0, hd = 0;
+    model::KvTransform t;
+  };
+  auto st = std::make_shared<State>();
+  st->nh = cfg.num_attention_heads;
+  st->nkv = cfg.num_key_value_heads;
+  st->hd = cfg.head_dim;
+  st->t = make_kv_transform(cfg, kv, qfit);
+  bool any_scale = false, any_shift = false;
+  for (const auto& f : st->t.factor) any_scale |= !f.empty();
+  for (const auto& m : st->t.shift) any_shift |= !m.empty();
   model::KvHooks h;
   if (any_scale) {
     h.pre_rope = [st](int l, float* q, float* k, int64_t n) {
-      if (!st->f[l].empty()) apply_scale(q, k, n, st->nh, st->nkv, st->hd, st->f[l].data());
+      if (!st->t.factor[l].empty()) apply_scale(q, k, n, st->nh, st->nkv, st->hd, st->t.factor[l].data());
     };
     h.pre_rope_backward = [st](int l, float* dq, float* dk, int64_t n) {
-      if (!st->f[l].empty()) apply_scale_backward(dq, dk, n, st->nh, st->nkv, st->hd, st->f[l].data());
+      if (!st->t.factor[l].empty()) apply_scale_backward(dq, dk, n, st->nh, st->nkv, st->hd, st->t.factor[l].data());
     };
   }
-  if (any_shift || st->quant) {
+  if (any_shift || st->t.quantize) {
     h.post_rope = [st](int l, float* k, float* v, int64_t n) {
-      const float* m = (!st->m.empty() && !st->m[l].empty()) ? st->m[l].data() : nullptr;
-      apply_post(k, v, n, static_cast<int64_t>(st->nkv) * st->hd, st->hd, m, st->quant ? &st->qc : nullptr);
+      const float* m = (!st->t.shift.empty() && !st->t.shift[l].empty()) ? st->t.shift[l].data() : nullptr;
+      apply_post(k, v, n, static_cast<int64_t>(st->nkv) * st->hd, st->hd, m, st->t.quantize ? &st->t.qconfig : nullptr);
     };
   }
   return h;

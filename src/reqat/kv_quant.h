@@ -72,6 +72,9 @@ struct QFit {
   static QFit from_json(const nlohmann::json& j, int num_layers, int64_t kv_dim, const std::string& origin);
 };
 
+// The transform as data (model::KvTransform: Q-FIT factors s^alpha and shifts beta * mean, the KV
+// quantizer), the form a GPU step backend takes. Same checks as make_kv_hooks.
+model::KvTransform make_kv_transform(const model::ModelConfig& cfg, const KvQuantConfig& kv, const QFit* qfit);
 // The hooks for a model with config `cfg`: Q-FIT (when qfit is non-null and non-empty) and KV
 // fake quantization (when kv.enabled). Throws when head_dim is not a multiple of 16 (with KV
 // quantization) or the Q-FIT sizes do not match the config.

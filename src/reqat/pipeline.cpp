@@ -121,7 +121,9 @@ nlohmann::ordered_json run_reqat(const ReqatConfig& cfg, const std::string& out,
     traces = solutions(trace_tasks, tok);
   } else {
     say(fmt::format("traces: greedy decoding of the base model on {} training prompts", trace_tasks.size()));
-    const EvalResult r = evaluate(base, fp_infer(), trace_tasks, tok, max_new);
+    InferSpec fp = fp_infer();
+    fp.device = cfg.eval.device;
+    const EvalResult r = evaluate(base, fp, trace_tasks, tok, max_new);
     for (size_t i = 0; i < trace_tasks.size(); ++i) {
       if (r.verdicts[i].outcome != rl::Outcome::Correct) continue;
       rl::SftExample e;
@@ -210,11 +212,14 @@ nlohmann::ordered_json run_reqat(const ReqatConfig& cfg, const std::string& out,
     r.what = what;
     InferSpec fp = fp_infer();
     fp.qfit = q;
+    fp.device = cfg.eval.device;
     InferSpec a4 = fp;
     a4.precision = "nvfp4";
+    InferSpec a4kv4 = w4a4kv4_infer(kv, q);
+    a4kv4.device = cfg.eval.device;
     EvalResult efp = evaluate(w, fp, evalset, tok, max_new);
     EvalResult ea4 = evaluate(w, a4, evalset, tok, max_new);
-    EvalResult ekv = evaluate(w, w4a4kv4_infer(kv, q), evalset, tok, max_new);
+    EvalResult ekv = evaluate(w, a4kv4, evalset, tok, max_new);
     r.fp = efp.score.pass1;
     r.w4a4 = ea4.score.pass1;
     r.w4a4kv4 = ekv.score.pass1;

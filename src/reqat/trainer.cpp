@@ -7,6 +7,7 @@
 #include "common/error.h"
 #include "common/progress.h"
 #include "rollout/engine.h"
+#include "rl/run.h"
 #include "train/adamw.h"
 #include "train/losses.h"
 
@@ -140,6 +141,10 @@ EvalResult evaluate(const model::Weights& w, const InferSpec& spec, const std::v
   eo.max_batch = max_batch;
   rollout::RolloutEngine eng(w, model::PrecisionConfig::preset(spec.precision), eo);
   if (spec.kv.enabled || (spec.qfit && !spec.qfit->empty())) install_kv_hooks(eng.model(), spec.kv, spec.qfit);
+  if (spec.device == "cuda") {
+    eng.set_backend(rl::rollout_backend_factory()(w, eng.precision()));
+    eng.backend()->set_kv_transform(make_kv_transform(w.cfg, spec.kv, spec.qfit));
+  }
   std::vector<rollout::Request> reqs;
   reqs.reserve(tasks.size());
   for (size_t i = 0; i < tasks.size(); ++i) {

@@ -55,6 +55,7 @@ struct InferSpec {
   std::string precision = "fp32";  // model::PrecisionConfig preset ("nvfp4" = W4A4)
   KvQuantConfig kv;                // KV4 hooks (kv.enabled = false: float32 cache)
   const QFit* qfit = nullptr;      // Q-FIT hooks (with or without KV quantization)
+  std::string device = "cpu";      // cuda: the GPU step backend with the same KV transform
   std::string describe() const;
 };
 inline InferSpec fp_infer() { InferSpec s; s.kv.enabled = false; return s; }

@@ -227,6 +227,7 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
     gtrain = train::gpu_train_backend_factory()(W, trainer_precision(spec));
     if (ref) gref = train::gpu_train_backend_factory()(*ref_w, trainer_precision(spec));
   }
+  const bool dev_opt = gtrain && gtrain->has_optimizer() && !opt.grad_hook;
   auto trainer_forward = [&](const model::Batch& b, float* lg, model::Activations* keep,
                              const model::ForwardOptions& fo) {
     if (!gtrain) return trainer.forward(b, lg, keep, fo);
@@ -278,6 +279,7 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
   if (opt.resume && load_checkpoint(opt.out_dir, W, adam, ck, opt.mode, opt.seed)) {
     trainer.sync();
     if (gtrain) gtrain->sync(W);
+    if (dev_opt) gtrain->upload_optimizer(adam);
   }
   const double elapsed0 = ck.elapsed;
   std::vector<nlohmann::json> rows = ck.rows;
@@ -509,21 +511,33 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
       } else {
         train::token_logprobs_backward(logits.data(), T, V, targets.data(), dlp.data(), dlogits.data());
       }
-      std::fill(grads.begin(), grads.end(), 0.f);
-      if (gtrain) gtrain->backward(dlogits.data(), grads.data());
-      else trainer.backward(acts, dlogits.data(), grads.data());
-      if (opt.grad_hook) opt.grad_hook(step, grads.data(), grads.size());
-      const double gn = train::global_norm(grads.data(), grads.size());
+      double gn = 0;
+      if (dev_opt) {  // gradient, clipping and AdamW where the masters are; checked right after
+        gtrain->backward(dlogits.data(), nullptr);
+        gn = gtrain->optimizer_step(adam);
+      } else {
+        std::fill(grads.begin(), grads.end(), 0.f);
+        if (gtrain) gtrain->backward(dlogits.data(), grads.data());
+        else trainer.backward(acts, dlogits.data(), grads.data());
+        if (opt.grad_hook) opt.grad_hook(step, grads.data(), grads.size());
+        gn = train::global_norm(grads.data(), grads.size());
+      }
       QUADS_CHECK(std::isfinite(pr.loss) && std::isfinite(gn),
                   "rl ({} seed {}): {} at step {} (minibatch {}); the run stops here, the last good checkpoint "
                   "is {}/checkpoint",
                   opt.mode, opt.seed, std::isfinite(pr.loss) ? "NaN/Inf in the gradients" : "NaN/Inf in the loss",
                   step, mb, opt.out_dir);
       gnorm_max = std::max(gnorm_max, gn);
+      if (dev_opt) continue;
       adam.step(W.data.data(), grads.data());
       const auto ts = Clock::now();
       if (gtrain) gtrain->sync(W);
       else trainer.sync();  // W_eff of the new masters (bf16 rounding or the QAT weights)
+      t_sync += since(ts);
+    }
+    if (dev_opt) {  // the new masters for the rollout engines' sync
+      const auto ts = Clock::now();
+      gtrain->download(W, nullptr);
       t_sync += since(ts);
     }
     if (!R.routing_replay || !r_train.experts.empty()) route_mm = routing_mismatch(r_roll, r_train, K);
@@ -575,6 +589,7 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
       ck.step = done;
       ck.elapsed = elapsed();
       ck.rows = rows;
+      if (dev_opt) gtrain->download(W, &adam);  // AdamW's moments (the masters are current)
       save_checkpoint(opt.out_dir, W, adam, ck, opt.mode, opt.seed);
     }
     if (bar) bar->update(done, {{"reward", last_reward}, {"gap", last_gap}, {"pass1", last_pass1}});
@@ -592,6 +607,7 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
     ck.step = steps;
     ck.elapsed = elapsed();
     ck.rows = rows;
+    if (dev_opt) gtrain->download(W, &adam);
     save_checkpoint(opt.out_dir, W, adam, ck, opt.mode, opt.seed);
   }
   if (bar) {

@@ -94,10 +94,12 @@ RolloutBackendFactory rollout_backend_factory();
 
 #ifdef QUADS_HAVE_CUDA
 // Only where quads_cuda is linked (it defines QUADS_HAVE_CUDA for its users): the quads binary
-// and quads_cuda_tests call this once before run_rl / run_compare.
+// and quads_cuda_tests call this once before run_rl / run_compare (GPU rollouts and the GPU trainer).
 #include "common/error.h"
 #include "cuda/device.h"
 #include "cuda/model_gpu.h"
+#include "cuda/train_gpu.h"
+#include "train/backend.h"
 
 namespace quads::rl {
 
@@ -105,6 +107,10 @@ inline void install_cuda_rollouts() {
   set_rollout_backend_factory([](const model::Weights& w, const model::PrecisionConfig& p) {
     QUADS_CHECK(cuda::device_count() > 0, "rl.device = \"cuda\": no CUDA device found (set rl.device = \"cpu\")");
     return cuda::make_gpu_backend(w, p);
+  });
+  train::register_gpu_train_backend([](const model::Weights& w, const model::PrecisionConfig& p) {
+    QUADS_CHECK(cuda::device_count() > 0, "rl.train_device = \"cuda\": no CUDA device found (set rl.train_device = \"cpu\")");
+    return cuda::make_gpu_trainer(w, p);
   });
 }
 

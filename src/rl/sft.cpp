@@ -88,13 +88,19 @@ SftResult run_sft(const RunConfig& cfg, const std::string& dir, bool progress) {
     else m.forward(b, logits.data(), &acts);
     const double loss = train::cross_entropy(logits.data(), T, V, targets.data(), weight.data(), dlogits.data());
     QUADS_CHECK(std::isfinite(loss), "sft: the loss is {} at step {}", loss, step);
-    std::fill(grads.begin(), grads.end(), 0.f);
-    if (gpu) gpu->backward(dlogits.data(), grads.data());
-    else m.backward(acts, dlogits.data(), grads.data());
-    const double gnorm = opt.step(w.data.data(), grads.data(), lr_at(cfg.sft, step));
+    double gnorm = 0;
+    if (gpu && gpu->has_optimizer()) {  // AdamW where the masters are
+      gpu->backward(dlogits.data(), nullptr);
+      gnorm = gpu->optimizer_step(opt, lr_at(cfg.sft, step));
+    } else {
+      std::fill(grads.begin(), grads.end(), 0.f);
+      if (gpu) gpu->backward(dlogits.data(), grads.data());
+      else m.backward(acts, dlogits.data(), grads.data());
+      gnorm = opt.step(w.data.data(), grads.data(), lr_at(cfg.sft, step));
+      if (gpu) gpu->sync(w);
+      else m.sync();
+    }
     QUADS_CHECK(std::isfinite(gnorm), "sft: the gradient norm is {} at step {}", gnorm, step);
-    if (gpu) gpu->sync(w);
-    else m.sync();
     if (step >= steps - std::max<int64_t>(1, steps / 10)) {
       tail_loss += loss;
       ++tail_n;
@@ -102,6 +108,7 @@ SftResult run_sft(const RunConfig& cfg, const std::string& dir, bool progress) {
     if (bar) bar->update(step + 1, {{"loss", loss}, {"lr", lr_at(cfg.sft, step)}});
   }
   if (bar) bar->finish();
+  if (gpu && gpu->has_optimizer()) gpu->download(w, nullptr);
 
   SftResult r;
   r.final_loss = tail_n ? tail_loss / tail_n : std::nan("");

@@ -119,6 +119,10 @@ std::vector<Result> RolloutEngine::generate(const std::vector<Request>& requests
   // The CPU cache, or the backend's (sized for the longest request).
   model::KVCache cache(cfg, backend_ ? 1 : nslots);
   if (backend_) {
+    QUADS_CHECK(model_->kv_hooks.empty() || backend_->has_kv_transform(),
+                "rollout: the model has KV-cache hooks, which the step backend {} does not see: give it the same "
+                "transform with StepBackend::set_kv_transform",
+                backend_->name());
     int64_t max_len = 1;
     for (int i : todo)
       max_len = std::max<int64_t>(max_len, static_cast<int64_t>(requests[i].prompt.size()) + requests[i].max_new_tokens);
@@ -268,5 +272,8 @@ std::vector<Result> RolloutEngine::generate(const std::vector<Request>& requests
 }
 
 void StepBackend::set_rac(const model::Model&) { fail("step backend {} does not run RAC", name()); }
+void StepBackend::set_kv_transform(const model::KvTransform& t) {
+  QUADS_CHECK(t.empty(), "step backend {} does not run a KV-cache transform (ReQAT's KV4 / Q-FIT)", name());
+}
 
 }  // namespace quads::rollout

@@ -86,6 +86,10 @@ class StepBackend {
   // Static RAC channels from a calibrated CPU model of the same weights (model/rac.h); a backend
   // without RAC support throws quads::Error naming itself.
   virtual void set_rac(const model::Model& calibrated);
+  // ReQAT's KV-cache transform (the CPU model's kv_hooks do not reach a backend; the engine refuses
+  // to run a model with hooks on a backend without one). Default: throws unless t is empty.
+  virtual void set_kv_transform(const model::KvTransform& t);
+  virtual bool has_kv_transform() const { return false; }
 };
 
 class RolloutEngine {

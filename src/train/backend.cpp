@@ -11,6 +11,10 @@ std::mutex g_mu;
 TrainBackendFactory g_factory;
 }  // namespace
 
+double TrainBackend::optimizer_step(AdamW&, double) { fail("train backend {} has no optimizer", name()); }
+void TrainBackend::download(model::Weights&, AdamW*) { fail("train backend {} keeps no masters", name()); }
+void TrainBackend::upload_optimizer(const AdamW&) { fail("train backend {} has no optimizer", name()); }
+
 void register_gpu_train_backend(TrainBackendFactory f) {
   std::lock_guard<std::mutex> lk(g_mu);
   g_factory = std::move(f);

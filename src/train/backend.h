@@ -9,6 +9,7 @@
 #include <string>
 
 #include "model/model.h"
+#include "train/adamw.h"
 
 namespace quads::train {
 
@@ -21,10 +22,26 @@ class TrainBackend {
   // the expert choices, as ForwardOptions::record.
   virtual void forward(const model::Batch& b, float* logits, bool keep, model::Routing* record = nullptr) = 0;
   // From dL/dlogits [T, V] (host) of the last kept forward: ADDS the gradient with respect to every
-  // parameter into grads (host, weights layout), as model::Model::backward.
+  // parameter into grads (host, weights layout), as model::Model::backward. grads may be null with
+  // has_optimizer(): the gradient then stays with the backend for optimizer_step().
   virtual void backward(const float* dlogits, float* grads) = 0;
   // The host masters changed (optimizer step, resume): upload and re-quantize (model::Model::sync).
   virtual void sync(const model::Weights& w) = 0;
+
+  // Optional: AdamW where the masters are (a GPU keeps masters, m and v on the device, so a step
+  // moves no gradient or weight over PCIe). With has_optimizer(), a caller may run
+  //   backward(dlogits, nullptr); optimizer_step(opt, lr);
+  // instead of a host step, and download() whenever it needs the host masters (weight sync,
+  // checkpoint). The host AdamW `opt` carries the configuration and the step count (t is
+  // incremented as AdamW::step does); its m and v are only filled by download().
+  virtual bool has_optimizer() const { return false; }
+  // Clip + one AdamW step (train::AdamW::step's arithmetic) on the last backward's gradient; lr > 0
+  // overrides opt.cfg.lr. Returns the gradient norm before clipping.
+  virtual double optimizer_step(AdamW& opt, double lr = 0);
+  // The masters (and with opt, AdamW's m and v) to the host.
+  virtual void download(model::Weights& w, AdamW* opt);
+  // AdamW's m and v to the backend (resume); the masters go with sync().
+  virtual void upload_optimizer(const AdamW& opt);
 };
 
 // Makes a trainer backend for weights w in precision p (a trainer preset: fp32, bf16, qat, ...).

@@ -20,6 +20,7 @@
 #include "cuda_test_util.h"
 #include "model/model.h"
 #include "model/rac.h"
+#include "reqat/kv_quant.h"
 #include "rollout/engine.h"
 
 using namespace quads;
@@ -396,6 +397,67 @@ TEST(CudaModelGpu, RacMatchesCpu) {
   if (!aligned) {
     EXPECT_THROW(g.set_rac(m), Error);
   }
+}
+
+// ReQAT's W4A4KV4 on the GPU: the KV transform (Q-FIT factor and shift, E1M2 KV quantization) gives
+// the CPU model's logits with the same hooks, prefill and token by token.
+TEST(CudaModelGpu, KvTransformMatchesCpuHooks) {
+  QUADS_REQUIRE_GPU();
+  const auto ids = input_ids();
+  const model::Weights& w0 = fixture_weights();
+  const model::ModelConfig& c = w0.cfg;
+  const int64_t kvd = c.kv_dim();
+  reqat::QFit qf;
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    reqat::QFitLayer L;
+    L.alpha = 0.5;
+    L.beta = 0.35;
+    L.scale.resize(kvd);
+    const auto r = randn(kvd, 700 + l);
+    for (int64_t g = 0; g < c.num_key_value_heads; ++g)
+      for (int j = 0; j < c.head_dim / 2; ++j) {  // equal on the pair RoPE rotates together
+        const float s = 0.25f + std::fabs(r[g * c.head_dim + j]);
+        L.scale[g * c.head_dim + j] = L.scale[g * c.head_dim + j + c.head_dim / 2] = s;
+      }
+    L.shift = randn(kvd, 800 + l, 0.3f);
+    qf.layers.push_back(L);
+  }
+  for (const std::string preset : {"fp32", "nvfp4"}) {
+    for (const bool with_qfit : {false, true}) {
+      const reqat::KvQuantConfig kv = reqat::parse_kv_quant("e1m2");
+      model::Weights w = w0;
+      model::Model m(w, model::PrecisionConfig::preset(preset));
+      reqat::install_kv_hooks(m, kv, with_qfit ? &qf : nullptr);
+      model::KVCache cache(w.cfg, 1);
+      model::StepItem it;
+      it.tokens = ids;
+      it.all_logits = true;
+      const auto cpu = m.step(cache, {it});
+      cuda::GpuModel g(w0, model::PrecisionConfig::preset(preset));
+      const auto plain = gpu_logits(g, ids, 1000);
+      g.set_kv_transform(reqat::make_kv_transform(c, kv, with_qfit ? &qf : nullptr));
+      const auto got = gpu_logits(g, ids, 1000);
+      const auto by_token = gpu_logits(g, ids, 1);
+      const double e = rel_l2(got, cpu), moved = rel_l2(got, plain);
+      std::printf("%s KV4 e1m2%s: rel L2 vs the CPU hooks %.3g (token by token %.3g); the transform moved the logits by %.3g\n",
+                  preset.c_str(), with_qfit ? " + Q-FIT" : "", e, rel_l2(by_token, cpu), moved);
+      const double tol = preset == "fp32" ? 1e-4 : 3e-3;
+      EXPECT_LT(e, tol) << preset << " qfit " << with_qfit;
+      EXPECT_LT(rel_l2(by_token, cpu), tol) << preset << " qfit " << with_qfit;
+      EXPECT_GT(moved, 5 * e) << "the KV transform must visibly change the logits";
+    }
+  }
+  // The rollout engine refuses a model with CPU hooks on a backend without the transform.
+  model::Weights w = w0;
+  rollout::RolloutEngine eng(w, model::PrecisionConfig::preset("fp32"));
+  reqat::install_kv_hooks(eng.model(), reqat::parse_kv_quant("e1m2"), nullptr);
+  eng.set_backend(cuda::make_gpu_backend(w0, eng.precision()));
+  rollout::Request rq;
+  rq.prompt = ids;
+  rq.max_new_tokens = 2;
+  EXPECT_THROW(eng.generate({rq}), Error);
+  eng.backend()->set_kv_transform(reqat::make_kv_transform(c, reqat::parse_kv_quant("e1m2"), nullptr));
+  EXPECT_NO_THROW(eng.generate({rq}));
 }
 
 TEST(CudaModelGpu, PrefillAndDecodeAgree) {

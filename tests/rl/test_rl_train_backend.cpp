@@ -27,10 +27,13 @@ namespace fs = std::filesystem;
 namespace quads {
 namespace {
 
-// The CPU model behind the backend interface, with its own copy of the masters (as a GPU has).
+// The CPU model behind the backend interface, with its own copy of the masters (as a GPU has), and
+// optionally its own AdamW (as the GPU backend: has_optimizer()).
 class CpuAsBackend : public train::TrainBackend {
  public:
-  CpuAsBackend(const model::Weights& w, const model::PrecisionConfig& p, int* calls) : w_(w), m_(w_, p), calls_(calls) {}
+  CpuAsBackend(const model::Weights& w, const model::PrecisionConfig& p, int* calls, bool optimizer)
+      : w_(w), m_(w_, p), calls_(calls), optimizer_(optimizer), grads_(w.size()),
+        opt_(w.size(), train::AdamWConfig{}, train::AdamW::decay_mask(w.layout)) {}
   std::string name() const override { return "cpu-as-backend"; }
   void forward(const model::Batch& b, float* logits, bool keep, model::Routing* record) override {
     model::ForwardOptions fo;
@@ -38,10 +41,35 @@ class CpuAsBackend : public train::TrainBackend {
     m_.forward(b, logits, keep ? &acts_ : nullptr, fo);
     ++*calls_;
   }
-  void backward(const float* dlogits, float* grads) override { m_.backward(acts_, dlogits, grads); }
+  void backward(const float* dlogits, float* grads) override {
+    if (grads) return m_.backward(acts_, dlogits, grads);
+    std::fill(grads_.begin(), grads_.end(), 0.f);
+    m_.backward(acts_, dlogits, grads_.data());
+  }
   void sync(const model::Weights& w) override {
     w_.data = w.data;
     m_.sync();
+  }
+  bool has_optimizer() const override { return optimizer_; }
+  double optimizer_step(train::AdamW& host, double lr) override {
+    opt_.cfg = host.cfg;
+    opt_.t = host.t;
+    const double norm = opt_.step(w_.data.data(), grads_.data(), lr);
+    host.t = opt_.t;
+    m_.sync();
+    return norm;
+  }
+  void download(model::Weights& w, train::AdamW* host) override {
+    w.data = w_.data;
+    if (host) {
+      host->m = opt_.m;
+      host->v = opt_.v;
+    }
+  }
+  void upload_optimizer(const train::AdamW& host) override {
+    opt_.m = host.m;
+    opt_.v = host.v;
+    opt_.t = host.t;
   }
 
  private:
@@ -49,6 +77,9 @@ class CpuAsBackend : public train::TrainBackend {
   model::Model m_;
   model::Activations acts_;
   int* calls_;
+  bool optimizer_;
+  std::vector<float> grads_;
+  train::AdamW opt_;
 };
 
 // The shared tiny run with a reference model (kl) and two minibatches (a separate no-grad pass for
@@ -69,7 +100,7 @@ class RlTrainBackend : public ::testing::Test {
     fs::remove_all(root_);
     fs::create_directories(root_);
     train::register_gpu_train_backend([this](const model::Weights& w, const model::PrecisionConfig& p) {
-      return std::make_unique<CpuAsBackend>(w, p, &calls_);
+      return std::make_unique<CpuAsBackend>(w, p, &calls_, optimizer_);
     });
   }
   void TearDown() override {
@@ -86,11 +117,22 @@ class RlTrainBackend : public ::testing::Test {
     o.progress = false;
     return o;
   }
+  void equals_the_cpu_trainer();
   fs::path root_;
   int calls_ = 0;
+  bool optimizer_ = false;
 };
 
-TEST_F(RlTrainBackend, SftAndRlThroughTheBackendEqualTheCpuTrainerBitwise) {
+TEST_F(RlTrainBackend, SftAndRlThroughTheBackendEqualTheCpuTrainerBitwise) { equals_the_cpu_trainer(); }
+
+// The same with AdamW on the backend (the GPU's path: gradients and masters stay there, the host
+// gets the masters once per RL step and the moments at checkpoints).
+TEST_F(RlTrainBackend, WithTheBackendsOptimizerTooBitwise) {
+  optimizer_ = true;
+  equals_the_cpu_trainer();
+}
+
+void RlTrainBackend::equals_the_cpu_trainer() {
   rl::RunConfig cpu = tiny();
   rl::RunConfig dev = tiny();
   dev.rl.train_device = "cuda";  // rollouts stay on the CPU (rl.device = "cpu")
