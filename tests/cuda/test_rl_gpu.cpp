@@ -1,5 +1,6 @@
-// GRPO with the rollout engine on the GPU (rl.device = "cuda", rl/run.h): a 3-step run in modes
-// bf16 and quads on a tiny model next to the same run on the CPU. Skips without a GPU.
+// GRPO on the GPU (rl.device = "cuda": rollouts, and with rl.train_device = auto the trainer's
+// forward/backward and AdamW too, rl/run.h): a 3-step run in modes bf16 and quads on a tiny model
+// next to the same run on the CPU. Skips without a GPU.
 //
 // What can be asserted: the GPU sums in another order than the CPU (logits agree to ~1e-7 rel. L2,
 // not bitwise), so with the same seeds a sampled token can flip where two tokens' cumulative
@@ -101,6 +102,7 @@ Runs compare(const rl::RunOutcome& cpu, const rl::RunOutcome& gpu) {
   Runs r;
   EXPECT_EQ(cpu.device, "cpu");
   EXPECT_EQ(gpu.device.rfind("cuda:", 0), 0u) << gpu.device;
+  EXPECT_EQ(gpu.train_device.rfind("cuda:", 0), 0u) << gpu.train_device;  // rl.train_device = auto follows
   for (int side = 0; side < 2; ++side) {
     const auto& rows = side ? gpu.rows : cpu.rows;
     auto& train = side ? r.train_gpu : r.train_cpu;
