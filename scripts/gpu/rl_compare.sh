@@ -3,26 +3,10 @@
 # runs the RL comparison of configs/gpu.toml on the GPU, timed; summary, report and metrics go to $OUT.
 #   bash scripts/gpu/rl_compare.sh [extra quads compare arguments]     (carry: .debs)
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-root=$PWD
-prefix=/tmp/quads-deps
-build=${QUADS_GPU_BUILD:-build-gpu}
-out=${OUT:-/tmp/quads-gpu-logs}
-mkdir -p "$prefix" "$out"
-for f in .debs/*.deb; do dpkg -x "$f" "$prefix"; done
-L=$prefix/usr/lib/x86_64-linux-gnu
-export PKG_CONFIG_ALLOW_SYSTEM_CFLAGS=1 PKG_CONFIG_SYSROOT_DIR=$prefix
-export PKG_CONFIG_PATH=$L/pkgconfig:$L/openblas-pthread/pkgconfig
-export LD_LIBRARY_PATH=$L:$L/openblas-pthread:${LD_LIBRARY_PATH:-}
-export PATH=/usr/local/cuda/bin:$PATH
-if [ ! -x "$build/quads" ]; then
-  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix/usr" \
-    -DQUADS_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DQUADS_BUILD_BENCH=OFF \
-    -DCMAKE_PROJECT_INCLUDE="$root/scripts/gpu/add_gpu_bench.cmake" >"$out/configure_rl.log" 2>&1 \
-    || { tail -40 "$out/configure_rl.log"; exit 1; }
-  cmake --build "$build" -j "$(nproc)" --target quads >"$out/build_rl.log" 2>&1 \
-    || { grep -E "error|Error" "$out/build_rl.log" | head -40; exit 1; }
-fi
+# shellcheck source=env.sh
+source "$(dirname "$0")/env.sh"
+out=$logdir
+gpu_build quads || exit 1  # incremental: a warm machine may hold an older build
 nvidia-smi --query-gpu=name --format=csv,noheader || true
 start=$(date +%s)
 "$build/quads" compare --config configs/gpu.toml --out runs/gpu "$@" >"$out/compare.log" 2>"$out/compare_progress.log"

@@ -19,33 +19,14 @@
 # /work/shared/fixtures/nvfp4 and tiny_qwen3moe_a):
 #   mkdir -p .gpufix && cp -r /work/shared/fixtures/nvfp4 /work/shared/fixtures/tiny_qwen3moe_a .gpufix/
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-root=$PWD
-prefix=/tmp/quads-deps
-build=${QUADS_GPU_BUILD:-build-gpu}
-logdir=${OUT:-/tmp/quads-gpu-logs}
-mkdir -p "$prefix" "$logdir"
-
-for f in .debs/*.deb; do dpkg -x "$f" "$prefix"; done
-L=$prefix/usr/lib/x86_64-linux-gnu
-export PKG_CONFIG_ALLOW_SYSTEM_CFLAGS=1 PKG_CONFIG_SYSROOT_DIR=$prefix
-export PKG_CONFIG_PATH=$L/pkgconfig:$L/openblas-pthread/pkgconfig
-export LD_LIBRARY_PATH=$L:$L/openblas-pthread:${LD_LIBRARY_PATH:-}
-export PATH=/usr/local/cuda/bin:$PATH
-[ -d .gpufix ] && export QUADS_FIXTURES=$root/.gpufix
+# shellcheck source=env.sh
+source "$(dirname "$0")/env.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader || true
 
 if [ -n "${QUADS_GPU_BIN:-}" ]; then
   bin=$QUADS_GPU_BIN
 else
-  start=$(date +%s)
-  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix/usr" \
-    -DQUADS_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DQUADS_BUILD_BENCH=OFF \
-    -DCMAKE_PROJECT_INCLUDE="$root/scripts/gpu/add_gpu_bench.cmake" >"$logdir/configure.log" 2>&1 \
-    || { tail -40 "$logdir/configure.log"; exit 1; }
-  cmake --build "$build" -j "$(nproc)" --target quads_cuda_tests bench_cuda bench_model_gpu >"$logdir/build.log" 2>&1 \
-    || { grep -E "error|Error" "$logdir/build.log" | head -40; tail -20 "$logdir/build.log"; exit 1; }
-  echo "build: $(($(date +%s) - start)) s"
+  gpu_build quads_cuda_tests bench_cuda bench_model_gpu || exit 1
   bin=$build
   [ -x "$bin/tests/quads_cuda_tests" ] && bin_tests=$bin/tests/quads_cuda_tests
 fi
