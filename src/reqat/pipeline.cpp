@@ -205,6 +205,7 @@ nlohmann::ordered_json run_reqat(const ReqatConfig& cfg, const std::string& out,
   std::vector<Row> rows;
   EvalResult ptq_fp, ptq_q, reqat_fp, reqat_q;
   bool have_reqat = false;
+  std::string eval_device = "cpu";
   auto eval_row = [&](const std::string& name, const std::string& what, const model::Weights& w, const QFit* q,
                       EvalResult* keep_fp, EvalResult* keep_q) {
     Row r;
@@ -220,6 +221,7 @@ nlohmann::ordered_json run_reqat(const ReqatConfig& cfg, const std::string& out,
     EvalResult efp = evaluate(w, fp, evalset, tok, max_new);
     EvalResult ea4 = evaluate(w, a4, evalset, tok, max_new);
     EvalResult ekv = evaluate(w, a4kv4, evalset, tok, max_new);
+    eval_device = ekv.device;
     r.fp = efp.score.pass1;
     r.w4a4 = ea4.score.pass1;
     r.w4a4kv4 = ekv.score.pass1;
@@ -272,6 +274,7 @@ nlohmann::ordered_json run_reqat(const ReqatConfig& cfg, const std::string& out,
                      {"w4a4kv4_pass1", r.w4a4kv4}, {"w4a4kv4_by_family", score_json(r.kv4_score)}});
   s["rows"] = table;
   s["eval_tasks"] = evalset.size();
+  s["eval_device"] = eval_device;
   s["kv_cache"] = kv.describe() + " (1x16 blocks along head_dim, E4M3 block scales, per-(token, head) FP32 amax)";
   s["base"] = base_from;
   s["traces"] = {{"source", trace_source}, {"prompts", cfg.traces.prompts}, {"kept", traces.size()},
@@ -309,6 +312,8 @@ std::string reqat_report(const nlohmann::ordered_json& s, const std::string& con
       "(weights and per-token activations), float32 KV cache. W4A4KV4: W4A4 plus a 4-bit KV cache ({}). "
       "Reference (full-precision fine-tuning, stage 1, in FP): **{:.4f}**.\n\n",
       s.value("eval_tasks", 0), s.value("kv_cache", std::string("?")), ref);
+  md += fmt::format("Evaluation rollouts ran on: {}; the training stages on the CPU.\n\n",
+                    s.value("eval_device", std::string("cpu")));
   md += "| model | what | FP | W4A4 | W4A4KV4 | W4A4KV4 - ref |\n|---|---|---|---|---|---|\n";
   for (const auto& r : s["rows"])
     md += fmt::format("| {} | {} | {:.4f} | {:.4f} | **{:.4f}** | {:+.4f} |\n", r["name"].get<std::string>(),

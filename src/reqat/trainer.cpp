@@ -163,6 +163,7 @@ EvalResult evaluate(const model::Weights& w, const InferSpec& spec, const std::v
     out.responses.push_back(res[i].tokens);
   }
   out.score = rl::score(tasks, out.verdicts);
+  if (eng.backend()) out.device = eng.backend()->name();
   return out;
 }
 

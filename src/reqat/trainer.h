@@ -67,6 +67,7 @@ struct EvalResult {
   rl::EvalScore score;
   std::vector<std::vector<int32_t>> responses;  // generated ids per task (eos included when emitted)
   std::vector<rl::Verdict> verdicts;
+  std::string device = "cpu";  // where the rollouts ran (the step backend's name)
 };
 
 // Greedy pass@1 over `tasks` with the rollout engine in `spec`'s numerics.
