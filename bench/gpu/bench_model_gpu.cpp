@@ -269,10 +269,11 @@ void bench_training(const model::ModelConfig& cfg, double bw, bool quick) {
   if (sec[0] > 0 && sec[1] > 0)
     std::printf("QAT overhead (qat step time over bf16): %+.1f %%\n", 100.0 * (sec[1] / sec[0] - 1.0));
 
-  // NVFP4 quantization of a float32 tensor, one global scale per row (the trainer's re-quantization
-  // uses per-tensor weights; the per-row activation variant reads and writes the same bytes).
-  try {
-    const int64_t rows = 16384, cols = 8192;
+  // NVFP4 quantization of a float32 tensor, one global scale per row: activations [tokens, hidden]
+  // (2048 columns, the rollout's case: one pass per row in registers) and long 8192-wide rows (two
+  // passes per row), 512 MB of input each.
+  for (const int64_t cols : {int64_t(2048), int64_t(8192)}) try {
+    const int64_t rows = int64_t(16384) * 8192 / cols;
     num::QConfig qc;
     qc.global = num::Global::PerRow;
     cuda::DeviceArray<float> x(size_t(rows * cols));
