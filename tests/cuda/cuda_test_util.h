@@ -2,13 +2,21 @@
 // Shared helpers of the CUDA tests: skipping without a GPU, random test data, bit comparisons.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <random>
+#include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
+#include "common/fixtures.h"
+#include "cuda/check.h"
 #include "cuda/device.h"
+#include "model/weights.h"
 
 // Every GPU test starts with this: CI has no GPU and runs the binary as a no-op.
 #define QUADS_REQUIRE_GPU()                                                     \
@@ -77,6 +85,61 @@ inline int64_t first_mismatch(const std::vector<T>& a, const std::vector<T>& b) 
   for (size_t i = 0; i < a.size(); ++i)
     if (a[i] != b[i]) return static_cast<int64_t>(i);
   return -1;
+}
+
+// ---- data to and from the device, error measures, fixture files
+
+template <typename T>
+DeviceArray<T> dev(const std::vector<T>& v) {
+  DeviceArray<T> a;
+  a.upload(v);
+  return a;
+}
+
+inline std::vector<float> randn(size_t n, uint64_t seed, float sd = 1.f, float mean = 0.f) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(mean, sd);
+  std::vector<float> v(n);
+  for (auto& x : v) x = nd(rng);
+  return v;
+}
+
+// |a - b| / |b| in float64.
+inline double rel_l2(const float* a, const float* b, size_t n) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; ++i) {
+    num += (double(a[i]) - double(b[i])) * (double(a[i]) - double(b[i]));
+    den += double(b[i]) * double(b[i]);
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+inline double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  return rel_l2(a.data(), b.data(), std::min(a.size(), b.size()));
+}
+
+// The fixture tiny_qwen3moe_a (../shared/fixtures, or QUADS_FIXTURES).
+inline std::string fixture(const std::string& f) { return fixtures_dir() + "/tiny_qwen3moe_a/" + f; }
+inline const model::Weights& fixture_weights() {
+  static const model::Weights w = model::Weights::load(fixtures_dir() + "/tiny_qwen3moe_a");
+  return w;
+}
+inline nlohmann::json read_json(const std::string& path) {
+  std::ifstream f(path);
+  EXPECT_TRUE(f.good()) << path;
+  return nlohmann::json::parse(f);
+}
+inline std::vector<float> read_f32(const std::string& path) {
+  std::ifstream f(path, std::ios::binary | std::ios::ate);
+  EXPECT_TRUE(f.good()) << path;
+  const size_t n = static_cast<size_t>(f.tellg());
+  f.seekg(0);
+  std::vector<float> v(n / 4);
+  f.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(n));
+  return v;
+}
+inline std::vector<int32_t> input_ids() {
+  return read_json(fixture("input_ids.json"))["input_ids"].get<std::vector<int32_t>>();
 }
 
 }  // namespace quads::cuda::testing

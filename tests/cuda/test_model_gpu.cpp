@@ -25,41 +25,10 @@
 
 using namespace quads;
 using quads::cuda::DeviceArray;
+using namespace quads::cuda::testing;
 
 namespace {
 
-std::string fixture(const std::string& f) { return fixtures_dir() + "/tiny_qwen3moe_a/" + f; }
-
-const model::Weights& fixture_weights() {
-  static const model::Weights w = model::Weights::load(fixtures_dir() + "/tiny_qwen3moe_a");
-  return w;
-}
-
-nlohmann::json read_json(const std::string& path) {
-  std::ifstream f(path);
-  EXPECT_TRUE(f.good()) << path;
-  return nlohmann::json::parse(f);
-}
-
-std::vector<float> read_f32(const std::string& path) {
-  std::ifstream f(path, std::ios::binary | std::ios::ate);
-  EXPECT_TRUE(f.good()) << path;
-  const size_t n = static_cast<size_t>(f.tellg());
-  f.seekg(0);
-  std::vector<float> v(n / 4);
-  f.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(n));
-  return v;
-}
-
-double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double num = 0, den = 0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
-    num += (double(a[i]) - double(b[i])) * (double(a[i]) - double(b[i]));
-    den += double(b[i]) * double(b[i]);
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
 
 double max_abs(const std::vector<float>& a, const std::vector<float>& b) {
   double m = 0;
@@ -67,22 +36,6 @@ double max_abs(const std::vector<float>& a, const std::vector<float>& b) {
   return m;
 }
 
-std::vector<float> randn(size_t n, uint64_t seed, float sd = 1.f, float mean = 0.f) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(mean, sd);
-  std::vector<float> v(n);
-  for (auto& x : v) x = nd(rng);
-  return v;
-}
-
-template <typename T>
-DeviceArray<T> dev(const std::vector<T>& v) {
-  DeviceArray<T> a;
-  a.upload(v);
-  return a;
-}
-
-std::vector<int32_t> input_ids() { return read_json(fixture("input_ids.json"))["input_ids"].get<std::vector<int32_t>>(); }
 
 // All-position logits of one sequence through the CPU decode path (one step: prefill).
 std::vector<float> cpu_logits(const std::string& preset, const std::vector<int32_t>& ids) {

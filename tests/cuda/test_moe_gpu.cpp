@@ -23,13 +23,6 @@ using namespace quads::cuda::testing;
 
 namespace {
 
-template <typename T>
-DeviceArray<T> dev(const std::vector<T>& v) {
-  DeviceArray<T> a;
-  a.upload(v);
-  return a;
-}
-
 // Row offsets of groups of the given sizes.
 std::vector<int32_t> offsets_of(const std::vector<int>& sizes) {
   std::vector<int32_t> o(sizes.size() + 1, 0);
@@ -245,11 +238,6 @@ TEST(CudaMoe, GroupedF32MatchesCpu) {
 
 namespace {
 
-const model::Weights& moe_fixture() {
-  static const model::Weights w = model::Weights::load(fixtures_dir() + "/tiny_qwen3moe_a");
-  return w;
-}
-
 // Logits of `steps` decode steps over two slots (T = 2 per step), after a 3-token prefill.
 std::vector<float> decode_logits(cuda::GpuModel& g, int steps, double* bytes, int64_t* graph_steps = nullptr) {
   g.reset_cache(2, 64);
@@ -273,15 +261,6 @@ std::vector<float> decode_logits(cuda::GpuModel& g, int steps, double* bytes, in
   return out;
 }
 
-double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
-    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    den += double(b[i]) * b[i];
-  }
-  return a.size() == b.size() ? std::sqrt(num / std::max(den, 1e-300)) : 1e300;
-}
-
 }  // namespace
 
 // Graph replay gives the eager step's bits; the device MoE path agrees with the host-routed one.
@@ -290,11 +269,11 @@ TEST(CudaModelGpu, GraphReplayEqualsEagerAndLegacyPath) {
   for (const std::string preset : {"fp32", "bf16", "nvfp4"}) {
     const auto prec = model::PrecisionConfig::preset(preset);
     setenv("QUADS_GPU_GRAPHS", "0", 1);
-    cuda::GpuModel eager(moe_fixture(), prec);
+    cuda::GpuModel eager(fixture_weights(), prec);
     unsetenv("QUADS_GPU_GRAPHS");
-    cuda::GpuModel graph(moe_fixture(), prec);
+    cuda::GpuModel graph(fixture_weights(), prec);
     setenv("QUADS_GPU_MOE", "legacy", 1);
-    cuda::GpuModel legacy(moe_fixture(), prec);
+    cuda::GpuModel legacy(fixture_weights(), prec);
     unsetenv("QUADS_GPU_MOE");
     double be = 0, bg = 0, bl = 0;
     int64_t ge = -1, gg = -1;

@@ -27,31 +27,6 @@ namespace kern = quads::cuda::kern;
 
 namespace {
 
-template <typename T>
-DeviceArray<T> dev(const std::vector<T>& v) {
-  DeviceArray<T> a;
-  a.upload(v);
-  return a;
-}
-
-double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double num = 0, den = 0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
-    num += (double(a[i]) - double(b[i])) * (double(a[i]) - double(b[i]));
-    den += double(b[i]) * double(b[i]);
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
-
-std::vector<float> randn(size_t n, uint64_t seed, float sd = 1.f) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0.f, sd);
-  std::vector<float> v(n);
-  for (auto& x : v) x = nd(rng);
-  return v;
-}
-
 void device_sync() { QUADS_CUDA_CHECK(cudaDeviceSynchronize()); }
 
 }  // namespace
