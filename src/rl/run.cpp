@@ -221,7 +221,9 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
   ac.max_grad_norm = R.grad_clip;
   train::AdamW adam(W.size(), ac, train::AdamW::decay_mask(W.layout));
   // rl.train_device = "cuda": the trainer's (and the reference's) forward and backward run on the
-  // GPU; the masters, AdamW and checkpoints stay here, so resume works across devices.
+  // GPU. With the backend's optimizer (dev_opt) AdamW runs there too and W receives the new masters
+  // after every RL step and AdamW's moments before every checkpoint; checkpoints are written here in
+  // one format, so resume works across devices. The NaN test hook needs host gradients.
   std::unique_ptr<train::TrainBackend> gtrain, gref;
   if (R.trainer_device() == "cuda") {
     gtrain = train::gpu_train_backend_factory()(W, trainer_precision(spec));
