@@ -23,6 +23,7 @@
 #include "cuda/gemm.h"
 #include "cuda/model_kernels.h"
 #include "cuda/quant.h"
+#include "cuda/train_kernels.h"
 #include "model/rac.h"
 
 namespace quads::cuda {
@@ -1046,7 +1047,8 @@ struct GpuModel::Impl {
         const DevLinear& Lr = lin[li.router];
         const Operand orr = prepare(Lr, xnp, T);
         gemm(Lr, orr, 0, T, rlogits.data());
-        kern::router_topk(rlogits.data(), T, E, K, cfg.norm_topk_prob, probs.data(), idx.data(), w.data(), stream);
+        kern::router_topk_fwd(rlogits.data(), T, E, K, cfg.norm_topk_prob, probs.data(), idx.data(), w.data(), nullptr,
+                              stream);
         if (!legacy_moe) {
           kern::moe_route(idx.data(), T * K, E, ecount.data(), eoff_d.data(), perm.data(), inv.data(),
                           grouped_now(l, T) ? active_d.data() + l : nullptr, bad_d.data(), stream);

@@ -7,6 +7,7 @@
 
 #include "cuda/check.h"
 #include "cuda/model_kernels.h"
+#include "cuda/reduce.cuh"
 
 namespace quads::cuda::kern {
 
@@ -17,16 +18,6 @@ constexpr int kThreads = 256;
 int grid_for(int64_t n, int threads = kThreads) {
   const int64_t g = (n + threads - 1) / threads;
   return static_cast<int>(std::min<int64_t>(std::max<int64_t>(g, 1), 1 << 20));
-}
-
-// Fixed-order warp sum (xor butterfly): every lane ends with the same, launch-independent value.
-__device__ __forceinline__ double warp_sum(double v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
 }
 
 // The softmax of a warp's scores s[0..L) (lane j holds every 32nd), m the lane's running max: s
@@ -322,44 +313,6 @@ attention_tiled_kernel(const float* __restrict__ q, const float* __restrict__ kc
   }
 }
 
-// One thread per token: softmax as cpu::softmax_forward (exp rounded from double, so it matches the
-// correctly rounded float exp almost always), then top-k as cpu::router_topk_forward.
-__global__ void router_topk_kernel(const float* __restrict__ logits, int64_t T, int E, int k, bool norm_topk,
-                                   float* __restrict__ probs, int32_t* __restrict__ idx, float* __restrict__ w) {
-  const int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (t >= T) return;
-  const float* x = logits + t * E;
-  float* p = probs + t * E;
-  float m = -INFINITY;
-  for (int e = 0; e < E; ++e) m = fmaxf(m, x[e]);
-  double sum = 0;
-  for (int e = 0; e < E; ++e) {
-    const float v = static_cast<float>(exp(double(x[e] - m)));
-    p[e] = v;
-    sum += v;
-  }
-  const float inv = static_cast<float>(1.0 / sum);
-  for (int e = 0; e < E; ++e) p[e] = __fmul_rn(p[e], inv);
-  int32_t* it = idx + t * k;
-  for (int s = 0; s < k; ++s) {
-    int best = -1;
-    for (int e = 0; e < E; ++e) {
-      bool taken = false;
-      for (int r = 0; r < s; ++r) taken |= (it[r] == e);
-      if (taken) continue;
-      if (best < 0 || p[e] > p[best]) best = e;
-    }
-    it[s] = best;
-  }
-  float tot = 0;
-  for (int s = 0; s < k; ++s) {
-    w[t * k + s] = p[it[s]];
-    tot = __fadd_rn(tot, p[it[s]]);
-  }
-  if (norm_topk)
-    for (int s = 0; s < k; ++s) w[t * k + s] = __fdiv_rn(w[t * k + s], tot);
-}
-
 __global__ void swiglu_kernel(const float* __restrict__ g, const float* __restrict__ u, int64_t ld, int64_t n,
                               int64_t I, float* __restrict__ h) {
   const int64_t total = n * I;
@@ -597,13 +550,6 @@ void attention_tiled(const float* q, const float* kcache, const float* vcache, c
   const dim3 grid(static_cast<unsigned>((nh + heads_per_cta - 1) / heads_per_cta), static_cast<unsigned>(nblocks));
   attention_tiled_kernel<<<grid, 32 * warps, smem, s>>>(q, kcache, vcache, slot, pos, blocks, nh, nkv, hd, scale,
                                                         max_len, max_ctx, heads_per_cta, out);
-  QUADS_CUDA_LAUNCH_CHECK();
-}
-
-void router_topk(const float* logits, int64_t T, int E, int k, bool norm_topk, float* probs, int32_t* idx, float* w,
-                 cudaStream_t s) {
-  if (T == 0) return;
-  router_topk_kernel<<<grid_for(T, 128), 128, 0, s>>>(logits, T, E, k, norm_topk, probs, idx, w);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 

@@ -59,10 +59,8 @@ void attention_tiled(const float* q, const float* kcache, const float* vcache, c
                      const int32_t* blocks, int64_t nblocks, int nh, int nkv, int hd, float scale, int64_t max_len,
                      int64_t max_ctx, int heads_per_cta, int tokens_per_cta, float* out, cudaStream_t s);
 
-// Router (cpu::router_topk_forward): softmax of logits [T, E] in float32 (sum in double), top-k by
-// repeated arg-max (ties: lower id), weights renormalized when norm_topk. idx, w: [T, k].
-void router_topk(const float* logits, int64_t T, int E, int k, bool norm_topk, float* probs, int32_t* idx, float* w,
-                 cudaStream_t s);
+// The router's softmax + top-k is kern::router_topk_fwd (cuda/train_kernels.h; forced = nullptr),
+// shared with the trainer.
 
 // h [n, I] = silu(g) * u, row r of g and u at r * ld (cpu::swiglu_forward: the fused [n, 2I] product
 // is g = gu, u = gu + I, ld = 2I; separate [n, I] buffers have ld = I).

@@ -8,6 +8,7 @@
 #include "common/error.h"
 #include "cuda/check.h"
 #include "cuda/model_kernels.h"
+#include "cuda/reduce.cuh"
 
 namespace quads::cuda::kern {
 
@@ -86,11 +87,6 @@ constexpr int kGroupRows = 8;  // activation rows per pass over a weight row
 __device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
 
-__device__ __forceinline__ float warp_sum_f(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 // One warp per weight row n of expert blockIdx.y, for all of the expert's rows, kGroupRows at a
 // time: each lane takes 8 consecutive elements per step of 256 along K. BF16: 16-byte loads; BF16 x
 // BF16 products are exact in FP32, so fmaf adds each exact product once. FP32 (fake-quant linears):
@@ -142,7 +138,7 @@ __global__ void grouped_gemv_kernel(const void* __restrict__ x, const void* cons
     }
 #pragma unroll
     for (int r = 0; r < kGroupRows; ++r) {
-      const float v = warp_sum_f(acc[r]);
+      const float v = warp_sum(acc[r]);
       if (lane == 0 && r < rows) y[(r0 + r) * N + n] = v;
     }
   }

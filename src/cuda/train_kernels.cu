@@ -14,6 +14,7 @@
 
 #include "common/error.h"
 #include "cuda/check.h"
+#include "cuda/reduce.cuh"
 #include "cuda/train_kernels.h"
 
 namespace quads::cuda::kern {
@@ -33,25 +34,6 @@ int max_smem_optin() {
   int dev = 0, v = 0;
   QUADS_CUDA_CHECK(cudaGetDevice(&dev));
   QUADS_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  return v;
-}
-
-// Fixed-order warp reductions (xor butterfly): every lane ends with the same value.
-__device__ __forceinline__ double warp_sum(double v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-// The same over the 16 lanes of a half-warp (lane bits 0..3).
-__device__ __forceinline__ double half_sum(double v) {
-  for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ __forceinline__ float half_max(float v) {
-  for (int o = 8; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 
