@@ -121,7 +121,9 @@ class GpuTrainer {
 };
 
 // train::TrainBackend over a GpuTrainer (name() = "cuda:" + device name): forward/backward through
-// host buffers; sync() uploads the host masters.
+// host buffers; sync() uploads the host masters; has_optimizer(): AdamW on the device
+// (optimizer_step = adamw_step with the host AdamW's configuration and step count, download =
+// masters and moments to the host, upload_optimizer = set_adam_state).
 std::unique_ptr<train::TrainBackend> make_gpu_trainer(const model::Weights& w, const model::PrecisionConfig& p);
 
 }  // namespace quads::cuda
