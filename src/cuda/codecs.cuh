@@ -12,6 +12,14 @@ __device__ __forceinline__ uint32_t f2u(float x) { return __float_as_uint(x); }
 __device__ __forceinline__ float u2f(uint32_t u) { return __uint_as_float(u); }
 __device__ __forceinline__ float nan_f() { return u2f(0x7FFFFFFFu); }
 
+// BF16 bits of x, round to nearest even, NaN quieted (num::bf16_from_f32).
+__device__ __forceinline__ uint32_t bf16_encode(float x) {
+  uint32_t u = f2u(x);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u >> 16) | 0x40u;
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return u >> 16;
+}
+
 // E4M3 (fn), satfinite, round to nearest even; NaN keeps its sign (0x7F / 0xFF).
 __device__ __forceinline__ uint32_t e4m3_encode(float x) {
   const uint32_t u = f2u(x);

@@ -6,19 +6,14 @@
 #include <cstdint>
 
 #include "cuda/check.h"
+#include "cuda/codecs.cuh"
+#include "cuda/kernel_util.cuh"
 #include "cuda/model_kernels.h"
-#include "cuda/reduce.cuh"
 
 namespace quads::cuda::kern {
 
 namespace {
 
-constexpr int kThreads = 256;
-
-int grid_for(int64_t n, int threads = kThreads) {
-  const int64_t g = (n + threads - 1) / threads;
-  return static_cast<int>(std::min<int64_t>(std::max<int64_t>(g, 1), 1 << 20));
-}
 
 // The softmax of a warp's scores s[0..L) (lane j holds every 32nd), m the lane's running max: s
 // becomes exp(s - max) in place (max over the warp, expf and a double sum as the CPU twin does) and
@@ -361,12 +356,7 @@ __global__ void sub_kernel(const float* x, const float* y, float* out, int64_t n
     out[i] = __fsub_rn(x[i], y[i]);
 }
 
-__device__ __forceinline__ uint16_t bf16_bits(float x) {
-  uint32_t u = __float_as_uint(x);
-  if (isnan(x)) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+__device__ __forceinline__ uint16_t bf16_bits(float x) { return static_cast<uint16_t>(dev::bf16_encode(x)); }
 
 __global__ void to_bf16_kernel(const float* __restrict__ x, uint16_t* __restrict__ out, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)

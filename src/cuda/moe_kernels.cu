@@ -7,8 +7,8 @@
 
 #include "common/error.h"
 #include "cuda/check.h"
+#include "cuda/kernel_util.cuh"
 #include "cuda/model_kernels.h"
-#include "cuda/reduce.cuh"
 
 namespace quads::cuda::kern {
 

@@ -53,13 +53,6 @@ __device__ __forceinline__ uint32_t vabsmax(const uint4& r) {
     return max(a, b);
   }
 }
-// bf16 round to nearest even, NaN quieted: num::bf16_from_f32.
-__device__ __forceinline__ uint32_t bf16_bits(float x) {
-  uint32_t u = f2u(x);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u >> 16) | 0x40u;
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return u >> 16;
-}
 template <typename T>
 __device__ __forceinline__ uint4 vpack(const float* v) {
   if constexpr (sizeof(T) == 4) {
@@ -67,7 +60,7 @@ __device__ __forceinline__ uint4 vpack(const float* v) {
   } else {
     uint32_t w[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) w[i] = bf16_bits(v[2 * i]) | (bf16_bits(v[2 * i + 1]) << 16);
+    for (int i = 0; i < 4; ++i) w[i] = bf16_encode(v[2 * i]) | (bf16_encode(v[2 * i + 1]) << 16);
     return make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
@@ -378,7 +371,7 @@ __global__ void fp8_encode_kernel(const T* x, Fp8Geom gm, bool per_tensor, const
       if constexpr (FAKE) {
         const float y = __fmul_rn(E5M2 ? e5m2_decode(code) : e4m3_decode(code), s);
         if constexpr (sizeof(T) == 4) out[i] = y;
-        else out[i] = static_cast<T>(bf16_bits(y));
+        else out[i] = static_cast<T>(bf16_encode(y));
       } else {
         codes[i] = static_cast<uint8_t>(code);
       }
@@ -421,7 +414,7 @@ __global__ void dequant_fp8_kernel(const uint8_t* codes, const float* fscales, F
       const float s = per_tensor ? fscales[0] : fscales[fp8_group(gm, r, c)];
       const float y = __fmul_rn(E5M2 ? e5m2_decode(codes[i]) : e4m3_decode(codes[i]), s);
       if constexpr (sizeof(T) == 4) out[i] = y;
-      else out[i] = static_cast<T>(bf16_bits(y));
+      else out[i] = static_cast<T>(bf16_encode(y));
     }
 }
 

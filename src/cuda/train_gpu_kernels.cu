@@ -5,25 +5,14 @@
 
 #include "cuda/check.h"
 #include "cuda/codecs.cuh"
+#include "cuda/kernel_util.cuh"
 #include "cuda/train_gpu_kernels.h"
 
 namespace quads::cuda::kern {
 
 namespace {
 
-constexpr int kThreads = 256;
-
-unsigned grid_for(int64_t n) {
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, 65535 * 8)));
-}
-
-// num::bf16_from_f32: round to nearest even, NaN quieted.
-__device__ __forceinline__ uint16_t bf16_bits(float x) {
-  uint32_t u = __float_as_uint(x);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+__device__ __forceinline__ uint16_t bf16_bits(float x) { return static_cast<uint16_t>(dev::bf16_encode(x)); }
 
 // One thread per byte of codes (two elements).
 __global__ void nvfp4_weight_bf16_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,

@@ -14,19 +14,13 @@
 
 #include "common/error.h"
 #include "cuda/check.h"
-#include "cuda/reduce.cuh"
+#include "cuda/kernel_util.cuh"
 #include "cuda/train_kernels.h"
 
 namespace quads::cuda::kern {
 
 namespace {
 
-constexpr int kThreads = 256;
-
-int grid_for(int64_t n, int threads = kThreads) {
-  const int64_t g = (n + threads - 1) / threads;
-  return static_cast<int>(std::min<int64_t>(std::max<int64_t>(g, 1), 1 << 20));
-}
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
