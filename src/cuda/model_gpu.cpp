@@ -134,8 +134,7 @@ struct GpuModel::Impl {
   model::PrecisionConfig prec;
   model::Layout lay;
   std::vector<DevLinear> lin;
-  struct LayerIdx {
-    int q = -1, k = -1, v = -1, o = -1, router = -1, mlp = -1;
+  struct LayerIdx : model::LinearTable::Layer {  // indices into lin, and how the layer runs
     int64_t inter = 0;
     bool sparse = false;
     bool experts_uniform = true;  // every expert's gate/up and down share one activation quantizer
@@ -422,46 +421,29 @@ struct GpuModel::Impl {
     return static_cast<int>(lin.size()) - 1;
   }
 
-  // The same linears, names and order as model::Model::build_linears.
+  // The same linears, names and order as model::Model (model::linear_table).
   void build_linears() {
-    const int64_t H = cfg.hidden_size;
+    const model::LinearTable t = model::linear_table(cfg, lay);
+    for (const model::LinearSpec& sp : t.specs) add(sp.name, sp.layer, sp.out, sp.in, sp.offset);
     layers.assign(cfg.num_hidden_layers, {});
     for (int l = 0; l < cfg.num_hidden_layers; ++l) {
       const model::LayerOffsets& o = lay.layers[l];
-      const std::string p = fmt::format("model.layers.{}.", l);
+      const model::LinearTable::Layer& y = t.layers[l];
       LayerIdx& x = layers[l];
-      x.q = add(p + "self_attn.q_proj", l, cfg.q_dim(), H, o.q);
-      x.k = add(p + "self_attn.k_proj", l, cfg.kv_dim(), H, o.k);
-      x.v = add(p + "self_attn.v_proj", l, cfg.kv_dim(), H, o.v);
-      x.o = add(p + "self_attn.o_proj", l, H, cfg.q_dim(), o.o);
-      const int64_t I = static_cast<int64_t>(o.inter);
-      x.inter = I;
+      static_cast<model::LinearTable::Layer&>(x) = y;
+      x.inter = static_cast<int64_t>(o.inter);
       x.sparse = o.sparse;
-      if (o.sparse) {
-        x.router = add(p + "mlp.gate", l, cfg.num_experts, H, o.router);
-        for (int e = 0; e < cfg.num_experts; ++e) {
-          const size_t base = o.mlp + e * o.mlp_stride;
-          const std::string pe = fmt::format("{}mlp.experts.{}.", p, e);
-          const int gi = add(pe + "gate_proj", l, I, H, base);
-          add(pe + "up_proj", l, I, H, base + I * H);
-          add(pe + "down_proj", l, H, I, base + 2 * I * H);
-          if (e == 0) x.mlp = gi;
-        }
+      if (o.sparse)
         for (int e = 0; e < cfg.num_experts; ++e)
           for (int j = 0; j < 3; ++j) {
             const DevLinear& a = lin[x.mlp + 3 * e + j];
             const DevLinear& b = lin[x.mlp + (j == 2 ? 2 : 0)];
             x.experts_uniform &= a.mode == b.mode && a.num.act == b.num.act;
           }
-      } else {
-        x.mlp = add(p + "mlp.gate_proj", l, I, H, o.mlp);
-        add(p + "mlp.up_proj", l, I, H, o.mlp + I * H);
-        add(p + "mlp.down_proj", l, H, I, o.mlp + 2 * I * H);
-      }
       x.nexperts = o.sparse ? cfg.num_experts : 1;
       setup_fused_gu(x);
     }
-    lm_head = add("lm_head", -1, cfg.vocab_size, H, lay.lm_head);
+    lm_head = t.lm_head;
     setup_fused_qkv();
   }
 

@@ -180,44 +180,22 @@ void Model::build_linears() {
   const Layout& L = w_->layout;
   linears_.clear();
   index_->layers.assign(c.num_hidden_layers, {});
-  auto add = [&](const std::string& name, int layer, int64_t out, int64_t in, size_t off) {
+  const LinearTable t = linear_table(c, L);
+  for (const LinearSpec& s : t.specs) {
     LinearQ q;
-    q.name = name;
-    q.layer = layer;
-    q.out = out;
-    q.in = in;
-    q.offset = off;
-    q.num = prec_.for_linear(name, layer, c.num_hidden_layers);
+    q.name = s.name;
+    q.layer = s.layer;
+    q.out = s.out;
+    q.in = s.in;
+    q.offset = s.offset;
+    q.num = prec_.for_linear(s.name, s.layer, c.num_hidden_layers);
     linears_.push_back(std::move(q));
-    return static_cast<int>(linears_.size()) - 1;
-  };
-  const int64_t H = c.hidden_size;
-  for (int l = 0; l < c.num_hidden_layers; ++l) {
-    const LayerOffsets& o = L.layers[l];
-    const std::string p = fmt::format("model.layers.{}.", l);
-    Index::Lin& x = index_->layers[l];
-    x.q = add(p + "self_attn.q_proj", l, c.q_dim(), H, o.q);
-    x.k = add(p + "self_attn.k_proj", l, c.kv_dim(), H, o.k);
-    x.v = add(p + "self_attn.v_proj", l, c.kv_dim(), H, o.v);
-    x.o = add(p + "self_attn.o_proj", l, H, c.q_dim(), o.o);
-    const int64_t I = static_cast<int64_t>(o.inter);
-    if (o.sparse) {
-      x.router = add(p + "mlp.gate", l, c.num_experts, H, o.router);
-      for (int e = 0; e < c.num_experts; ++e) {
-        const size_t base = o.mlp + e * o.mlp_stride;
-        const std::string pe = fmt::format("{}mlp.experts.{}.", p, e);
-        const int g = add(pe + "gate_proj", l, I, H, base);
-        add(pe + "up_proj", l, I, H, base + I * H);
-        add(pe + "down_proj", l, H, I, base + 2 * I * H);
-        if (e == 0) x.mlp = g;
-      }
-    } else {
-      x.mlp = add(p + "mlp.gate_proj", l, I, H, o.mlp);
-      add(p + "mlp.up_proj", l, I, H, o.mlp + I * H);
-      add(p + "mlp.down_proj", l, H, I, o.mlp + 2 * I * H);
-    }
   }
-  index_->lm_head = add("lm_head", -1, c.vocab_size, H, L.lm_head);
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    const LinearTable::Layer& y = t.layers[l];
+    index_->layers[l] = {y.q, y.k, y.v, y.o, y.router, y.mlp};
+  }
+  index_->lm_head = t.lm_head;
   // Validate every quantizer against its shapes now, so that nothing throws inside a parallel region.
   for (const auto& q : linears_) {
     if (q.num.weight.kind == QuantKind::Quant) num::check_config(q.num.weight.cfg, q.out, q.in, q.name + ".weight");

@@ -90,6 +90,43 @@ const ParamInfo& Layout::at(const std::string& name) const {
   return *p;
 }
 
+LinearTable linear_table(const ModelConfig& c, const Layout& L) {
+  LinearTable t;
+  auto add = [&](std::string name, int layer, int64_t out, int64_t in, size_t off) {
+    t.specs.push_back({std::move(name), layer, out, in, off});
+    return static_cast<int>(t.specs.size()) - 1;
+  };
+  const int64_t H = c.hidden_size;
+  t.layers.resize(c.num_hidden_layers);
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    const LayerOffsets& o = L.layers[l];
+    const std::string p = fmt::format("model.layers.{}.", l);
+    LinearTable::Layer& x = t.layers[l];
+    x.q = add(p + "self_attn.q_proj", l, c.q_dim(), H, o.q);
+    x.k = add(p + "self_attn.k_proj", l, c.kv_dim(), H, o.k);
+    x.v = add(p + "self_attn.v_proj", l, c.kv_dim(), H, o.v);
+    x.o = add(p + "self_attn.o_proj", l, H, c.q_dim(), o.o);
+    const int64_t I = static_cast<int64_t>(o.inter);
+    if (o.sparse) {
+      x.router = add(p + "mlp.gate", l, c.num_experts, H, o.router);
+      for (int e = 0; e < c.num_experts; ++e) {
+        const size_t base = o.mlp + e * o.mlp_stride;
+        const std::string pe = fmt::format("{}mlp.experts.{}.", p, e);
+        const int g = add(pe + "gate_proj", l, I, H, base);
+        add(pe + "up_proj", l, I, H, base + I * H);
+        add(pe + "down_proj", l, H, I, base + 2 * I * H);
+        if (e == 0) x.mlp = g;
+      }
+    } else {
+      x.mlp = add(p + "mlp.gate_proj", l, I, H, o.mlp);
+      add(p + "mlp.up_proj", l, I, H, o.mlp + I * H);
+      add(p + "mlp.down_proj", l, H, I, o.mlp + 2 * I * H);
+    }
+  }
+  t.lm_head = add("lm_head", -1, c.vocab_size, H, L.lm_head);
+  return t;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Reading
 

@@ -53,6 +53,26 @@ struct Layout {
   const ParamInfo& at(const std::string& name) const;    // throws naming the tensor
 };
 
+// Every linear layer of a model in the one order the CPU model (model::Model), the GPU rollout
+// model and the GPU trainer keep them: per decoder layer q, k, v, o, then the router and each
+// expert's gate, up, down (MoE layer) or the dense gate, up, down; lm_head last.
+struct LinearSpec {
+  std::string name;  // HF module name (the tensor is name + ".weight")
+  int layer = -1;    // decoder layer, -1 for lm_head
+  int64_t out = 0, in = 0;
+  size_t offset = 0;  // of the [out, in] weight in the Layout
+};
+struct LinearTable {
+  struct Layer {
+    int q = -1, k = -1, v = -1, o = -1, router = -1;  // indices into specs (router: -1 when dense)
+    int mlp = -1;  // the dense gate_proj, or expert 0's; expert e's gate, up, down at mlp + 3e + 0/1/2
+  };
+  std::vector<LinearSpec> specs;
+  std::vector<Layer> layers;
+  int lm_head = -1;
+};
+LinearTable linear_table(const ModelConfig& cfg, const Layout& layout);
+
 struct SaveOptions {
   bool bf16 = false;                         // store BF16 (round to nearest even) instead of F32
   size_t max_shard_bytes = size_t(5) << 30;  // above this, model-0000i-of-0000n.safetensors + index
