@@ -4,13 +4,13 @@
 // prompts, 128 new tokens) and prefill tokens/s (16 x 1024), per precision, beside the weight-read
 // bound (GEMM weight bytes read per decode step, counted by the model, over the measured copy
 // bandwidth) and the transformers 5.17 numbers of issue 6 (same H200 model, bf16).
-//   bench_model_gpu [--quick] [--precisions bf16,nvfp4,nvfp4+rac] [--train-only]
+//   bench_model_gpu [--quick] [--precisions bf16,nvfp4,nvfp4+rac] [--train-only | --rollout-only]
 // Training rows (cuda::GpuTrainer, cuda/train_gpu.h): tokens/s of one optimizer step on 8 x 1024
 // random tokens (forward + CE on the device + backward + clipping + AdamW + re-quantization; best
 // of 3 after a warm-up step) for the `bf16` and `qat` presets, beside the transformers bf16 number
 // of issue 6 (47000 tok/s on the same H200), and the QAT overhead; then the NVFP4 quantizer's
 // throughput on a 16384 x 8192 float32 tensor (per-row global scale) against the copy bandwidth.
-// --train-only skips the rollout rows.
+// --train-only skips the rollout rows, --rollout-only the training rows.
 // nvfp4+rac: the nvfp4 preset with RAC on the first half of every quantized linear's input channels
 // (model::RacConfig's default ratio; the cost of RAC, not a calibrated selection).
 // Wall-clock times (host steady clock, the GPU synchronized at the end of each timed region).
@@ -307,11 +307,12 @@ int main(int argc, char** argv) {
       std::printf("bench_model_gpu: no CUDA device\n");
       return 0;
     }
-    bool quick = false, train_only = false;
+    bool quick = false, train_only = false, rollout_only = false;
     std::vector<std::string> precisions{"bf16", "nvfp4", "nvfp4+eager", "nvfp4+rac", "nvfp4+attnl1", "nvfp4+attn"};
     for (int i = 1; i < argc; ++i) {
       if (!std::strcmp(argv[i], "--quick")) quick = true;
       else if (!std::strcmp(argv[i], "--train-only")) train_only = true;
+      else if (!std::strcmp(argv[i], "--rollout-only")) rollout_only = true;
       else if (!std::strcmp(argv[i], "--precisions") && i + 1 < argc) {
         precisions.clear();
         std::stringstream ss(argv[++i]);
@@ -328,7 +329,7 @@ int main(int argc, char** argv) {
                   "%% of bound | transformers bf16 tok/s | x peer |\n|---|---|---|---|---|---|---|---|---|\n");
       for (const std::string& p : precisions) failures += !bench_precision(cfg, p, bw, quick);
     }
-    bench_training(cfg, bw, quick);
+    if (!rollout_only) bench_training(cfg, bw, quick);
     return failures ? 1 : 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_model_gpu: %s\n", e.what());

@@ -76,10 +76,24 @@ struct Nvfp4Weight {
 void w4a4_gemm_grouped(const Nvfp4View& x, const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n, int groups,
                        const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t stream = nullptr, int splits = 0);
 
+// RAC on grouped experts (one launch for all experts' residual GEMMs, no host sync): y[r, :]
+// (row stride ldy) += Xr[r] . W_e[:, S_e]^T for the rows r of group e (eoff as w4a4_gemm_grouped),
+// where S_e is row e of `blocks` [groups, xr.k / 16] (W_e's 16-blocks; padding entries any valid
+// index, their residual is zero). W_e is [n, w_k]. Every row of y must belong to a group.
+void w4a4_gemm_grouped_gather(const Nvfp4View& xr, const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n,
+                              int64_t w_k, int groups, const int32_t* eoff, int64_t max_rows, const int32_t* blocks,
+                              float* y, int64_t ldy, cudaStream_t stream = nullptr, int splits = 0);
+
 // out[m, 16 i + j] = x[m, 16 blocks[i] + j] for i < nsel, zeros up to out_cols (a multiple of 16):
 // the compact input of w4a4_gemm_gather's quantizer.
 void gather_blocks(const float* x, int64_t m, int64_t k, const int32_t* blocks, int64_t nsel, float* out,
                    int64_t out_cols, cudaStream_t stream = nullptr);
+
+// The grouped twin: row r of group e (eoff, groups + 1 entries on the device) gathers the first
+// nsel[e] blocks of row e of blocks [groups, out_cols / 16]; zeros after them.
+void gather_blocks_grouped(const float* x, int64_t m, int64_t k, const int32_t* blocks, const int32_t* nsel,
+                           int64_t out_cols, const int32_t* eoff, int groups, float* out,
+                           cudaStream_t stream = nullptr);
 
 // cuBLAS / cuBLASLt handles and workspace, one per stream user. Not thread-safe.
 class Blas {

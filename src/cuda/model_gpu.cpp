@@ -75,6 +75,7 @@ struct DevLinear {
   // RAC: W's 16-blocks compensated (padded with block 0 to rac_cols / 16 entries), the residual's
   // format, and for Fake linears the gathered columns W_eff[:, S] [out, rac_cols].
   DeviceArray<int32_t> rac_blocks;
+  std::vector<int32_t> rac_blocks_host;
   int64_t rac_nsel = 0, rac_cols = 0;
   model::OperandQuant rac_quant;
   DeviceArray<float> rac_w;
@@ -183,7 +184,7 @@ struct GpuModel::Impl {
   // MoE on the device (default): routing by kern::moe_route, one grouped GEMM per projection per
   // layer, no host sync in a step. QUADS_GPU_MOE=legacy keeps the old path (expert ids to the
   // host, cpu::moe_permute, one GEMM per active expert); QUADS_GPU_GRAPHS=0 turns graphs off.
-  bool legacy_moe = false, graphs_on = true;
+  bool legacy_moe = false, graphs_on = true, rac_grouped_on = true;
   int attn_tokens = 1;  // QUADS_GPU_ATTN_TOKENS: prefill attention tokens per CTA (kern::attention)
   bool attn_tiled = false;  // QUADS_GPU_ATTN=tiled: prefill through kern::attention_tiled
   struct GroupedProj {  // one projection of all experts: a device table of their weights
@@ -193,11 +194,21 @@ struct GpuModel::Impl {
     DeviceArray<const uint16_t*> b;    // BF16
     DeviceArray<const float*> f;       // fake-quant: W_eff
   };
+  // RAC of one projection of all experts, grouped: each expert's blocks (a row of `blocks`,
+  // [E, cols / 16], padded with block 0) and their count; one residual format for all.
+  struct GroupedRac {
+    bool on = false;
+    int64_t cols = 0;
+    DeviceArray<int32_t> blocks, nsel;
+    model::OperandQuant quant;
+  };
   struct Grouped {
     bool ok = false;      // the layer's experts run as grouped GEMMs
     bool gemv = false;    // some projection uses the GEMV-style kernel (BF16 / FP32)
     GroupedProj gu, g, u, d;  // gu: the fused [2I, H] gate/up weights where the layer fuses them
-    double expert_bytes = 0;  // weight bytes of one expert (gate + up + down)
+    double expert_bytes = 0;  // weight bytes of one expert (gate + up + down), RAC's included
+    bool rac_ok = true;       // the experts' RAC (if any) runs grouped (else the per-expert path)
+    GroupedRac rac[3];        // gate, up, down
   };
   std::vector<Grouped> grouped;  // per layer
   DeviceArray<int32_t> ecount, eoff_d, bad_d;
@@ -235,6 +246,7 @@ struct GpuModel::Impl {
     QUADS_CUDA_CHECK(cudaStreamCreate(&stream));
     legacy_moe = env_is("QUADS_GPU_MOE", "legacy");
     graphs_on = !env_is("QUADS_GPU_GRAPHS", "0");
+    rac_grouped_on = !env_is("QUADS_GPU_RAC_GROUPED", "0");
     if (const char* a = std::getenv("QUADS_GPU_ATTN_TOKENS")) attn_tokens = std::max(1, std::atoi(a));
     attn_tiled = env_is("QUADS_GPU_ATTN", "tiled");
     blas = std::make_unique<Blas>();
@@ -337,14 +349,91 @@ struct GpuModel::Impl {
 
   // The layer's experts run grouped in this step (RAC on an expert needs the per-expert path).
   bool grouped_now(int l, int64_t T) const {
-    const LayerIdx& li = layers[l];
-    if (legacy_moe || !grouped[l].ok) return false;
+    if (legacy_moe || !grouped[l].ok || !grouped[l].rac_ok) return false;
     // The BF16 / FP32 grouped kernel is a GEMV on CUDA cores: long prefills go to cuBLAS per expert.
     if (grouped[l].gemv && T > kBf16GroupedMaxTokens) return false;
-    for (int e = 0; e < li.nexperts; ++e)
-      for (int j = 0; j < 3; ++j)
-        if (lin[li.mlp + 3 * e + j].rac_nsel > 0) return false;
     return true;
+  }
+
+  // After RAC changed: the grouped tables of the experts' RAC. Grouped RAC needs W4A4 experts
+  // with one residual format (the per-expert path takes the rest, and QUADS_GPU_RAC_GROUPED=0
+  // forces it, for tests).
+  void build_grouped_rac() {
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const LayerIdx& li = layers[l];
+      Grouped& G = grouped[l];
+      if (!li.sparse || !G.ok) continue;
+      G.rac_ok = true;
+      G.expert_bytes = lin[li.mlp].bytes() + lin[li.mlp + 1].bytes() + lin[li.mlp + 2].bytes();
+      for (int j = 0; j < 3; ++j) {
+        GroupedRac& R = G.rac[j];
+        R = GroupedRac{};
+        const DevLinear& b = lin[li.mlp + j];
+        bool any = false, ok = b.mode == GpuLinearMode::W4A4 && rac_grouped_on;
+        const model::OperandQuant* q = nullptr;
+        for (int e = 0; e < li.nexperts; ++e) {
+          const DevLinear& a = lin[li.mlp + 3 * e + j];
+          if (a.rac_nsel == 0) continue;
+          any = true;
+          if (q && !(*q == a.rac_quant)) ok = false;
+          q = &a.rac_quant;
+          R.cols = std::max(R.cols, a.rac_cols);
+        }
+        if (!any) continue;
+        if (!ok) {
+          G.rac_ok = false;
+          continue;
+        }
+        R.on = true;
+        R.quant = *q;
+        const int64_t nb = R.cols / 16;
+        std::vector<int32_t> blocks(size_t(li.nexperts * nb), 0), nsel(size_t(li.nexperts), 0);
+        double rac_bytes = 0;
+        for (int e = 0; e < li.nexperts; ++e) {
+          const DevLinear& a = lin[li.mlp + 3 * e + j];
+          nsel[e] = static_cast<int32_t>(a.rac_nsel);
+          for (int64_t i = 0; i < a.rac_nsel; ++i) blocks[size_t(e * nb + i)] = a.rac_blocks_host[size_t(i)];
+          rac_bytes += a.rac_bytes();
+        }
+        R.blocks.upload(blocks);
+        R.nsel.upload(nsel);
+        G.expert_bytes += rac_bytes / li.nexperts;
+      }
+    }
+  }
+
+  // Grouped RAC of projection j (0 gate, 1 up, 2 down) over the R expert-ordered rows X: y (row
+  // stride ldy) += the quantized residual of each row's expert's blocks times those weight
+  // blocks. `resid`: X - X_eff when the caller has it already (gate and up share their input).
+  const float* grouped_rac(int l, int j, const float* X, int64_t R, int64_t T, float* y, int64_t ldy,
+                           const float* resid = nullptr) {
+    const LayerIdx& li = layers[l];
+    const Grouped& Gt = grouped[l];
+    const GroupedRac& gr = Gt.rac[j];
+    if (!gr.on || R == 0) return resid;
+    const DevLinear& L0 = lin[li.mlp + j];  // experts_uniform: every expert's shape and numerics
+    const int64_t in = L0.in, cols = gr.cols;
+    if (!resid) {
+      float* r = grow(rbuf, size_t(R * in));
+      fake_quantize(X, r, R, in, L0.act_cfg(), stream);
+      kern::sub(X, r, r, R * in, stream);
+      resid = r;
+    }
+    float* gb = grow(gbuf, size_t(R * cols));
+    gather_blocks_grouped(resid, R, in, gr.blocks.data(), gr.nsel.data(), cols, eoff_d.data(), li.nexperts, gb,
+                          stream);
+    xrq.cfg = gr.quant.cfg;
+    xrq.rows = R;
+    xrq.cols = cols;
+    xrq.layout = ScaleLayout::RowMajor;
+    grow(xrq.codes, size_t(R * cols / 2));
+    grow(xrq.scales, size_t(R * cols / 16));
+    grow(xrq.amax, size_t(R));
+    quantize(gb, xrq, stream);
+    const GroupedProj& P = j == 0 ? Gt.g : j == 1 ? Gt.u : Gt.d;
+    w4a4_gemm_grouped_gather(nvfp4_view(xrq, L0.name.c_str()), P.q.data(), P.amax_row, L0.out, in, li.nexperts,
+                             eoff_d.data(), T, gr.blocks.data(), y, ldy, stream);
+    return resid;
   }
 
   // The MLP of sparse layer l over the R = T * k rows X in expert order (eoff_d on the device):
@@ -370,14 +459,19 @@ struct GpuModel::Impl {
     const Operand all = prepare(lin[li.mlp], X, R);
     if (li.fused_gu) {
       run(Gt.gu, all, 2 * I, H, gp);
+      const float* res = grouped_rac(l, 0, X, R, T, gp, 2 * I);
+      grouped_rac(l, 1, X, R, T, gp + I, 2 * I, res);
       kern::swiglu(gp, gp + I, 2 * I, R, I, hp, stream);
     } else {
       run(Gt.g, all, I, H, gp);
       run(Gt.u, all, I, H, up);
+      const float* res = grouped_rac(l, 0, X, R, T, gp, I);
+      grouped_rac(l, 1, X, R, T, up, I, res);
       kern::swiglu(gp, up, I, R, I, hp, stream);
     }
     const Operand od = prepare(lin[li.mlp + 2], hp, R);
     run(Gt.d, od, H, I, Y);
+    grouped_rac(l, 2, hp, R, T, Y, H);
   }
 
   // Raises a router error recorded by kern::moe_route. `copied`: the step's queued copy into
@@ -601,6 +695,7 @@ struct GpuModel::Impl {
   void set_rac(DevLinear& L, const std::vector<int32_t>& channels, const model::OperandQuant& q) {
     L.rac_nsel = L.rac_cols = 0;
     L.rac_blocks.reset();
+    L.rac_blocks_host.clear();
     L.rac_w.reset();
     if (channels.empty()) return;
     const int64_t ns = static_cast<int64_t>(channels.size());
@@ -628,6 +723,7 @@ struct GpuModel::Impl {
     L.rac_quant = q;
     blocks.resize(L.rac_cols / 16, 0);
     L.rac_blocks.upload(blocks);
+    L.rac_blocks_host = blocks;
     refresh_rac_weights(L);
   }
 
@@ -1210,6 +1306,7 @@ void GpuModel::set_rac(const model::Model& m) {
   }
   QUADS_CUDA_CHECK(cudaDeviceSynchronize());
   for (size_t i = 0; i < cl.size(); ++i) g.set_rac(g.lin[i], cl[i].rac_channels, cl[i].rac_quant);
+  g.build_grouped_rac();
   QUADS_CUDA_CHECK(cudaStreamSynchronize(g.stream));
   g.clear_graphs();
 }
@@ -1259,6 +1356,7 @@ void GpuModel::set_rac_first_channels(double ratio) {
     for (int64_t c = 0; c < count; ++c) ch[c] = static_cast<int32_t>(c);
     g.set_rac(L, ch, q);
   }
+  g.build_grouped_rac();
   QUADS_CUDA_CHECK(cudaStreamSynchronize(g.stream));
   g.clear_graphs();
 }

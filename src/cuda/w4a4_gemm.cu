@@ -34,10 +34,12 @@ struct Params {
   const uint8_t* ws;
   const float* wamax;
   int wamax_row;
-  const int32_t* blk;  // gather: W block per K block of X
+  const int32_t* blk;  // gather: W block per K block of X (grouped: groups rows of blk_stride)
+  int64_t blk_stride;
   int64_t M, N, K;     // K: X's columns
   int64_t Kw;          // W's columns
   float* y;
+  int64_t ldy;         // y's row stride (>= N)
   int accumulate;
   float* partial;      // split K: [splits, M, N] raw sums
   int kb_per_split;    // stages per split
@@ -148,6 +150,7 @@ w4a4_kernel(const Params p) {
   const uint8_t* wq = p.wq;
   const uint8_t* ws = p.ws;
   const float* wamax = p.wamax;
+  const int32_t* blk = p.blk;
   if constexpr (GROUPED) {
     // The grid covers the largest possible group; tiles past this expert's rows leave at once
     // (uniformly for the whole CTA, before any barrier).
@@ -159,6 +162,7 @@ w4a4_kernel(const Params p) {
     wq = p.wtab[e].codes;
     ws = p.wtab[e].scales;
     wamax = p.wtab[e].amax;
+    if constexpr (GATHER) blk += e * p.blk_stride;
     kb0 = static_cast<int64_t>(blockIdx.z % p.gsplits) * p.kb_per_split;
   }
   const int64_t zsplit = GROUPED ? blockIdx.z % p.gsplits : blockIdx.z;
@@ -204,9 +208,9 @@ w4a4_kernel(const Params p) {
         const int r = c >> 3, b = c & 7;
         const int64_t gn = n0 + r, kblk = kb * 8 + b;
         const bool ok = gn < p.N && kblk < kblocks;
-        const int64_t src = ok ? p.blk[kblk] : 0;
-        cp_async8(sb + r * 64 + b * 8, p.wq + (ok ? gn * wrow + src * 8 : 0), ok ? 8 : 0);
-        cp_async4(sbs + (r * 8 + b) * 4, p.ws + (ok ? gn * wsrow + (src & ~int64_t(3)) : 0), ok ? 4 : 0);
+        const int64_t src = ok ? blk[kblk] : 0;
+        cp_async8(sb + r * 64 + b * 8, wq + (ok ? gn * wrow + src * 8 : 0), ok ? 8 : 0);
+        cp_async4(sbs + (r * 8 + b) * 4, ws + (ok ? gn * wsrow + (src & ~int64_t(3)) : 0), ok ? 4 : 0);
       }
     }
   };
@@ -250,8 +254,8 @@ w4a4_kernel(const Params p) {
     int sh0 = 0, sh1 = 0;  // gather: the scale byte sits at (block index & 3) in its 4-byte word
     if constexpr (GATHER) {
       const int64_t kblk = (kb0 + it) * 8 + 2 * t;
-      sh0 = kblk < kblocks ? 8 * (__ldg(p.blk + kblk) & 3) : 0;
-      sh1 = kblk + 1 < kblocks ? 8 * (__ldg(p.blk + kblk + 1) & 3) : 0;
+      sh0 = kblk < kblocks ? 8 * (__ldg(blk + kblk) & 3) : 0;
+      sh1 = kblk + 1 < kblocks ? 8 * (__ldg(blk + kblk + 1) & 3) : 0;
     }
 #pragma unroll
     for (int j = 0; j < NTL; ++j) {
@@ -335,7 +339,7 @@ w4a4_kernel(const Params p) {
             p.partial[(zsplit * prows + row) * p.N + col] = v;
           } else {
             const float out = v * rf * (wamax[p.wamax_row ? col : 0] * kInv);
-            float* dst = p.y + row * p.N + col;
+            float* dst = p.y + row * p.ldy + col;
             *dst = p.accumulate ? *dst + out : out;
           }
         }
@@ -364,7 +368,8 @@ __global__ void splitk_reduce_kernel(const Params p, int splits, int groups) {
       wamax = p.wtab[lo].amax;
     }
     const float out = s * (p.xamax[p.xamax_row ? row : 0] * kInv * 16384.f) * (wamax[p.wamax_row ? col : 0] * kInv);
-    p.y[i] = p.accumulate ? p.y[i] + out : out;
+    float* dst = p.y + row * p.ldy + col;
+    *dst = p.accumulate ? *dst + out : out;
   }
 }
 
@@ -375,6 +380,25 @@ __global__ void gather_blocks_kernel(const float* x, int64_t m, int64_t k, const
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = i / out_cols, c = i % out_cols, b = c / 16;
     out[i] = b < nsel ? x[r * k + static_cast<int64_t>(blocks[b]) * 16 + c % 16] : 0.f;
+  }
+}
+
+// The grouped gather: row r belongs to the expert e with eoff[e] <= r < eoff[e+1] and takes that
+// expert's nsel[e] blocks (blocks row e); zeros after them.
+__global__ void gather_blocks_grouped_kernel(const float* x, int64_t m, int64_t k, const int32_t* blocks,
+                                             const int32_t* nsel, int64_t nb, const int32_t* eoff, int groups,
+                                             float* out) {
+  const int64_t out_cols = nb * 16, n = m * out_cols;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / out_cols, c = i % out_cols, b = c / 16;
+    int lo = 0, hi = groups - 1;  // the last e with eoff[e] <= r
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (eoff[mid] <= r) lo = mid;
+      else hi = mid - 1;
+    }
+    out[i] = b < nsel[lo] ? x[r * k + static_cast<int64_t>(blocks[lo * nb + b]) * 16 + c % 16] : 0.f;
   }
 }
 
@@ -478,14 +502,15 @@ void dispatch(const Params& p, const W4A4Options& opt, cudaStream_t s) {
   }
 }
 
+template <bool GATHER>
 void dispatch_grouped(const Params& p, int groups, int splits, cudaStream_t s) {
   // p.M is the largest group: decode has a few rows per expert, M16 tiles stream the weights.
   if (p.M <= 64)
-    launch<16, 128, 16, 64, 4, false, true>(p, splits, s, groups);
+    launch<16, 128, 16, 64, 4, GATHER, true>(p, splits, s, groups);
   else if (p.M <= 256)
-    launch<64, 128, 32, 64, 4, false, true>(p, splits, s, groups);
+    launch<64, 128, 32, 64, 4, GATHER, true>(p, splits, s, groups);
   else
-    launch<128, 128, 64, 64, 3, false, true>(p, splits, s, groups);
+    launch<128, 128, 64, 64, 3, GATHER, true>(p, splits, s, groups);
 }
 
 Params make_params(const Nvfp4View& x, const Nvfp4View& w, float* y, bool accumulate) {
@@ -503,6 +528,7 @@ Params make_params(const Nvfp4View& x, const Nvfp4View& w, float* y, bool accumu
   p.K = x.k;
   p.Kw = w.k;
   p.y = y;
+  p.ldy = w.rows;
   p.accumulate = accumulate;
   p.gsplits = 1;
   return p;
@@ -559,7 +585,30 @@ void w4a4_gemm_grouped(const Nvfp4View& x, const Nvfp4Weight* w_table, bool w_am
   p.Mtot = x.rows;
   p.eoff = eoff;
   p.wtab = w_table;
-  dispatch_grouped(p, groups, splits, s);
+  dispatch_grouped<false>(p, groups, splits, s);
+}
+
+void w4a4_gemm_grouped_gather(const Nvfp4View& xr, const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n,
+                              int64_t w_k, int groups, const int32_t* eoff, int64_t max_rows, const int32_t* blocks,
+                              float* y, int64_t ldy, cudaStream_t s, int splits) {
+  QUADS_CHECK(xr.k % 64 == 0, "w4a4_gemm_grouped_gather: the residual's K = {} must be a multiple of 64", xr.k);
+  QUADS_CHECK(w_k % 64 == 0, "w4a4_gemm_grouped_gather: W's K = {} must be a multiple of 64", w_k);
+  QUADS_CHECK(ldy >= n, "w4a4_gemm_grouped_gather: ldy = {} < n = {}", ldy, n);
+  QUADS_CHECK(groups > 0 && groups <= 65535, "w4a4_gemm_grouped_gather: {} groups (1..65535)", groups);
+  if (xr.rows == 0 || n == 0 || max_rows <= 0 || xr.k == 0) return;
+  Nvfp4View w;
+  w.rows = n;
+  w.k = w_k;
+  w.amax_per_row = w_amax_per_row;
+  Params p = make_params(xr, w, y, true);
+  p.ldy = ldy;
+  p.M = std::min(max_rows, xr.rows);
+  p.Mtot = xr.rows;
+  p.eoff = eoff;
+  p.wtab = w_table;
+  p.blk = blocks;
+  p.blk_stride = xr.k / 16;
+  dispatch_grouped<true>(p, groups, splits, s);
 }
 
 void gather_blocks(const float* x, int64_t m, int64_t k, const int32_t* blocks, int64_t nsel, float* out,
@@ -569,6 +618,16 @@ void gather_blocks(const float* x, int64_t m, int64_t k, const int32_t* blocks, 
   if (n == 0) return;
   const int blocks_n = static_cast<int>(std::min<int64_t>((n + 255) / 256, 16LL * sm_count()));
   gather_blocks_kernel<<<blocks_n, 256, 0, s>>>(x, m, k, blocks, nsel, out, out_cols);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void gather_blocks_grouped(const float* x, int64_t m, int64_t k, const int32_t* blocks, const int32_t* nsel,
+                           int64_t out_cols, const int32_t* eoff, int groups, float* out, cudaStream_t s) {
+  QUADS_CHECK(out_cols % 16 == 0, "gather_blocks_grouped: out_cols = {} is not a multiple of 16", out_cols);
+  const int64_t n = m * out_cols;
+  if (n == 0) return;
+  const int blocks_n = static_cast<int>(std::min<int64_t>((n + 255) / 256, 16LL * sm_count()));
+  gather_blocks_grouped_kernel<<<blocks_n, 256, 0, s>>>(x, m, k, blocks, nsel, out_cols / 16, eoff, groups, out);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
