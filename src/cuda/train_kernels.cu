@@ -623,51 +623,80 @@ void attn_check(const char* what, int64_t T, int nh, int nkv, int hd, std::initi
 // ---------------------------------------------------------------------------------------------
 // Router
 
-// One thread per token: softmax as cpu::softmax_forward (exp rounded from double, so it matches the
-// correctly rounded float exp almost always; the sum in double in expert order), then the top-k
-// by repeated arg-max (strict >: the lower id on ties) or the forced experts, as
-// cpu::router_topk_forward. A forced id outside 0..E-1 gets a NaN weight (it shows in the loss).
+// One warp per token (decode has few tokens: a thread per token left the step waiting on 64
+// serial softmaxes). Softmax as cpu::softmax_forward: exp rounded from double (matches the
+// correctly rounded float exp almost always), the sum in double in expert order (lane 0). Top-k
+// by repeated arg-max as cpu::router_topk_forward (the larger probability, the lower id on ties;
+// all-NaN rows take the lowest free ids, as the CPU's scan), or the forced experts. A forced id
+// outside 0..E-1 gets a NaN weight (it shows in the loss). Shared: per warp E probabilities, k ids.
+constexpr int kTopkWarps = 4;
 __global__ void router_topk_fwd_kernel(const float* __restrict__ logits, int64_t T, int E, int k, bool norm_topk,
                                        float* __restrict__ probs, int32_t* __restrict__ idx, float* __restrict__ w,
                                        const int32_t* __restrict__ forced) {
-  const int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (t >= T) return;
+  extern __shared__ float topk_smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t t = int64_t(blockIdx.x) * kTopkWarps + warp;
+  if (t >= T) return;  // whole warps; only warp-level sync below
+  float* ps = topk_smem + int64_t(warp) * (E + k);
+  int32_t* sel = reinterpret_cast<int32_t*>(ps + E);
   const float* x = logits + t * E;
-  float* p = probs + t * E;
   float m = -INFINITY;
-  for (int e = 0; e < E; ++e) m = fmaxf(m, x[e]);
+  for (int e = lane; e < E; e += 32) m = fmaxf(m, x[e]);
+  m = warp_max(m);
+  for (int e = lane; e < E; e += 32) ps[e] = static_cast<float>(exp(double(__fsub_rn(x[e], m))));
+  __syncwarp();
   double sum = 0;
-  for (int e = 0; e < E; ++e) {
-    const float ev = static_cast<float>(exp(double(__fsub_rn(x[e], m))));
-    p[e] = ev;
-    sum = __dadd_rn(sum, double(ev));
-  }
+  if (lane == 0)
+    for (int e = 0; e < E; ++e) sum = __dadd_rn(sum, double(ps[e]));
+  sum = __shfl_sync(0xffffffffu, sum, 0);
   const float inv = static_cast<float>(1.0 / sum);
-  for (int e = 0; e < E; ++e) p[e] = __fmul_rn(p[e], inv);
-  int32_t* it = idx + t * k;
+  float* p = probs + t * E;
+  for (int e = lane; e < E; e += 32) {
+    const float v = __fmul_rn(ps[e], inv);
+    ps[e] = v;
+    p[e] = v;
+  }
+  __syncwarp();
   if (forced) {
-    for (int s = 0; s < k; ++s) it[s] = forced[t * k + s];
+    for (int s = lane; s < k; s += 32) sel[s] = forced[t * k + s];
   } else {
     for (int s = 0; s < k; ++s) {
       int best = -1;
-      for (int e = 0; e < E; ++e) {
+      float bp = 0.f;
+      for (int e = lane; e < E; e += 32) {
         bool taken = false;
-        for (int r = 0; r < s; ++r) taken |= (it[r] == e);
+        for (int r = 0; r < s; ++r) taken |= (sel[r] == e);
         if (taken) continue;
-        if (best < 0 || p[e] > p[best]) best = e;
+        if (best < 0 || ps[e] > bp) {
+          best = e;
+          bp = ps[e];
+        }
       }
-      it[s] = best;
+      for (int o = 16; o > 0; o >>= 1) {
+        const int ob = __shfl_xor_sync(0xffffffffu, best, o);
+        const float op = __shfl_xor_sync(0xffffffffu, bp, o);
+        if (ob >= 0 && (best < 0 || op > bp || (!(bp > op) && ob < best))) {
+          best = ob;
+          bp = op;
+        }
+      }
+      if (lane == 0) sel[s] = best;
+      __syncwarp();
     }
   }
-  float tot = 0;
-  for (int s = 0; s < k; ++s) {
-    const int e = it[s];
-    const float pe = e >= 0 && e < E ? p[e] : NAN;
-    w[t * k + s] = pe;
-    tot = __fadd_rn(tot, pe);
+  __syncwarp();
+  if (lane == 0) {
+    float tot = 0;
+    for (int s = 0; s < k; ++s) {
+      const int e = sel[s];
+      const float pe = e >= 0 && e < E ? ps[e] : NAN;
+      idx[t * k + s] = e;
+      w[t * k + s] = pe;
+      tot = __fadd_rn(tot, pe);
+    }
+    if (norm_topk)
+      for (int s = 0; s < k; ++s) w[t * k + s] = __fdiv_rn(w[t * k + s], tot);
   }
-  if (norm_topk)
-    for (int s = 0; s < k; ++s) w[t * k + s] = __fdiv_rn(w[t * k + s], tot);
 }
 
 // One warp per token; dp [E] (double) in shared memory. Lane 0 forms the sums in the CPU's order
@@ -1021,7 +1050,10 @@ void router_topk_fwd(const float* logits, int64_t T, int E, int k, bool norm_top
                      float* w, const int32_t* forced, cudaStream_t s) {
   if (T == 0) return;
   QUADS_CHECK(E > 0 && k > 0 && k <= E, "cuda router_topk_fwd: top-{} of {} experts", k, E);
-  router_topk_fwd_kernel<<<grid_for(T, 128), 128, 0, s>>>(logits, T, E, k, norm_topk, probs, idx, w, forced);
+  const size_t smem = sizeof(float) * size_t(kTopkWarps) * size_t(E + k);
+  QUADS_CHECK(smem <= 48 * 1024, "cuda router_topk_fwd: {} experts (top-{}) is too many", E, k);
+  router_topk_fwd_kernel<<<static_cast<unsigned>((T + kTopkWarps - 1) / kTopkWarps), 32 * kTopkWarps, smem, s>>>(
+      logits, T, E, k, norm_topk, probs, idx, w, forced);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
