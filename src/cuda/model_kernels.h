@@ -89,13 +89,14 @@ void moe_route(const int32_t* idx, int64_t n, int E, int32_t* counts, int32_t* e
 
 // Grouped BF16 GEMM for MoE experts: for every group e, rows eoff[e] .. eoff[e+1] of x [*, K]
 // (BF16 bits) times W_e^T (w_table[e]: device pointer to BF16 [N, K]) into the same rows of
-// y [*, N], FP32 accumulation (exact products, fixed order: deterministic). A GEMV-style kernel for
-// decode (few rows per expert): each weight row is streamed once per 8 activation rows. K % 8 == 0,
-// 16-byte aligned rows.
+// y [*, N], FP32 accumulation (exact products, fixed order: deterministic). For decode and short
+// prefills (few rows per expert): BF16 tensor cores (mma.sync), each weight row streamed once per
+// 16 activation rows. K % 8 == 0, 16-byte aligned rows.
 void gemm_bf16_grouped(const uint16_t* x, const uint16_t* const* w_table, int64_t N, int64_t K, int groups,
                        const int32_t* eoff, float* y, cudaStream_t s);
-// The same over float32 operands (fake-quant linears: W_eff and the fake-quantized X); each product
-// rounded then added, as the CPU's GEMM (summation order differs). K % 8 == 0, 32-byte aligned rows.
+// The same over float32 operands (fake-quant linears: W_eff and the fake-quantized X) on CUDA cores
+// (a GEMV-style kernel, 8 activation rows per pass over a weight row); each product rounded then
+// added, as the CPU's GEMM (summation order differs). K % 8 == 0, 32-byte aligned rows.
 void gemm_f32_grouped(const float* x, const float* const* w_table, int64_t N, int64_t K, int groups,
                       const int32_t* eoff, float* y, cudaStream_t s);
 

@@ -84,36 +84,24 @@ __global__ void route_place_kernel(const int32_t* __restrict__ idx, int64_t n, i
 
 constexpr int kGroupRows = 8;  // activation rows per pass over a weight row
 
-__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
-
-// One warp per weight row n of expert blockIdx.y, for all of the expert's rows, kGroupRows at a
-// time: each lane takes 8 consecutive elements per step of 256 along K. BF16: 16-byte loads; BF16 x
-// BF16 products are exact in FP32, so fmaf adds each exact product once. FP32 (fake-quant linears):
-// each product rounded, then added (__fmul_rn / __fadd_rn, as the CPU without contraction). Lane
-// partials meet in a fixed tree.
-template <bool F32>
-__device__ __forceinline__ void load8(const void* p, int64_t i, float (&v)[8]) {
-  if constexpr (F32) {
-    const float4 a = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p) + i));
-    const float4 b = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p) + i + 4));
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-  } else {
-    const uint4 a = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p) + i));
-    v[0] = bf16_lo(a.x), v[1] = bf16_hi(a.x), v[2] = bf16_lo(a.y), v[3] = bf16_hi(a.y);
-    v[4] = bf16_lo(a.z), v[5] = bf16_hi(a.z), v[6] = bf16_lo(a.w), v[7] = bf16_hi(a.w);
-  }
+// FP32 (fake-quant linears): one warp per weight row n of expert blockIdx.y, for all of the
+// expert's rows, kGroupRows at a time: each lane takes 8 consecutive elements per step of 256
+// along K; each product rounded, then added (__fmul_rn / __fadd_rn, as the CPU without
+// contraction). Lane partials meet in a fixed tree.
+__device__ __forceinline__ void load8(const float* p, int64_t i, float (&v)[8]) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(p + i));
+  const float4 b = __ldg(reinterpret_cast<const float4*>(p + i + 4));
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
 
-template <bool F32>
-__global__ void grouped_gemv_kernel(const void* __restrict__ x, const void* const* __restrict__ wtab,
+__global__ void grouped_gemv_kernel(const float* __restrict__ x, const float* const* __restrict__ wtab,
                                     const int32_t* __restrict__ eoff, int64_t N, int64_t K, float* __restrict__ y) {
   const int e = blockIdx.y;
   const int64_t mb = eoff[e], me = eoff[e + 1];
   const int lane = threadIdx.x & 31;
   const int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (mb >= me || n >= N) return;  // no barriers in this kernel
-  const void* wr = wtab[e];
+  const float* wr = wtab[e];
   const int64_t wrow = n * K;
   for (int64_t r0 = mb; r0 < me; r0 += kGroupRows) {
     const int rows = me - r0 < kGroupRows ? static_cast<int>(me - r0) : kGroupRows;
@@ -123,15 +111,15 @@ __global__ void grouped_gemv_kernel(const void* __restrict__ x, const void* cons
 #pragma unroll 2
     for (int64_t k = int64_t(lane) * 8; k < K; k += 256) {
       float wf[8];
-      load8<F32>(wr, wrow + k, wf);
+      load8(wr, wrow + k, wf);
 #pragma unroll
       for (int r = 0; r < kGroupRows; ++r) {
         if (r < rows) {
           float xf[8];
-          load8<F32>(x, (r0 + r) * K + k, xf);
+          load8(x, (r0 + r) * K + k, xf);
           float s = acc[r];
 #pragma unroll
-          for (int j = 0; j < 8; ++j) s = F32 ? __fadd_rn(s, __fmul_rn(xf[j], wf[j])) : fmaf(xf[j], wf[j], s);
+          for (int j = 0; j < 8; ++j) s = __fadd_rn(s, __fmul_rn(xf[j], wf[j]));
           acc[r] = s;
         }
       }
@@ -144,15 +132,82 @@ __global__ void grouped_gemv_kernel(const void* __restrict__ x, const void* cons
   }
 }
 
-template <bool F32>
-void grouped_gemv(const void* x, const void* const* w_table, int64_t N, int64_t K, int groups, const int32_t* eoff,
+// BF16 on tensor cores (mma.sync m16n8k16, FP32 accumulation): a warp owns 32 weight rows
+// (4 n8 tiles) of expert blockIdx.y and runs over the expert's rows 16 at a time, streaming each
+// weight row with 16-byte loads straight into the B fragments. The sum over k is order-free for
+// the MMA, so each lane takes 8 consecutive elements of a 32-wide chunk (physical k = 8t .. 8t+7,
+// t = lane % 4) and both operands use that same permutation of the fragment's k: A and B need no
+// shuffle or shared memory. BF16 x BF16 products are exact; only the FP32 sums round.
+constexpr int kTcWarps = 4, kTcCols = 32;
+
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ uint4 ldg16_or_zero(const uint16_t* p, bool ok) {
+  return ok ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0, 0, 0, 0);
+}
+
+__global__ void __launch_bounds__(32 * kTcWarps)
+grouped_bf16_tc_kernel(const uint16_t* __restrict__ x, const uint16_t* const* __restrict__ wtab,
+                       const int32_t* __restrict__ eoff, int64_t N, int64_t K, float* __restrict__ y) {
+  const int e = blockIdx.y;
+  const int64_t mb = eoff[e], me = eoff[e + 1];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int64_t n0 = (int64_t(blockIdx.x) * kTcWarps + warp) * kTcCols;
+  if (mb >= me || n0 >= N) return;  // no barriers in this kernel
+  const uint16_t* W = wtab[e];
+  for (int64_t r0 = mb; r0 < me; r0 += 16) {
+    const int64_t ra = r0 + g, rb = r0 + g + 8;
+    const bool va = ra < me, vb = rb < me;
+    float acc[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[j][q] = 0.f;
+#pragma unroll 4
+    for (int64_t kb = 0; kb < K; kb += 32) {
+      const int64_t k = kb + 8 * t;
+      const bool vk = k < K;  // K % 8 == 0: a lane's 8 elements are all inside or all outside
+      const uint4 xa = ldg16_or_zero(x + ra * K + k, va && vk);
+      const uint4 xb = ldg16_or_zero(x + rb * K + k, vb && vk);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int64_t n = n0 + 8 * j + g;
+        const uint4 wv = ldg16_or_zero(W + n * K + k, n < N && vk);
+        mma_bf16_16816(acc[j], xa.x, xb.x, xa.y, xb.y, wv.x, wv.y);
+        mma_bf16_16816(acc[j], xa.z, xb.z, xa.w, xb.w, wv.z, wv.w);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int64_t n = n0 + 8 * j + 2 * t + c;
+        if (n >= N) continue;
+        if (va) y[ra * N + n] = acc[j][c];
+        if (vb) y[rb * N + n] = acc[j][2 + c];
+      }
+  }
+}
+
+void grouped_gemv(const float* x, const float* const* w_table, int64_t N, int64_t K, int groups, const int32_t* eoff,
                   float* y, cudaStream_t s) {
   QUADS_CHECK(K % 8 == 0, "grouped expert GEMM: K = {} must be a multiple of 8", K);
   QUADS_CHECK(groups > 0 && groups <= 65535, "grouped expert GEMM: {} groups (1..65535)", groups);
   if (N == 0 || K == 0) return;
   constexpr int threads = 256;
   const dim3 grid(static_cast<unsigned>((N + threads / 32 - 1) / (threads / 32)), static_cast<unsigned>(groups));
-  grouped_gemv_kernel<F32><<<grid, threads, 0, s>>>(x, w_table, eoff, N, K, y);
+  grouped_gemv_kernel<<<grid, threads, 0, s>>>(x, w_table, eoff, N, K, y);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
@@ -170,12 +225,18 @@ void moe_route(const int32_t* idx, int64_t n, int E, int32_t* counts, int32_t* e
 
 void gemm_bf16_grouped(const uint16_t* x, const uint16_t* const* w_table, int64_t N, int64_t K, int groups,
                        const int32_t* eoff, float* y, cudaStream_t s) {
-  grouped_gemv<false>(x, reinterpret_cast<const void* const*>(w_table), N, K, groups, eoff, y, s);
+  QUADS_CHECK(K % 8 == 0, "grouped expert GEMM: K = {} must be a multiple of 8", K);
+  QUADS_CHECK(groups > 0 && groups <= 65535, "grouped expert GEMM: {} groups (1..65535)", groups);
+  if (N == 0 || K == 0) return;
+  constexpr int per_cta = kTcWarps * kTcCols;
+  const dim3 grid(static_cast<unsigned>((N + per_cta - 1) / per_cta), static_cast<unsigned>(groups));
+  grouped_bf16_tc_kernel<<<grid, 32 * kTcWarps, 0, s>>>(x, w_table, eoff, N, K, y);
+  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void gemm_f32_grouped(const float* x, const float* const* w_table, int64_t N, int64_t K, int groups,
                       const int32_t* eoff, float* y, cudaStream_t s) {
-  grouped_gemv<true>(x, reinterpret_cast<const void* const*>(w_table), N, K, groups, eoff, y, s);
+  grouped_gemv(x, w_table, N, K, groups, eoff, y, s);
 }
 
 }  // namespace quads::cuda::kern

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# On the GPU machine: per-kernel GPU time of one prefill (16 x 1024) and one decode step (batch 64)
+# of the peer model, through Nsight Compute (ncu; its duration metric only, clocks left alone),
+# summed by kernel name. Builds bench_model_gpu first (scripts/gpu/env.sh).
+#   bash scripts/gpu/profile.sh [PRECISION ...]      # default: nvfp4 bf16
+set -uo pipefail
+source "$(dirname "$0")/env.sh"
+gpu_build bench_model_gpu || exit 1
+ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+[ -n "$ncu" ] || { echo "no ncu on this machine"; exit 1; }
+precisions=("$@")
+[ ${#precisions[@]} -gt 0 ] || precisions=(nvfp4 bf16)
+for p in "${precisions[@]}"; do
+  for what in prefill decode; do
+    flag=--ncu; [ $what = decode ] && flag=--ncu-decode
+    csv=$logdir/ncu_${p//+/_}_$what.csv
+    timeout 300 "$ncu" --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
+      --print-units base "$build/bench_model_gpu" $flag "$p" >"$csv" 2>"$logdir/ncu_${p//+/_}_$what.err" \
+      || { echo "ncu failed for $p $what"; tail -5 "$logdir/ncu_${p//+/_}_$what.err"; }
+    python3 - "$csv" "$p $what" <<'PY'
+import csv, sys, collections
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+if len(rows) < 2: print(f"{sys.argv[2]}: no kernels profiled"); sys.exit()
+h, rows = rows[0], rows[1:]
+iname, ival = h.index("Kernel Name"), h.index("Metric Value")
+by = collections.defaultdict(lambda: [0.0, 0])
+for r in rows:
+    k = r[iname].split("(")[0].split("<")[0].replace("void ", "").strip()
+    by[k][0] += float(r[ival].replace(",", "")) / 1e3; by[k][1] += 1
+tot = sum(v[0] for v in by.values())
+print(f"\n{sys.argv[2]}: {len(rows)} kernels, {tot/1e3:.2f} ms of GPU time (sum of kernel durations)")
+print("| kernel | calls | us | % |\n|---|---|---|---|")
+for k, (t, n) in sorted(by.items(), key=lambda kv: -kv[1][0])[:20]:
+    print(f"| {k[:70]} | {n} | {t:.0f} | {100*t/tot:.1f} |")
+PY
+  done
+done
