@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <utility>
@@ -17,6 +19,7 @@
 
 #include "common/error.h"
 #include "cpu/ops.h"
+#include "cuda/attention_tc.h"
 #include "cuda/check.h"
 #include "cuda/device.h"
 #include "cuda/model_kernels.h"
@@ -72,6 +75,25 @@ struct Opnd {
     return o;
   }
 };
+
+// One fast-path GEMM as cublasGemmEx takes it (column-major, BF16 operands, FP32 C), kept for an
+// expert batch: alpha = alphas[alpha_li] (the linear's NVFP4 decode scale) or 1, beta 0 or 1.
+struct GemmOp {
+  cublasOperation_t ta = CUBLAS_OP_N, tb = CUBLAS_OP_N;
+  int m = 0, n = 0, k = 0;
+  int alpha_li = -1;
+  bool beta1 = false;
+  const void* A = nullptr;
+  const void* B = nullptr;
+  void* C = nullptr;
+  int lda = 0, ldb = 0, ldc = 0;
+  int lane = 0;   // the expert: its GEMMs stay in issue order on one stream
+  int phase = 0;  // j > 0: accumulates onto the C of phase j - 1 (QAT's unfused up-projection dX)
+};
+
+// How the fast path runs the experts' GEMMs of a MoE layer.
+enum class ExpertGemms : uint8_t { PerExpert, Grouped, Streams };
+constexpr int kLanes = 4;  // streams of the Streams mode (the main stream is lane 0)
 
 // Grow-only buffer (contents are not kept).
 template <typename T>
@@ -139,6 +161,26 @@ struct GpuTrainer::Impl {
   DeviceArray<uint16_t> dyb;
   DeviceArray<int32_t> counts, eoff_d, bad_d;
 
+  // Attention: the tensor-core kernels (attention_tc.h) or the exact FP32 ones (train_kernels.h).
+  // attn_tc_fwd: what the last forward ran (its backward runs the same).
+  bool attn_tc = false, attn_tc_fwd = false;
+  std::unique_ptr<AttentionTc> atc;
+
+  // The fast path's expert GEMMs: while `collecting` they are kept in `batch`, then flush_experts
+  // runs them grouped (one cuBLAS call per phase) or spread over kLanes streams.
+  ExpertGemms expert_mode = ExpertGemms::PerExpert;
+  bool grouped_ok = true;    // cuBLAS has not refused the grouped GEMM
+  bool grouped_ran = false;  // ... and ran it at least once
+  bool collecting = false;
+  int cur_lane = 0;
+  std::vector<GemmOp> batch;
+  std::vector<float> halpha;      // host copy of alphas (grouped GEMMs take host scalars)
+  DeviceArray<const void*> gptrs;  // the grouped GEMM's A, B, C pointer arrays
+  cudaStream_t lane_stream[kLanes] = {};
+  cublasHandle_t lane_blas[kLanes] = {};
+  DeviceArray<uint8_t> lane_ws[kLanes];
+  cudaEvent_t fork_ev = nullptr, join_ev[kLanes] = {};
+
   // Profiling: an event closes each segment of stream work and names its category.
   enum Cat { kGemm, kAttn, kRoute, kLoss, kOpt, kRequant, kOther, kNcat };
   bool prof = false;
@@ -181,6 +223,14 @@ struct GpuTrainer::Impl {
     consts.upload(std::vector<float>{0.f, 1.f});
     build_linears();
     alphas.upload(std::vector<float>(lin.size(), 1.f));
+    halpha.assign(lin.size(), 1.f);
+    // BF16 trainers run BF16 flash attention; everything else keeps the CPU-equal FP32 kernels.
+    attn_tc = !any_exact;
+    if (const char* e = std::getenv("QUADS_GPU_TRAIN_ATTN"); e && *e) set_attention(e);
+    if (const char* e = std::getenv("QUADS_GPU_TRAIN_GROUPED"); e && *e) {
+      const std::string v = e;
+      set_expert_gemms(v == "0" ? "per-expert" : v == "1" ? "grouped" : v);
+    }
     master.resize(lay.total);
     grads.resize(lay.total);
     grads.fill_bytes(0);
@@ -194,6 +244,12 @@ struct GpuTrainer::Impl {
   }
   ~Impl() {
     for (cudaEvent_t e : ev) cudaEventDestroy(e);
+    for (int i = 1; i < kLanes; ++i) {
+      if (lane_blas[i]) cublasDestroy(lane_blas[i]);
+      if (lane_stream[i]) cudaStreamDestroy(lane_stream[i]);
+      if (join_ev[i]) cudaEventDestroy(join_ev[i]);
+    }
+    if (fork_ev) cudaEventDestroy(fork_ev);
     if (blas) cublasDestroy(blas);
     if (stream) cudaStreamDestroy(stream);
   }
@@ -291,6 +347,12 @@ struct GpuTrainer::Impl {
                                 alphas.data() + i, stream);
       }
     }
+    // The grouped expert GEMMs take their alphas from the host.
+    if (any_fast) {
+      QUADS_CUDA_CHECK(cudaMemcpyAsync(halpha.data(), alphas.data(), sizeof(float) * lin.size(), cudaMemcpyDeviceToHost,
+                                       stream));
+      QUADS_CUDA_CHECK(cudaStreamSynchronize(stream));
+    }
   }
 
   void check_layout(const model::Weights& w, const char* what) const {
@@ -309,6 +371,163 @@ struct GpuTrainer::Impl {
   const float* zero() const { return consts.data(); }
   const float* one() const { return consts.data() + 1; }
 
+  void set_attention(const std::string& v) {
+    if (v == "exact") attn_tc = false;
+    else if (v == "tc") attn_tc = true;
+    else fail("GpuTrainer: attention '{}' (QUADS_GPU_TRAIN_ATTN): expected exact or tc", v);
+  }
+  void set_expert_gemms(const std::string& v) {
+    if (v == "per-expert") expert_mode = ExpertGemms::PerExpert;
+    else if (v == "grouped") expert_mode = ExpertGemms::Grouped;
+    else if (v == "streams") expert_mode = ExpertGemms::Streams;
+    else fail("GpuTrainer: expert GEMMs '{}' (QUADS_GPU_TRAIN_GROUPED): expected per-expert (0), grouped (1) or streams", v);
+  }
+  std::string expert_gemms() const {
+    switch (expert_mode) {
+      case ExpertGemms::PerExpert: return "per-expert";
+      case ExpertGemms::Streams: return "streams";
+      case ExpertGemms::Grouped: break;
+    }
+    return grouped_ok ? "grouped" : "per-expert (cuBLAS refused grouped)";
+  }
+
+  // ---- the fast path's GEMMs: at once, or kept for an expert batch
+
+  void exec_gemm(cublasHandle_t h, const GemmOp& g) {
+    QUADS_TRAIN_CUBLAS(cublasGemmEx(h, g.ta, g.tb, g.m, g.n, g.k, g.alpha_li >= 0 ? alphas.data() + g.alpha_li : one(),
+                                    g.A, CUDA_R_16BF, g.lda, g.B, CUDA_R_16BF, g.ldb, g.beta1 ? one() : zero(), g.C,
+                                    CUDA_R_32F, g.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
+  void fast_gemm(GemmOp g) {
+    if (!collecting) return exec_gemm(blas, g);
+    g.lane = cur_lane;
+    batch.push_back(g);
+  }
+
+  // Collect the fast path's GEMMs of one expert loop (linear L0 stands for the layer's experts).
+  void begin_experts(const Lin& L0) {
+    collecting = L0.path == Path::Fast && expert_mode != ExpertGemms::PerExpert;
+    batch.clear();
+  }
+
+  int max_phase() const {
+    int p = 0;
+    for (const GemmOp& g : batch) p = std::max(p, g.phase);
+    return p;
+  }
+
+  // cublasGemmGroupedBatchedEx, one group per GEMM; false when cuBLAS refuses it the first time
+  // (nothing ran then).
+  bool run_grouped() {
+#if defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 120500
+    for (int phase = 0; phase <= max_phase(); ++phase) {
+      std::vector<cublasOperation_t> ta, tb;
+      std::vector<int> m, n, k, lda, ldb, ldc;
+      std::vector<float> al, be;
+      std::vector<const void*> ptr;
+      for (const GemmOp& g : batch) {
+        if (g.phase != phase) continue;
+        ta.push_back(g.ta);
+        tb.push_back(g.tb);
+        m.push_back(g.m);
+        n.push_back(g.n);
+        k.push_back(g.k);
+        lda.push_back(g.lda);
+        ldb.push_back(g.ldb);
+        ldc.push_back(g.ldc);
+        al.push_back(g.alpha_li >= 0 ? halpha[g.alpha_li] : 1.f);
+        be.push_back(g.beta1 ? 1.f : 0.f);
+      }
+      const int cnt = static_cast<int>(ta.size());
+      if (cnt == 0) continue;
+      ptr.resize(3 * size_t(cnt));
+      int i = 0;
+      for (const GemmOp& g : batch) {
+        if (g.phase != phase) continue;
+        ptr[i] = g.A;
+        ptr[cnt + i] = g.B;
+        ptr[2 * cnt + i] = g.C;
+        ++i;
+      }
+      // Pageable source: the copy has taken it when the call returns; the device array is
+      // overwritten only by later work on the same stream.
+      need(gptrs, ptr.size());
+      QUADS_CUDA_CHECK(cudaMemcpyAsync(gptrs.data(), ptr.data(), sizeof(void*) * ptr.size(), cudaMemcpyHostToDevice,
+                                       stream));
+      const std::vector<int> ones(cnt, 1);
+      const void* const* P = gptrs.data();
+      QUADS_TRAIN_CUBLAS(cublasSetPointerMode(blas, CUBLAS_POINTER_MODE_HOST));
+      const cublasStatus_t st = cublasGemmGroupedBatchedEx(
+          blas, ta.data(), tb.data(), m.data(), n.data(), k.data(), al.data(), P, CUDA_R_16BF, lda.data(), P + cnt,
+          CUDA_R_16BF, ldb.data(), be.data(), const_cast<void* const*>(P + 2 * cnt), CUDA_R_32F, ldc.data(), cnt,
+          ones.data(), CUBLAS_COMPUTE_32F);
+      QUADS_TRAIN_CUBLAS(cublasSetPointerMode(blas, CUBLAS_POINTER_MODE_DEVICE));
+      if (st != CUBLAS_STATUS_SUCCESS) {
+        QUADS_CHECK(!grouped_ran, "GpuTrainer: cublasGemmGroupedBatchedEx failed with status {} ({} GEMMs)",
+                    static_cast<int>(st), cnt);
+        std::fprintf(stderr,
+                     "GpuTrainer: cublasGemmGroupedBatchedEx (BF16 inputs, FP32 output) refused with status %d; the "
+                     "expert GEMMs run per expert\n",
+                     static_cast<int>(st));
+        return false;
+      }
+      grouped_ran = true;
+    }
+    return true;
+#else
+    return false;
+#endif
+  }
+
+  // Each expert's GEMMs in order on stream lane % kLanes (the main stream is lane 0): the same
+  // cuBLAS problems as the per-expert path on handles configured alike.
+  void run_streams() {
+    if (!fork_ev) {
+      QUADS_CUDA_CHECK(cudaEventCreateWithFlags(&fork_ev, cudaEventDisableTiming));
+      lane_stream[0] = stream;
+      lane_blas[0] = blas;
+      for (int i = 1; i < kLanes; ++i) {
+        QUADS_CUDA_CHECK(cudaStreamCreateWithFlags(&lane_stream[i], cudaStreamNonBlocking));
+        QUADS_CUDA_CHECK(cudaEventCreateWithFlags(&join_ev[i], cudaEventDisableTiming));
+        QUADS_TRAIN_CUBLAS(cublasCreate(&lane_blas[i]));
+        QUADS_TRAIN_CUBLAS(cublasSetMathMode(lane_blas[i], CUBLAS_DEFAULT_MATH));
+        QUADS_TRAIN_CUBLAS(cublasSetStream(lane_blas[i], lane_stream[i]));
+        lane_ws[i].resize(blas_ws.size());
+        QUADS_TRAIN_CUBLAS(cublasSetWorkspace(lane_blas[i], lane_ws[i].data(), lane_ws[i].bytes()));
+        QUADS_TRAIN_CUBLAS(cublasSetPointerMode(lane_blas[i], CUBLAS_POINTER_MODE_DEVICE));
+      }
+    }
+    QUADS_CUDA_CHECK(cudaEventRecord(fork_ev, stream));
+    for (int i = 1; i < kLanes; ++i) QUADS_CUDA_CHECK(cudaStreamWaitEvent(lane_stream[i], fork_ev, 0));
+    for (int phase = 0; phase <= max_phase(); ++phase)
+      for (const GemmOp& g : batch)
+        if (g.phase == phase) exec_gemm(lane_blas[g.lane % kLanes], g);
+    for (int i = 1; i < kLanes; ++i) {
+      QUADS_CUDA_CHECK(cudaEventRecord(join_ev[i], lane_stream[i]));
+      QUADS_CUDA_CHECK(cudaStreamWaitEvent(stream, join_ev[i], 0));
+    }
+  }
+
+  void flush_experts() {
+    if (!collecting) return;
+    collecting = false;
+    if (batch.empty()) return;
+    tick(kOther);
+    bool done = false;
+    if (expert_mode == ExpertGemms::Grouped && grouped_ok) {
+      done = run_grouped();
+      grouped_ok = done;
+    }
+    if (!done && expert_mode == ExpertGemms::Streams) {
+      run_streams();
+      done = true;
+    }
+    if (!done)  // grouped refused: the per-expert path's GEMMs in its order
+      for (const GemmOp& g : batch) exec_gemm(blas, g);
+    tick(kGemm);
+    batch.clear();
+  }
+
   // Consecutive linears i0 .. i0+n-1 whose weights follow each other in the layout and whose
   // outputs sit side by side can run as one GEMM (the NVFP4 ones have their own alphas).
   bool fusable(int i0, int n) const {
@@ -324,9 +543,20 @@ struct GpuTrainer::Impl {
   void gemm_nt(const Lin& L, size_t off, int64_t N, const Opnd& x, int64_t M, float* Y, int64_t ldy, int li) {
     const int K = static_cast<int>(L.in);
     if (L.path == Path::Fast) {
-      QUADS_TRAIN_CUBLAS(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M), K,
-                                      alphas.data() + li, wb.data() + off, CUDA_R_16BF, K, x.b, CUDA_R_16BF, K, zero(),
-                                      Y, CUDA_R_32F, static_cast<int>(ldy), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      GemmOp g;
+      g.ta = CUBLAS_OP_T;
+      g.tb = CUBLAS_OP_N;
+      g.m = static_cast<int>(N);
+      g.n = static_cast<int>(M);
+      g.k = K;
+      g.alpha_li = li;
+      g.A = wb.data() + off;
+      g.lda = K;
+      g.B = x.b;
+      g.ldb = K;
+      g.C = Y;
+      g.ldc = static_cast<int>(ldy);
+      fast_gemm(g);
     } else {
       QUADS_TRAIN_CUBLAS(cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M), K,
                                      one(), weff.data() + off, K, x.f, K, zero(), Y, static_cast<int>(ldy)));
@@ -363,35 +593,56 @@ struct GpuTrainer::Impl {
     const int K = static_cast<int>(L0.in), Mi = static_cast<int>(M), ld = static_cast<int>(lddy);
     const bool fast = L0.path == Path::Fast;
     tick(kOther);
-    auto dx_gemm = [&](size_t off, int64_t N, int64_t c0, int li, bool acc) {
+    auto dx_gemm = [&](size_t off, int64_t N, int64_t c0, int li, bool acc, int phase) {
       const float* beta = acc ? one() : zero();
-      if (fast)
-        QUADS_TRAIN_CUBLAS(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, K, Mi, static_cast<int>(N), alphas.data() + li,
-                                        wb.data() + off, CUDA_R_16BF, K, dYb + c0, CUDA_R_16BF, ld, beta, dX, CUDA_R_32F,
-                                        K, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-      else
+      if (fast) {
+        GemmOp g;
+        g.m = K;
+        g.n = Mi;
+        g.k = static_cast<int>(N);
+        g.alpha_li = li;
+        g.beta1 = acc;
+        g.A = wb.data() + off;
+        g.lda = K;
+        g.B = dYb + c0;
+        g.ldb = ld;
+        g.C = dX;
+        g.ldc = K;
+        g.phase = phase;
+        fast_gemm(g);
+      } else
         QUADS_TRAIN_CUBLAS(cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, K, Mi, static_cast<int>(N), one(),
                                        weff.data() + off, K, dY + c0, ld, beta, dX, K));
     };
     auto dw_gemm = [&](size_t off, int64_t N, int64_t c0) {
-      if (fast)
-        QUADS_TRAIN_CUBLAS(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_T, K, static_cast<int>(N), Mi, one(), x.b,
-                                        CUDA_R_16BF, K, dYb + c0, CUDA_R_16BF, ld, one(), grads.data() + off,
-                                        CUDA_R_32F, K, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-      else
+      if (fast) {
+        GemmOp g;
+        g.tb = CUBLAS_OP_T;
+        g.m = K;
+        g.n = static_cast<int>(N);
+        g.k = Mi;
+        g.beta1 = true;
+        g.A = x.b;
+        g.lda = K;
+        g.B = dYb + c0;
+        g.ldb = ld;
+        g.C = grads.data() + off;
+        g.ldc = K;
+        fast_gemm(g);
+      } else
         QUADS_TRAIN_CUBLAS(cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_T, K, static_cast<int>(N), Mi, one(), x.f, K,
                                        dY + c0, ld, one(), grads.data() + off, K));
     };
     if (fusable(i0, n)) {
       int64_t N = 0;
       for (int j = 0; j < n; ++j) N += lin[i0 + j].out;
-      if (dX) dx_gemm(L0.offset, N, 0, i0, accumulate);
+      if (dX) dx_gemm(L0.offset, N, 0, i0, accumulate, 0);
       dw_gemm(L0.offset, N, 0);
     } else {
       int64_t c0 = 0;
       for (int j = 0; j < n; ++j) {
         const Lin& L = lin[i0 + j];
-        if (dX) dx_gemm(L.offset, L.out, c0, i0 + j, accumulate || j > 0);
+        if (dX) dx_gemm(L.offset, L.out, c0, i0 + j, accumulate || j > 0, j);
         dw_gemm(L.offset, L.out, c0);
         c0 += L.out;
       }
@@ -450,6 +701,19 @@ struct GpuTrainer::Impl {
 
   float* X(int l) { return resid[keep_layers ? l : (l & 1)].data(); }
 
+  // The packed causal attention at head_dim hdr (the padded one where attn_hd() pads).
+  void attention_fwd(const float* q, const float* k, const float* v, int hdr, float scale, float* out, float* lse) {
+    const int nh = cfg.num_attention_heads, nkv = cfg.num_key_value_heads;
+    if (attn_tc_fwd) atc->fwd(q, k, v, nh, nkv, hdr, scale, out, lse, stream);
+    else kern::attention_train_fwd(q, k, v, seq0.data(), T, nh, nkv, hdr, scale, out, lse, stream);
+  }
+  void attention_bwd(const float* q, const float* k, const float* v, const float* out, const float* lse,
+                     const float* dout, int hdr, float scale, float* dq, float* dk, float* dv) {
+    const int nh = cfg.num_attention_heads, nkv = cfg.num_key_value_heads;
+    if (attn_tc_fwd) atc->bwd(q, k, v, out, lse, dout, nh, nkv, hdr, scale, dq, dk, dv, stream);
+    else kern::attention_train_bwd(q, k, v, out, lse, dout, seq0.data(), T, nh, nkv, hdr, scale, dq, dk, dv, stream);
+  }
+
   void forward(const model::Batch& b, float* logits_host, bool keep, model::Routing* record,
                const model::Routing* replay) {
     const int64_t H = cfg.hidden_size, V = cfg.vocab_size;
@@ -485,6 +749,7 @@ struct GpuTrainer::Impl {
     }
     if (record) record->experts.assign(cfg.num_hidden_layers, {});
     kept = false;
+    collecting = false;
     T = Tn;
     tokens = b.tokens;
     keep_layers = keep;
@@ -512,6 +777,11 @@ struct GpuTrainer::Impl {
     // Synchronous copies: the stream is idle between calls (every call ends with a sync).
     QUADS_CUDA_CHECK(cudaStreamSynchronize(stream));
     seq0.upload(hseq0);
+    attn_tc_fwd = attn_tc;
+    if (attn_tc_fwd) {
+      if (!atc) atc = std::make_unique<AttentionTc>();
+      atc->plan(b.offsets);
+    }
     tok_d.upload(b.tokens);
     cosb.upload(hcos);
     sinb.upload(hsin);
@@ -551,14 +821,13 @@ struct GpuTrainer::Impl {
       float* attn = need(a.attn, T * qd);
       tick(kOther);
       if (hdp == hd) {
-        kern::attention_train_fwd(a.q.data(), a.k.data(), a.v.data(), seq0.data(), T, nh, nkv, hd, scale, attn,
-                                  need(a.lse, T * nh), stream);
+        attention_fwd(a.q.data(), a.k.data(), a.v.data(), hd, scale, attn, need(a.lse, T * nh));
       } else {
         kern::copy_cols(a.q.data(), T * nh, hd, need(a.qp, T * nh * hdp), hdp, stream);
         kern::copy_cols(a.k.data(), T * nkv, hd, need(a.kp, T * nkv * hdp), hdp, stream);
         kern::copy_cols(a.v.data(), T * nkv, hd, need(a.vp, T * nkv * hdp), hdp, stream);
-        kern::attention_train_fwd(a.qp.data(), a.kp.data(), a.vp.data(), seq0.data(), T, nh, nkv, hdp, scale,
-                                  need(a.attn_p, T * nh * hdp), need(a.lse, T * nh), stream);
+        attention_fwd(a.qp.data(), a.kp.data(), a.vp.data(), hdp, scale, need(a.attn_p, T * nh * hdp),
+                      need(a.lse, T * nh));
         kern::copy_cols(a.attn_p.data(), T * nh, hdp, attn, hd, stream);
       }
       tick(kAttn);
@@ -615,18 +884,24 @@ struct GpuTrainer::Impl {
           a.op_in = make_op(G0, a.xe.data(), R, a.f_in, a.b_in, &a.eoff);
         }
         float* gu = need(a.gu, size_t(R * 2 * I));
+        begin_experts(G0);
         for (int e = 0; e < E; ++e) {
           const int64_t r0 = a.eoff[e], n = a.eoff[e + 1] - r0;
+          cur_lane = e;
           if (n > 0) linear_fwd(li.mlp + 3 * e, 2, a.op_in.rows(r0, H), n, gu + r0 * 2 * I, 2 * I);
         }
+        flush_experts();
         float* h = keep_h ? need(a.h, size_t(R * I)) : need(h_tmp, size_t(R * I));
         kern::swiglu(gu, gu + I, 2 * I, R, I, h, stream);
         a.op_d = make_op(D0, h, R, a.f_d, a.b_d, &a.eoff);
         float* ye = need(a.ye, size_t(R * H));
+        begin_experts(D0);
         for (int e = 0; e < E; ++e) {
           const int64_t r0 = a.eoff[e], n = a.eoff[e + 1] - r0;
+          cur_lane = e;
           if (n > 0) linear_fwd(li.mlp + 3 * e + 2, 1, a.op_d.rows(r0, I), n, ye + r0 * H, H);
         }
+        flush_experts();
         // x += sum_s w[t, s] * ye[inv[t, s]] (cpu::moe_combine_forward then add_inplace).
         QUADS_CUDA_CHECK(cudaMemcpyAsync(xout, a.x_mid.data(), sizeof(float) * T * H, cudaMemcpyDeviceToDevice, stream));
         kern::moe_combine_add(ye, a.inv.data(), a.w.data(), T, K, H, xout, stream);
@@ -667,6 +942,7 @@ struct GpuTrainer::Impl {
     const float* M = master.data();
     float* G = grads.data();
     const int64_t R = std::max<int64_t>(T * std::max(K, 1), T);
+    collecting = false;
     need(rms_scratch, size_t(std::max({kern::rmsnorm_bwd_scratch(T, H), kern::rmsnorm_bwd_scratch(T * nh, hd),
                                        kern::rmsnorm_bwd_scratch(T * nkv, hd), int64_t(1)})));
     float* dxp = need(dx, size_t(T * H));
@@ -696,20 +972,26 @@ struct GpuTrainer::Impl {
         float* dgup = need(dgu, size_t(R * 2 * I));
         kern::moe_combine_bwd(dxp, a.ye.data(), a.inv.data(), a.w.data(), T, K, H, dyep, dwp, stream);
         const uint16_t* dyeb = dy_bf16(D0, dyep, R * H);
+        begin_experts(D0);
         for (int e = 0; e < E; ++e) {
           const int64_t r0 = a.eoff[e], n = a.eoff[e + 1] - r0;
+          cur_lane = e;
           if (n > 0)
             linear_bwd(li.mlp + 3 * e + 2, 1, dyep + r0 * H, dyeb ? dyeb + r0 * H : nullptr, H, a.op_d.rows(r0, I), n,
                        dhp + r0 * I, false);
         }
+        flush_experts();
         kern::swiglu_bwd(a.gu.data(), dhp, R, I, dgup, stream);
         const uint16_t* dgub = dy_bf16(G0, dgup, R * 2 * I);
+        begin_experts(G0);
         for (int e = 0; e < E; ++e) {
           const int64_t r0 = a.eoff[e], n = a.eoff[e + 1] - r0;
+          cur_lane = e;
           if (n > 0)
             linear_bwd(li.mlp + 3 * e, 2, dgup + r0 * 2 * I, dgub ? dgub + r0 * 2 * I : nullptr, 2 * I,
                        a.op_in.rows(r0, H), n, dxep + r0 * H, false);
         }
+        flush_experts();
         kern::moe_scatter_add(dxep, a.inv.data(), T, K, H, dxnp, false, stream);
         // Router: through the top-k weights (no aux / z loss).
         float* dl = need(dlog, size_t(T * E));
@@ -738,13 +1020,11 @@ struct GpuTrainer::Impl {
       const int hdp = attn_hd();
       tick(kOther);
       if (hdp == hd) {
-        kern::attention_train_bwd(a.q.data(), a.k.data(), a.v.data(), a.attn.data(), a.lse.data(), dap, seq0.data(), T,
-                                  nh, nkv, hd, scale, dqp, dkp, dvp, stream);
+        attention_bwd(a.q.data(), a.k.data(), a.v.data(), a.attn.data(), a.lse.data(), dap, hd, scale, dqp, dkp, dvp);
       } else {
         kern::copy_cols(dap, T * nh, hd, need(dattn_p, T * nh * hdp), hdp, stream);
-        kern::attention_train_bwd(a.qp.data(), a.kp.data(), a.vp.data(), a.attn_p.data(), a.lse.data(),
-                                  dattn_p.data(), seq0.data(), T, nh, nkv, hdp, scale, need(dq_p, T * nh * hdp),
-                                  need(dk_p, T * nkv * hdp), need(dv_p, T * nkv * hdp), stream);
+        attention_bwd(a.qp.data(), a.kp.data(), a.vp.data(), a.attn_p.data(), a.lse.data(), dattn_p.data(), hdp, scale,
+                      need(dq_p, T * nh * hdp), need(dk_p, T * nkv * hdp), need(dv_p, T * nkv * hdp));
         kern::copy_cols(dq_p.data(), T * nh, hdp, dqp, hd, stream);
         kern::copy_cols(dk_p.data(), T * nkv, hdp, dkp, hd, stream);
         kern::copy_cols(dv_p.data(), T * nkv, hdp, dvp, hd, stream);
@@ -951,6 +1231,13 @@ double GpuTrainer::adamw_step(const train::AdamWConfig& c, int64_t t, double lr_
   return norm;
 }
 
+void GpuTrainer::set_attention(const std::string& which) { impl_->set_attention(which); }
+std::string GpuTrainer::attention() const { return impl_->attn_tc ? "tc" : "exact"; }
+void GpuTrainer::set_expert_gemms(const std::string& which) { impl_->set_expert_gemms(which); }
+std::string GpuTrainer::expert_gemms() const {
+  return impl_->any_fast ? impl_->expert_gemms() : std::string("per-expert (exact path)");
+}
+
 void GpuTrainer::set_profiling(bool on) {
   Impl& m = *impl_;
   m.collect();
@@ -960,8 +1247,10 @@ void GpuTrainer::set_profiling(bool on) {
 std::string GpuTrainer::profile_report() {
   Impl& m = *impl_;
   m.collect();
-  static const char* names[Impl::kNcat] = {"GEMMs", "attention", "MoE routing (+ host sync)", "losses",
-                                           "clip + AdamW", "re-quantization", "other"};
+  const std::string attn = fmt::format("attention ({})", m.attn_tc_fwd ? "tc" : "exact");
+  const std::string gemm = fmt::format("GEMMs (experts {})", m.any_fast ? m.expert_gemms() : "per-expert");
+  const char* names[Impl::kNcat] = {gemm.c_str(), attn.c_str(), "MoE routing (+ host sync)", "losses",
+                                    "clip + AdamW", "re-quantization", "other"};
   std::string r;
   double total = 0;
   for (int c = 0; c < Impl::kNcat; ++c) total += m.prof_ms[c];

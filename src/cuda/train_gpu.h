@@ -28,9 +28,20 @@
 //    gradient (beta = 1). Expect gradients within ~1e-2 relative L2 of the CPU's in these presets.
 // Layer ops (norms, RoPE, attention, router, SwiGLU, MoE combine, losses, AdamW) run in float32
 // with the kernels of cuda/train_kernels.h; reductions in a fixed order, so runs are repeatable.
+// Attention: where every linear runs the fast path (bf16, qat) the default is the tensor-core
+// attention of cuda/attention_tc.h (BF16 Q, K, V, P, dO, dS operands, FP32 accumulation and
+// softmax: what BF16 trainers run as flash attention; ~5e-3 relative to the FP32 kernels);
+// otherwise (fp32, every exact-emulation preset) the exact FP32 kernels kern::attention_train_*,
+// which keep the CPU-equal reference. QUADS_GPU_TRAIN_ATTN=exact|tc or set_attention() override.
 // MoE: routing on the device (kern::router_topk_fwd, kern::moe_route); the [E+1] expert offsets
-// are copied to the host once per MoE layer in the forward (one sync), then one GEMM per active
-// expert (gate and up fused where their weights share the scale).
+// are copied to the host once per MoE layer in the forward (one sync), then each active expert's
+// GEMMs (gate and up fused where their weights share the scale). Fast path, opt-in:
+// QUADS_GPU_TRAIN_GROUPED=1 / set_expert_gemms("grouped") runs a layer's expert GEMMs of one kind
+// as one cublasGemmGroupedBatchedEx (a group per expert GEMM, the NVFP4 alpha per group); cuBLAS
+// 13.1 refuses BF16 inputs with FP32 output there (CUBLAS_STATUS_NOT_SUPPORTED on the H200), and
+// the trainer then stays per expert. "streams" spreads the per-expert GEMMs over 4 streams (the
+// same cuBLAS problems; measured no faster on the peer model). Default and
+// QUADS_GPU_TRAIN_GROUPED=0: one GEMM per expert on the trainer's stream.
 // Not supported (quads::Error): router aux / z losses with non-zero coefficients, KV hooks, RAC,
 // stochastic weight rounding, static activation scales without an amax in the QConfig.
 #include <cstdint>
@@ -98,6 +109,14 @@ class GpuTrainer {
   void adam_state(std::vector<float>* m, std::vector<float>* v) const;
   // ... and back to the device (resume from a checkpoint); sizes must match the model.
   void set_adam_state(const std::vector<float>& m, const std::vector<float>& v);
+
+  // Attention: "tc" or "exact" (see above); applies from the next forward.
+  void set_attention(const std::string& which);
+  std::string attention() const;
+  // Expert GEMMs of the fast path: "per-expert", "grouped" or "streams"; expert_gemms() says what
+  // runs ("per-expert (cuBLAS refused grouped)" after a refusal).
+  void set_expert_gemms(const std::string& which);
+  std::string expert_gemms() const;
 
   // Profiling (benchmarks): with it on, CUDA events split the GPU time into GEMMs, attention, MoE
   // routing (including its host sync), losses, optimizer, re-quantization and the rest;

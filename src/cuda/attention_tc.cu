@@ -1,0 +1,372 @@
+// Tensor-core causal attention of the GPU trainer (see attention_tc.h). cuBLAS is column-major: a
+// row-major [r, c] matrix with row stride ld is the column-major c x r matrix with the same ld, so
+// each GEMM below is written for the transposed product (its comment names the row-major one).
+#include "cuda/attention_tc.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "common/error.h"
+#include "cuda/check.h"
+#include "cuda/codecs.cuh"
+#include "cuda/device.h"
+#include "cuda/kernel_util.cuh"
+#include "cuda/model_kernels.h"
+
+namespace quads::cuda {
+
+#define QUADS_ATTN_CUBLAS(call)                                                                    \
+  do {                                                                                             \
+    cublasStatus_t quads_st_ = (call);                                                             \
+    if (quads_st_ != CUBLAS_STATUS_SUCCESS)                                                        \
+      ::quads::fail("cuBLAS error in {} ({}:{}): status {}", #call, __FILE__, __LINE__,             \
+                    static_cast<int>(quads_st_));                                                  \
+  } while (0)
+
+namespace {
+
+constexpr int kRowThreads = 128;  // one CTA per score row in the softmax kernels
+
+__device__ __forceinline__ uint16_t bf16_bits(float x) { return static_cast<uint16_t>(dev::bf16_encode(x)); }
+
+// The grouped layout of one sequence (start s0, length L): [nkv][L g][hd], row r = tl * g + i of
+// kv head j holding local token tl of head j * g + i; the sequence's block starts at s0 * nh * hd.
+__device__ __forceinline__ int64_t grouped_index(int64_t t, int h, int c, const int32_t* s0, const int32_t* len,
+                                                 int nh, int g, int hd) {
+  const int64_t start = s0[t], L = len[t], tl = t - start;
+  const int j = h / g, i = h - j * g;
+  return start * nh * hd + ((int64_t(j) * L + tl) * g + i) * hd + c;
+}
+
+__global__ void pack_bf16_kernel(const float* __restrict__ src, const int32_t* __restrict__ s0,
+                                 const int32_t* __restrict__ len, int64_t T, int nh, int g, int hd,
+                                 uint16_t* __restrict__ dst) {
+  const int64_t row = int64_t(nh) * hd, n = T * row;
+  for (int64_t x = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; x < n; x += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = x / row, rem = x - t * row;
+    const int h = static_cast<int>(rem / hd), c = static_cast<int>(rem - int64_t(h) * hd);
+    dst[grouped_index(t, h, c, s0, len, nh, g, hd)] = bf16_bits(src[x]);
+  }
+}
+
+__global__ void unpack_f32_kernel(const float* __restrict__ src, const int32_t* __restrict__ s0,
+                                  const int32_t* __restrict__ len, int64_t T, int nh, int g, int hd,
+                                  float* __restrict__ dst) {
+  const int64_t row = int64_t(nh) * hd, n = T * row;
+  for (int64_t x = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; x < n; x += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = x / row, rem = x - t * row;
+    const int h = static_cast<int>(rem / hd), c = static_cast<int>(rem - int64_t(h) * hd);
+    dst[x] = src[grouped_index(t, h, c, s0, len, nh, g, hd)];
+  }
+}
+
+// D[row] = sum over hd of BF16(dout) * out (rows T * nh), a warp per row, lanes summed in a fixed
+// tree. dout rounded as the dP GEMM reads it: where P is one-hot, dP - D is then exactly 0.
+__global__ void rowdot_kernel(const float* __restrict__ a, const float* __restrict__ b, int64_t rows, int hd,
+                              float* __restrict__ out) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t r = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps) {
+    float s = 0.f;
+    for (int c = lane; c < hd; c += 32) s += dev::u2f(dev::bf16_encode(a[r * hd + c]) << 16) * b[r * hd + c];
+    s = kern::warp_sum(s);
+    if (lane == 0) out[r] = s;
+  }
+}
+
+// Block-wide reductions of kRowThreads threads: warps first, then the warps' results in order.
+__device__ __forceinline__ float block_max(float v, float* sh) {
+  v = kern::warp_max(v);
+  const int w = threadIdx.x / 32;
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) sh[w] = v;
+  __syncthreads();
+  float m = sh[0];
+  for (int i = 1; i < kRowThreads / 32; ++i) m = fmaxf(m, sh[i]);
+  return m;
+}
+__device__ __forceinline__ float block_sum(float v, float* sh) {
+  v = kern::warp_sum(v);
+  const int w = threadIdx.x / 32;
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) sh[w] = v;
+  __syncthreads();
+  float s = sh[0];
+  for (int i = 1; i < kRowThreads / 32; ++i) s += sh[i];
+  return s;
+}
+
+// One score row per CTA: grid (M rows of a query block, nkv). Row r of kv head j is local query
+// q0 + r / g of head j * g + r % g; keys 0 .. that query are valid, the rest of the Lk columns get
+// P = 0. S and P are [nkv][M][ld].
+__global__ void softmax_fwd_kernel(const float* __restrict__ S, int64_t ld, int Lk, int64_t M, int q0, int g,
+                                   int64_t t0, int nh, float scale, uint16_t* __restrict__ P, float* __restrict__ lse) {
+  __shared__ float sh[kRowThreads / 32];
+  const int64_t r = blockIdx.x;
+  const int j = blockIdx.y;
+  const int tl = q0 + static_cast<int>(r / g), i = static_cast<int>(r % g);
+  const int n = tl + 1;
+  const float* row = S + (int64_t(j) * M + r) * ld;
+  uint16_t* prow = P + (int64_t(j) * M + r) * ld;
+  float m = -INFINITY;
+  for (int c = threadIdx.x; c < n; c += kRowThreads) m = fmaxf(m, row[c] * scale);
+  m = block_max(m, sh);
+  float s = 0.f;
+  for (int c = threadIdx.x; c < n; c += kRowThreads) s += expf(row[c] * scale - m);
+  s = block_sum(s, sh);
+  const float l = m + logf(s);
+  for (int c = threadIdx.x; c < Lk; c += kRowThreads) prow[c] = c < n ? bf16_bits(expf(row[c] * scale - l)) : 0;
+  if (threadIdx.x == 0) lse[(t0 + tl) * nh + int64_t(j) * g + i] = l;
+}
+
+// The backward's element-wise step on the same rows: P = exp(scale S - lse) (the forward's P
+// before its BF16 rounding), dS = P (dP - D); both stored BF16, zero above the diagonal.
+__global__ void softmax_bwd_kernel(const float* __restrict__ S, const float* __restrict__ dP, int64_t ld, int Lk,
+                                   int64_t M, int q0, int g, int64_t t0, int nh, float scale,
+                                   const float* __restrict__ lse, const float* __restrict__ D,
+                                   uint16_t* __restrict__ P, uint16_t* __restrict__ dS) {
+  const int64_t r = blockIdx.x;
+  const int j = blockIdx.y;
+  const int tl = q0 + static_cast<int>(r / g), i = static_cast<int>(r % g);
+  const int n = tl + 1;
+  const int64_t off = (int64_t(j) * M + r) * ld;
+  const int64_t hrow = (t0 + tl) * nh + int64_t(j) * g + i;
+  const float l = lse[hrow], d = D[hrow];
+  for (int c = threadIdx.x; c < Lk; c += kRowThreads) {
+    uint16_t pb = 0, db = 0;
+    if (c < n) {
+      const float p = expf(S[off + c] * scale - l);
+      pb = bf16_bits(p);
+      db = bf16_bits(p * (dP[off + c] - d));
+    }
+    P[off + c] = pb;
+    dS[off + c] = db;
+  }
+}
+
+template <typename T>
+T* need(DeviceArray<T>& a, size_t n) {
+  if (a.size() < n) a.resize(n);
+  return a.data();
+}
+
+int64_t round8(int64_t x) { return (x + 7) / 8 * 8; }
+
+}  // namespace
+
+struct AttentionTc::Impl {
+  cublasHandle_t blas = nullptr;
+  DeviceArray<uint8_t> ws;
+  std::vector<int64_t> off;  // the plan's sequence offsets
+  DeviceArray<int32_t> s0, len;
+  int64_t block_elems = int64_t(1) << 25;
+  DeviceArray<uint16_t> qg, dog, kb, vb, pb, dsb;
+  DeviceArray<float> og, S, dP, D;
+
+  Impl() {
+    QUADS_ATTN_CUBLAS(cublasCreate(&blas));
+    QUADS_ATTN_CUBLAS(cublasSetPointerMode(blas, CUBLAS_POINTER_MODE_HOST));
+    ws.resize(size_t(32) << 20);
+    QUADS_ATTN_CUBLAS(cublasSetWorkspace(blas, ws.data(), ws.bytes()));
+  }
+  ~Impl() {
+    if (blas) cublasDestroy(blas);
+  }
+
+  int64_t T() const { return off.empty() ? 0 : off.back(); }
+
+  // Query rows per block for a sequence of L tokens: as many as keep nh * rows * round8(L) within
+  // block_elems (at least one).
+  int64_t block_rows(int64_t L, int nh) const {
+    return std::clamp<int64_t>(block_elems / (int64_t(nh) * round8(L)), 1, std::max<int64_t>(L, 1));
+  }
+
+  // Scratch for the largest block of any sequence.
+  void reserve(int nh, int nkv, bool backward) {
+    int64_t most = 1;
+    for (size_t s = 0; s + 1 < off.size(); ++s) {
+      const int64_t L = off[s + 1] - off[s];
+      if (L == 0) continue;
+      most = std::max(most, int64_t(nh) * block_rows(L, nh) * round8(L));
+    }
+    (void)nkv;
+    need(S, size_t(most));
+    need(pb, size_t(most));
+    if (backward) {
+      need(dP, size_t(most));
+      need(dsb, size_t(most));
+    }
+  }
+
+  // C = alpha op(A) op(B) + beta C over `batch` kv heads, BF16 operands, FP32 accumulation.
+  void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, float alpha,
+            const uint16_t* A, int64_t lda, int64_t sa, const uint16_t* B, int64_t ldb, int64_t sb, float beta,
+            void* C, cudaDataType_t ct, int64_t ldc, int64_t sc, int batch) {
+    QUADS_ATTN_CUBLAS(cublasGemmStridedBatchedEx(
+        blas, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), &alpha, A, CUDA_R_16BF,
+        static_cast<int>(lda), sa, B, CUDA_R_16BF, static_cast<int>(ldb), sb, &beta, C, ct, static_cast<int>(ldc), sc,
+        batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
+
+  void check(int nh, int nkv, int hd, const char* what) const {
+    QUADS_CHECK(!off.empty(), "AttentionTc::{}: no plan (call plan() with the batch offsets first)", what);
+    QUADS_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0, "AttentionTc::{}: {} query heads are not a multiple of {} kv heads",
+                what, nh, nkv);
+    QUADS_CHECK(hd > 0 && hd % 8 == 0, "AttentionTc::{}: head_dim {} is not a multiple of 8", what, hd);
+  }
+
+  void pack(const float* src, int nh, int g, int hd, uint16_t* dst, cudaStream_t st) {
+    const int64_t n = T() * nh * hd;
+    pack_bf16_kernel<<<kern::grid_for(n), kern::kThreads, 0, st>>>(src, s0.data(), len.data(), T(), nh, g, hd, dst);
+    QUADS_CUDA_LAUNCH_CHECK();
+  }
+  void unpack(const float* src, int nh, int g, int hd, float* dst, cudaStream_t st) {
+    const int64_t n = T() * nh * hd;
+    unpack_f32_kernel<<<kern::grid_for(n), kern::kThreads, 0, st>>>(src, s0.data(), len.data(), T(), nh, g, hd, dst);
+    QUADS_CUDA_LAUNCH_CHECK();
+  }
+
+  // S [nkv][M][ld] = Qb Kbᵀ for the rows of local queries q0 .. q1-1 against keys 0 .. q1-1 of the
+  // sequence at t0 (column-major: Sᵀ [Lk, M] = Kb [Lk, hd] · Qbᵀ, kv head j's K at column j * hd).
+  void scores(const uint16_t* xg, const uint16_t* keys, int64_t t0, int64_t L, int64_t q0, int64_t q1, int nh, int nkv,
+              int hd, float* out) {
+    const int g = nh / nkv;
+    const int64_t M = (q1 - q0) * g, Lk = q1, ld = round8(Lk);
+    gemm(CUBLAS_OP_T, CUBLAS_OP_N, Lk, M, hd, 1.f, keys + t0 * nkv * hd, int64_t(nkv) * hd, hd,
+         xg + t0 * nh * hd + q0 * g * hd, hd, L * g * hd, 0.f, out, CUDA_R_32F, ld, M * ld, nkv);
+  }
+
+  void fwd(const float* q, const float* k, const float* v, int nh, int nkv, int hd, float scale, float* out,
+           float* lse, cudaStream_t st) {
+    check(nh, nkv, hd, "fwd");
+    const int64_t Tn = T();
+    if (Tn == 0) return;
+    const int g = nh / nkv;
+    QUADS_ATTN_CUBLAS(cublasSetStream(blas, st));
+    reserve(nh, nkv, false);
+    uint16_t* q_b = need(qg, size_t(Tn * nh * hd));
+    uint16_t* k_b = need(kb, size_t(Tn * nkv * hd));
+    uint16_t* v_b = need(vb, size_t(Tn * nkv * hd));
+    float* o_g = need(og, size_t(Tn * nh * hd));
+    kern::to_bf16(k, k_b, Tn * nkv * hd, st);
+    kern::to_bf16(v, v_b, Tn * nkv * hd, st);
+    pack(q, nh, g, hd, q_b, st);
+    for (size_t s = 0; s + 1 < off.size(); ++s) {
+      const int64_t t0 = off[s], L = off[s + 1] - t0;
+      if (L == 0) continue;
+      const int64_t br = block_rows(L, nh);
+      for (int64_t q0 = 0; q0 < L; q0 += br) {
+        const int64_t q1 = std::min(L, q0 + br), M = (q1 - q0) * g, Lk = q1, ld = round8(Lk);
+        scores(q_b, k_b, t0, L, q0, q1, nh, nkv, hd, S.data());
+        softmax_fwd_kernel<<<dim3(static_cast<unsigned>(M), static_cast<unsigned>(nkv)), kRowThreads, 0, st>>>(
+            S.data(), ld, static_cast<int>(Lk), M, static_cast<int>(q0), g, t0, nh, scale, pb.data(), lse);
+        QUADS_CUDA_LAUNCH_CHECK();
+        // O [M, hd] = P [M, Lk] · V [Lk, hd]; column-major Oᵀ = Vbᵀ · Pᵀ.
+        gemm(CUBLAS_OP_N, CUBLAS_OP_N, hd, M, Lk, 1.f, v_b + t0 * nkv * hd, int64_t(nkv) * hd, hd, pb.data(), ld,
+             M * ld, 0.f, o_g + t0 * nh * hd + q0 * g * hd, CUDA_R_32F, hd, L * g * hd, nkv);
+      }
+    }
+    unpack(o_g, nh, g, hd, out, st);
+  }
+
+  void bwd(const float* q, const float* k, const float* v, const float* out, const float* lse, const float* dout,
+           int nh, int nkv, int hd, float scale, float* dq, float* dk, float* dv, cudaStream_t st) {
+    check(nh, nkv, hd, "bwd");
+    const int64_t Tn = T();
+    if (Tn == 0) return;
+    const int g = nh / nkv;
+    QUADS_ATTN_CUBLAS(cublasSetStream(blas, st));
+    reserve(nh, nkv, true);
+    uint16_t* q_b = need(qg, size_t(Tn * nh * hd));
+    uint16_t* do_b = need(dog, size_t(Tn * nh * hd));
+    uint16_t* k_b = need(kb, size_t(Tn * nkv * hd));
+    uint16_t* v_b = need(vb, size_t(Tn * nkv * hd));
+    float* dq_g = need(og, size_t(Tn * nh * hd));
+    float* Dp = need(D, size_t(Tn * nh));
+    kern::to_bf16(k, k_b, Tn * nkv * hd, st);
+    kern::to_bf16(v, v_b, Tn * nkv * hd, st);
+    pack(q, nh, g, hd, q_b, st);
+    pack(dout, nh, g, hd, do_b, st);
+    {
+      const int64_t rows = Tn * nh;
+      rowdot_kernel<<<kern::grid_for(rows * 32), kern::kThreads, 0, st>>>(dout, out, rows, hd, Dp);
+      QUADS_CUDA_LAUNCH_CHECK();
+    }
+    const int64_t kvld = int64_t(nkv) * hd;
+    for (size_t s = 0; s + 1 < off.size(); ++s) {
+      const int64_t t0 = off[s], L = off[s + 1] - t0;
+      if (L == 0) continue;
+      const int64_t br = block_rows(L, nh);
+      const int64_t nblocks = (L + br - 1) / br;
+      // The last block sees every key: it writes dk / dv (beta 0), the earlier ones add to them.
+      for (int64_t bi = nblocks - 1; bi >= 0; --bi) {
+        const int64_t q0 = bi * br, q1 = std::min(L, q0 + br), M = (q1 - q0) * g, Lk = q1, ld = round8(Lk);
+        const float beta = bi == nblocks - 1 ? 0.f : 1.f;
+        const uint16_t* qrows = q_b + t0 * nh * hd + q0 * g * hd;
+        const uint16_t* dorows = do_b + t0 * nh * hd + q0 * g * hd;
+        scores(q_b, k_b, t0, L, q0, q1, nh, nkv, hd, S.data());
+        // dP [M, Lk] = dO · Vᵀ: the same product as the scores with (dO, V) for (Q, K).
+        scores(do_b, v_b, t0, L, q0, q1, nh, nkv, hd, dP.data());
+        softmax_bwd_kernel<<<dim3(static_cast<unsigned>(M), static_cast<unsigned>(nkv)), kRowThreads, 0, st>>>(
+            S.data(), dP.data(), ld, static_cast<int>(Lk), M, static_cast<int>(q0), g, t0, nh, scale, lse, Dp,
+            pb.data(), dsb.data());
+        QUADS_CUDA_LAUNCH_CHECK();
+        // dV [Lk, hd] (+)= Pᵀ [Lk, M] · dO [M, hd]; column-major dVᵀ = dObᵀ · P, rows of dv at ld nkv * hd.
+        gemm(CUBLAS_OP_N, CUBLAS_OP_T, hd, Lk, M, 1.f, dorows, hd, L * g * hd, pb.data(), ld, M * ld, beta,
+             dv + t0 * kvld, CUDA_R_32F, kvld, hd, nkv);
+        // dK (+)= scale dSᵀ · Qb (the group's g heads summed by the stacked rows).
+        gemm(CUBLAS_OP_N, CUBLAS_OP_T, hd, Lk, M, scale, qrows, hd, L * g * hd, dsb.data(), ld, M * ld, beta,
+             dk + t0 * kvld, CUDA_R_32F, kvld, hd, nkv);
+        // dQ [M, hd] = scale dS [M, Lk] · K [Lk, hd]; column-major dQᵀ = Kbᵀ · dSᵀ.
+        gemm(CUBLAS_OP_N, CUBLAS_OP_N, hd, M, Lk, scale, k_b + t0 * kvld, kvld, hd, dsb.data(), ld, M * ld, 0.f,
+             dq_g + t0 * nh * hd + q0 * g * hd, CUDA_R_32F, hd, L * g * hd, nkv);
+      }
+    }
+    unpack(dq_g, nh, g, hd, dq, st);
+  }
+};
+
+AttentionTc::AttentionTc() : impl_(std::make_unique<Impl>()) {}
+AttentionTc::~AttentionTc() = default;
+
+void AttentionTc::plan(const std::vector<int64_t>& offsets) {
+  Impl& m = *impl_;
+  QUADS_CHECK(!offsets.empty() && offsets.front() == 0, "AttentionTc::plan: offsets must start at 0");
+  for (size_t s = 0; s + 1 < offsets.size(); ++s)
+    QUADS_CHECK(offsets[s + 1] >= offsets[s], "AttentionTc::plan: offsets decrease at sequence {}", s);
+  const int64_t T = offsets.back();
+  QUADS_CHECK(T < (int64_t(1) << 31), "AttentionTc::plan: {} tokens (at most 2^31 - 1)", T);
+  std::vector<int32_t> hs0(T), hlen(T);
+  for (size_t s = 0; s + 1 < offsets.size(); ++s)
+    for (int64_t t = offsets[s]; t < offsets[s + 1]; ++t) {
+      hs0[t] = static_cast<int32_t>(offsets[s]);
+      hlen[t] = static_cast<int32_t>(offsets[s + 1] - offsets[s]);
+    }
+  m.off = offsets;
+  m.s0.upload(hs0);
+  m.len.upload(hlen);
+}
+
+int64_t AttentionTc::tokens() const { return impl_->T(); }
+
+void AttentionTc::fwd(const float* q, const float* k, const float* v, int nh, int nkv, int hd, float scale,
+                      float* out, float* lse, cudaStream_t s) {
+  impl_->fwd(q, k, v, nh, nkv, hd, scale, out, lse, s);
+}
+
+void AttentionTc::bwd(const float* q, const float* k, const float* v, const float* out, const float* lse,
+                      const float* dout, int nh, int nkv, int hd, float scale, float* dq, float* dk, float* dv,
+                      cudaStream_t s) {
+  impl_->bwd(q, k, v, out, lse, dout, nh, nkv, hd, scale, dq, dk, dv, s);
+}
+
+void AttentionTc::set_block_elems(int64_t n) {
+  QUADS_CHECK(n > 0, "AttentionTc::set_block_elems: {} elements", n);
+  impl_->block_elems = n;
+}
+
+}  // namespace quads::cuda

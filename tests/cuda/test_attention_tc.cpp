@@ -1,0 +1,143 @@
+// The tensor-core attention (cuda/attention_tc.h) against the CPU twin (cpu::attention_forward /
+// attention_backward per sequence) and the exact FP32 kernels (kern::attention_train_*): packed
+// sequences of lengths 1, odd, > 256; GQA 1/2/4/8; head_dim 32..256; query rows split into blocks.
+// (Shapes keep L * nkv * hd <= 2^15: above it cpu::attention_backward's final sum runs in OpenMP
+// threads whose thread_local scratch is empty, and crashes; reported to the owner.)
+// Its operands are BF16 (2^-9 relative per element), so it is held to relative L2 errors that
+// BF16 rounding explains, not to FP32 agreement; repeated runs give the same bits.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "cpu/ops.h"
+#include "cuda/attention_tc.h"
+#include "cuda/check.h"
+#include "cuda/train_kernels.h"
+#include "cuda_test_util.h"
+
+using namespace quads;
+using quads::cuda::DeviceArray;
+using namespace quads::cuda::testing;
+namespace kern = quads::cuda::kern;
+
+TEST(CudaTrainAttentionTc, MatchesCpuAndExactKernels) {
+  QUADS_REQUIRE_GPU();
+  struct Case {
+    std::vector<int> lens;
+    int nh, nkv, hd;
+    int64_t block_elems;  // 0: the default (one block per sequence here)
+  };
+  const std::vector<Case> cases = {
+      {{1}, 2, 1, 32, 0},                      // T = 1
+      {{70, 5, 129}, 4, 2, 64, 0},             // GQA 2, odd lengths
+      {{33, 100}, 8, 1, 128, 0},               // GQA 8
+      {{300, 1, 257}, 8, 1, 64, 0},            // longer than 256, a single token between
+      {{40, 3, 1}, 2, 2, 256, 0},              // GQA 1, head_dim 256
+      {{63, 64, 1, 31}, 32, 4, 128, 0},        // the peer model's heads
+      {{300, 77, 2}, 4, 1, 64, 4 * 48 * 304},  // query rows in blocks of 48: dk / dv summed over blocks
+  };
+  cuda::AttentionTc tc;
+  for (size_t ci = 0; ci < cases.size(); ++ci) {
+    const Case& c = cases[ci];
+    std::vector<int32_t> seq0;
+    std::vector<int64_t> off = {0};
+    for (int L : c.lens) {
+      for (int i = 0; i < L; ++i) seq0.push_back(static_cast<int32_t>(off.back()));
+      off.push_back(off.back() + L);
+    }
+    const int64_t T = off.back();
+    const int64_t qd = int64_t(c.nh) * c.hd, kd = int64_t(c.nkv) * c.hd;
+    const float scale = 1.f / std::sqrt(float(c.hd));
+    const auto q = randn(T * qd, 211 + ci, 1.5f), k = randn(T * kd, 212 + ci, 1.5f), v = randn(T * kd, 213 + ci);
+    const auto dout = randn(T * qd, 214 + ci);
+    std::vector<float> out(T * qd), lse(T * c.nh), dq(T * qd), dk(T * kd, 0.f), dv(T * kd, 0.f);
+    for (size_t s = 0; s + 1 < off.size(); ++s) {
+      const int64_t o = off[s], L = off[s + 1] - off[s];
+      cpu::attention_forward(q.data() + o * qd, k.data() + o * kd, v.data() + o * kd, L, L, c.nh, c.nkv, c.hd, scale,
+                             out.data() + o * qd, lse.data() + o * c.nh);
+      cpu::attention_backward(q.data() + o * qd, k.data() + o * kd, v.data() + o * kd, out.data() + o * qd,
+                              lse.data() + o * c.nh, dout.data() + o * qd, L, L, c.nh, c.nkv, c.hd, scale,
+                              dq.data() + o * qd, dk.data() + o * kd, dv.data() + o * kd);
+    }
+    DeviceArray<float> gq = dev(q), gk = dev(k), gv = dev(v), gdo = dev(dout), gout(out.size()), glse(lse.size());
+    DeviceArray<float> gdq(dq.size()), gdk(dk.size()), gdv(dv.size());
+    DeviceArray<float> cout = dev(out), clse = dev(lse);
+    DeviceArray<int32_t> gs0 = dev(seq0);
+    tc.set_block_elems(c.block_elems > 0 ? c.block_elems : int64_t(1) << 25);
+    tc.plan(off);
+    ASSERT_EQ(tc.tokens(), T);
+    auto run = [&] {
+      for (auto* a : {&gout, &glse, &gdq, &gdk, &gdv}) a->fill_bytes(0xFF);  // NaN: every element must be written
+      tc.fwd(gq.data(), gk.data(), gv.data(), c.nh, c.nkv, c.hd, scale, gout.data(), glse.data(), nullptr);
+      // The backward from the CPU's out / lse, so that it is compared on its own.
+      tc.bwd(gq.data(), gk.data(), gv.data(), cout.data(), clse.data(), gdo.data(), c.nh, c.nkv, c.hd, scale,
+             gdq.data(), gdk.data(), gdv.data(), nullptr);
+      QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+    };
+    run();
+    const auto out1 = gout.download(), lse1 = glse.download();
+    const auto dq1 = gdq.download(), dk1 = gdk.download(), dv1 = gdv.download();
+    // Gradients relative to at least 0.1 |dout| (one-token sequences have dq = dk = 0 up to rounding).
+    double ref = 0;
+    for (float x : dout) ref += double(x) * double(x);
+    auto grad_err = [&](const std::vector<float>& a, const std::vector<float>& b) {
+      double num = 0, den = 0;
+      for (size_t i = 0; i < b.size(); ++i) {
+        num += (double(a[i]) - double(b[i])) * (double(a[i]) - double(b[i]));
+        den += double(b[i]) * double(b[i]);
+      }
+      return std::sqrt(num / std::max(den, 1e-2 * ref));
+    };
+    double lse_abs = 0;
+    for (size_t i = 0; i < lse.size(); ++i) lse_abs = std::max(lse_abs, std::fabs(double(lse1[i]) - double(lse[i])));
+    const double e_out = rel_l2(out1, out), e_lse = rel_l2(lse1, lse);
+    const double e_dq = grad_err(dq1, dq), e_dk = grad_err(dk1, dk), e_dv = grad_err(dv1, dv);
+    std::printf("tc attention case %zu (T %lld, heads %d/%d, hd %d%s) vs CPU: rel L2 out %.3g lse %.3g (max abs %.3g) "
+                "dq %.3g dk %.3g dv %.3g\n",
+                ci, static_cast<long long>(T), c.nh, c.nkv, c.hd, c.block_elems ? ", blocked" : "", e_out, e_lse,
+                lse_abs, e_dq, e_dk, e_dv);
+    std::fflush(stdout);
+    // BF16 q and k move a score by ~|q||k| 2^-8 scale (~4e-3 here): lse by as much, out and the
+    // gradients by a few 2^-9 relative.
+    EXPECT_LT(e_out, 1e-2) << "case " << ci;
+    EXPECT_LT(e_lse, 3e-3) << "case " << ci;
+    EXPECT_LT(lse_abs, 3e-2) << "case " << ci;
+    EXPECT_LT(e_dq, 2e-2) << "case " << ci;
+    EXPECT_LT(e_dk, 2e-2) << "case " << ci;
+    EXPECT_LT(e_dv, 2e-2) << "case " << ci;
+
+    // The exact FP32 kernels on the same inputs (the trainer's other attention): as close as the CPU.
+    if (c.hd % 32 == 0) {
+      DeviceArray<float> xout(out.size()), xlse(lse.size());
+      kern::attention_train_fwd(gq.data(), gk.data(), gv.data(), gs0.data(), T, c.nh, c.nkv, c.hd, scale, xout.data(),
+                                xlse.data(), nullptr);
+      QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+      const double x_out = rel_l2(out1, xout.download()), x_lse = rel_l2(lse1, xlse.download());
+      std::printf("tc attention case %zu vs exact kernels: rel L2 out %.3g lse %.3g\n", ci, x_out, x_lse);
+      EXPECT_LT(x_out, 1e-2) << "case " << ci;
+      EXPECT_LT(x_lse, 3e-3) << "case " << ci;
+    }
+
+    run();
+    EXPECT_EQ(first_float_mismatch(gout.download(), out1), -1) << "case " << ci;
+    EXPECT_EQ(first_float_mismatch(glse.download(), lse1), -1) << "case " << ci;
+    EXPECT_EQ(first_float_mismatch(gdq.download(), dq1), -1) << "case " << ci;
+    EXPECT_EQ(first_float_mismatch(gdk.download(), dk1), -1) << "case " << ci;
+    EXPECT_EQ(first_float_mismatch(gdv.download(), dv1), -1) << "case " << ci;
+  }
+}
+
+TEST(CudaTrainAttentionTc, RejectsBadShapes) {
+  QUADS_REQUIRE_GPU();
+  cuda::AttentionTc tc;
+  DeviceArray<float> x(64 * 8), lse(8);
+  EXPECT_THROW(tc.fwd(x.data(), x.data(), x.data(), 2, 1, 32, 1.f, x.data(), lse.data(), nullptr), Error);  // no plan
+  tc.plan({0, 2});
+  EXPECT_THROW(tc.fwd(x.data(), x.data(), x.data(), 3, 2, 32, 1.f, x.data(), lse.data(), nullptr), Error);
+  EXPECT_THROW(tc.fwd(x.data(), x.data(), x.data(), 2, 1, 20, 1.f, x.data(), lse.data(), nullptr), Error);
+  EXPECT_THROW(tc.plan({0, 3, 2}), Error);
+}
