@@ -206,11 +206,17 @@ bool bench_precision(const model::ModelConfig& cfg, const std::string& p, double
 }
 
 // Seconds of one training step (best of `reps` after a warm-up), or < 0 after printing the error.
-double train_step_seconds(const model::ModelConfig& cfg, const std::string& preset, int nseq, int64_t len, int reps) {
+// attn / experts: "" for the trainer's defaults, else GpuTrainer::set_attention / set_expert_gemms.
+// *what receives the attention and expert GEMMs that ran.
+double train_step_seconds(const model::ModelConfig& cfg, const std::string& preset, const std::string& attn,
+                          const std::string& experts, int nseq, int64_t len, int reps, std::string* what) {
   try {
     const double t0 = now();
     cuda::GpuTrainer g(cfg, model::PrecisionConfig::preset(preset), 42, 0.02f);
-    std::fprintf(stderr, "train %s: trainer set up in %.1f s\n", preset.c_str(), now() - t0);
+    if (!attn.empty()) g.set_attention(attn);
+    if (!experts.empty()) g.set_expert_gemms(experts);
+    std::fprintf(stderr, "train %s: trainer set up in %.1f s (attention %s, experts %s)\n", preset.c_str(),
+                 now() - t0, g.attention().c_str(), g.expert_gemms().c_str());
     std::vector<std::vector<int32_t>> seqs;
     for (int s = 0; s < nseq; ++s) seqs.push_back(random_prompt(len, 9000 + s, cfg.vocab_size));
     const model::Batch b = model::Batch::of(seqs);
@@ -241,6 +247,7 @@ double train_step_seconds(const model::ModelConfig& cfg, const std::string& pres
     g.loss_ce(targets);
     g.adamw_step(ac, reps + 2);
     std::fprintf(stderr, "train %s profile: %s\n", preset.c_str(), g.profile_report().c_str());
+    *what = "attention " + g.attention() + ", experts " + g.expert_gemms();
     return best;
   } catch (const std::exception& e) {
     std::printf("| train %s | failed: %s |\n", preset.c_str(), e.what());
@@ -256,14 +263,28 @@ void bench_training(const model::ModelConfig& cfg, double bw, bool quick) {
   std::printf("\n| training step (fwd + CE + bwd + AdamW + requant) | tokens | tok/s | transformers bf16 tok/s | x peer |\n"
               "|---|---|---|---|---|\n");
   std::fflush(stdout);
+  // The defaults (tensor-core attention, one GEMM per expert) first, then the previous engine
+  // (exact FP32 attention) and the expert GEMMs grouped / on streams for comparison.
+  struct Row {
+    const char* preset;
+    const char* attn;
+    const char* experts;
+  };
+  const Row rows[] = {{"bf16", "", ""},
+                      {"qat", "", ""},
+                      {"bf16", "exact", "per-expert"},
+                      {"qat", "exact", "per-expert"},
+                      {"bf16", "", "streams"},
+                      {"bf16", "", "grouped"}};
   double sec[2] = {-1, -1};
-  const char* presets[2] = {"bf16", "qat"};
-  for (int i = 0; i < 2; ++i) {
-    sec[i] = train_step_seconds(cfg, presets[i], nseq, len, 3);
-    if (sec[i] <= 0) continue;
-    const double tps = double(nseq) * len / sec[i];
-    std::printf("| train %s | %dx%lld | %.0f | %.0f | %.2f |\n", presets[i], nseq, static_cast<long long>(len), tps,
-                peer, tps / peer);
+  for (size_t i = 0; i < (quick ? 2 : sizeof(rows) / sizeof(rows[0])); ++i) {
+    std::string what;
+    const double t = train_step_seconds(cfg, rows[i].preset, rows[i].attn, rows[i].experts, nseq, len, 3, &what);
+    if (i < 2) sec[i] = t;
+    if (t <= 0) continue;
+    const double tps = double(nseq) * len / t;
+    std::printf("| train %s (%s) | %dx%lld | %.0f | %.0f | %.2f |\n", rows[i].preset, what.c_str(), nseq,
+                static_cast<long long>(len), tps, peer, tps / peer);
     std::fflush(stdout);
   }
   if (sec[0] > 0 && sec[1] > 0)
