@@ -200,7 +200,9 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
   // then added in head order. Blocks of queries go through OpenBLAS (the backward need not be
   // row-invariant): S = Q Kᵀ, P = exp(S * scale - lse) (causal), dP = dO Vᵀ, dS = P (dP - D) * scale,
   // dQ = dS K, dK += dSᵀ Q, dV += Pᵀ dO.
-  // Scratch kept per thread between calls (one call per layer and sequence).
+  // Scratch kept per thread between calls (one call per layer and sequence). The OpenMP regions
+  // below reach it through plain pointers: inside them a thread_local name would be each worker's
+  // own (empty) copy.
   thread_local std::vector<float> dkh, dvh, P, dP;
   const size_t per_head = static_cast<size_t>(L) * hd;
   dkh.assign(nh * per_head, 0.f);
@@ -211,6 +213,10 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
     P.resize(Bq * L);
     dP.resize(Bq * L);
   }
+  float* const Pd = P.data();
+  float* const dPd = dP.data();
+  const float* const dkhd = dkh.data();
+  const float* const dvhd = dvh.data();
   for (int h = 0; h < nh; ++h) {
     const int g = h / group;
     float* dk_ = dkh.data() + static_cast<size_t>(h) * L * hd;
@@ -222,8 +228,8 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
       const int64_t Lb = start + i0 + nb;  // keys seen by the last query of the block
       const float* qb = q + i0 * ldq + h * hd;
       const float* dob = dout + i0 * ldq + h * hd;
-      gemm_nt(nb, Lb, hd, qb, ldq, kg, ldk, P.data(), Lb);
-      gemm_nt(nb, Lb, hd, dob, ldq, vg, ldk, dP.data(), Lb);
+      gemm_nt(nb, Lb, hd, qb, ldq, kg, ldk, Pd, Lb);
+      gemm_nt(nb, Lb, hd, dob, ldq, vg, ldk, dPd, Lb);
 #pragma omp parallel for schedule(static) if (nb * Lb > kParallelMin)
       for (int64_t r = 0; r < nb; ++r) {
         const int64_t i = i0 + r, p = start + i;
@@ -232,17 +238,17 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
         double D = 0;
         for (int d = 0; d < hd; ++d) D += double(doi[d]) * double(oi[d]);
         const float Df = static_cast<float>(D), l = lse[i * nh + h];
-        float* pr = P.data() + r * Lb;
-        float* dpr = dP.data() + r * Lb;
+        float* pr = Pd + r * Lb;
+        float* dpr = dPd + r * Lb;
         for (int64_t j = 0; j < Lb; ++j) {
           const float pj = j <= p ? std::exp(pr[j] * scale - l) : 0.f;
           pr[j] = pj;
           dpr[j] = pj * (dpr[j] - Df) * scale;  // dS
         }
       }
-      gemm_nn(nb, Lb, hd, dP.data(), Lb, kg, ldk, dq + i0 * ldq + h * hd, ldq);
-      gemm_tn_acc(nb, Lb, hd, dP.data(), Lb, qb, ldq, dk_, hd);
-      gemm_tn_acc(nb, Lb, hd, P.data(), Lb, dob, ldq, dv_, hd);
+      gemm_nn(nb, Lb, hd, dPd, Lb, kg, ldk, dq + i0 * ldq + h * hd, ldq);
+      gemm_tn_acc(nb, Lb, hd, dPd, Lb, qb, ldq, dk_, hd);
+      gemm_tn_acc(nb, Lb, hd, Pd, Lb, dob, ldq, dv_, hd);
     }
   }
 #pragma omp parallel for schedule(static) if (L * nkv * hd > kParallelMin)
@@ -251,8 +257,8 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
       float* dkj = dk + (j * nkv + g) * hd;
       float* dvj = dv + (j * nkv + g) * hd;
       for (int h = g * group; h < (g + 1) * group; ++h) {
-        const float* a = dkh.data() + (static_cast<size_t>(h) * L + j) * hd;
-        const float* b = dvh.data() + (static_cast<size_t>(h) * L + j) * hd;
+        const float* a = dkhd + (static_cast<size_t>(h) * L + j) * hd;
+        const float* b = dvhd + (static_cast<size_t>(h) * L + j) * hd;
         for (int d = 0; d < hd; ++d) {
           dkj[d] += a[d];
           dvj[d] += b[d];

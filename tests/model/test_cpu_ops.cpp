@@ -7,6 +7,8 @@
 #include <cstring>
 #include <functional>
 
+#include <omp.h>
+
 #include "cpu/gemm.h"
 #include "cpu/ops.h"
 #include "model_test_util.h"
@@ -210,6 +212,36 @@ TEST(CpuOps, AttentionForwardBackwardGqa) {
                            nullptr);
     EXPECT_EQ(std::memcmp(last.data(), out.data() + (n - 1) * nh * hd, nh * hd * 4), 0);
   }
+}
+
+// Shapes large enough for the OpenMP regions of the backward (blocks of 64 queries x 600 keys,
+// L x nkv x hd = 76800): the threads share the call's scratch (a thread_local buffer read inside
+// the region crashed the worker threads), and the result is the same bits with 1 or 2 threads.
+TEST(CpuOps, AttentionBackwardParallelRegions) {
+  const int nh = 4, nkv = 2, hd = 64;
+  const int64_t L = 600, n = 600;
+  const float scale = 1.f / std::sqrt(float(hd));
+  const auto q = random_normal(n * nh * hd, 11), k = random_normal(L * nkv * hd, 12),
+             v = random_normal(L * nkv * hd, 13), c = random_normal(n * nh * hd, 14);
+  std::vector<float> out(n * nh * hd), lse(n * nh);
+  cpu::attention_forward(q.data(), k.data(), v.data(), n, L, nh, nkv, hd, scale, out.data(), lse.data());
+  auto grads = [&](int threads) {
+    const int before = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    std::vector<float> dq(q.size()), dk(k.size(), 0.f), dv(v.size(), 0.f);
+    cpu::attention_backward(q.data(), k.data(), v.data(), out.data(), lse.data(), c.data(), n, L, nh, nkv, hd, scale,
+                            dq.data(), dk.data(), dv.data());
+    omp_set_num_threads(before);
+    dq.insert(dq.end(), dk.begin(), dk.end());
+    dq.insert(dq.end(), dv.begin(), dv.end());
+    return dq;
+  };
+  const auto one = grads(1), two = grads(2);
+  ASSERT_EQ(one.size(), two.size());
+  EXPECT_EQ(std::memcmp(one.data(), two.data(), one.size() * sizeof(float)), 0);
+  double norm = 0;
+  for (float x : two) norm += double(x) * x;
+  EXPECT_TRUE(std::isfinite(norm) && norm > 0);
 }
 
 TEST(CpuOps, SoftmaxAndSwiglu) {
