@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "common/error.h"
 #include "cuda/check.h"
@@ -42,14 +43,18 @@ __device__ __forceinline__ int64_t grouped_index(int64_t t, int h, int c, const 
   return start * nh * hd + ((int64_t(j) * L + tl) * g + i) * hd + c;
 }
 
-__global__ void pack_bf16_kernel(const float* __restrict__ src, const int32_t* __restrict__ s0,
-                                 const int32_t* __restrict__ len, int64_t T, int nh, int g, int hd,
-                                 uint16_t* __restrict__ dst) {
-  const int64_t row = int64_t(nh) * hd, n = T * row;
+// Element type of the GEMM operands: BF16 (tensor cores) or float32 (the FP32 forward).
+__device__ __forceinline__ void store_as(uint16_t* p, float v) { *p = bf16_bits(v); }
+__device__ __forceinline__ void store_as(float* p, float v) { *p = v; }
+
+template <typename T>
+__global__ void pack_kernel(const float* __restrict__ src, const int32_t* __restrict__ s0,
+                            const int32_t* __restrict__ len, int64_t Tn, int nh, int g, int hd, T* __restrict__ dst) {
+  const int64_t row = int64_t(nh) * hd, n = Tn * row;
   for (int64_t x = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; x < n; x += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = x / row, rem = x - t * row;
     const int h = static_cast<int>(rem / hd), c = static_cast<int>(rem - int64_t(h) * hd);
-    dst[grouped_index(t, h, c, s0, len, nh, g, hd)] = bf16_bits(src[x]);
+    store_as(dst + grouped_index(t, h, c, s0, len, nh, g, hd), src[x]);
   }
 }
 
@@ -103,15 +108,16 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
 // One score row per CTA: grid (M rows of a query block, nkv). Row r of kv head j is local query
 // q0 + r / g of head j * g + r % g; keys 0 .. that query are valid, the rest of the Lk columns get
 // P = 0. S and P are [nkv][M][ld].
+template <typename T>
 __global__ void softmax_fwd_kernel(const float* __restrict__ S, int64_t ld, int Lk, int64_t M, int q0, int g,
-                                   int64_t t0, int nh, float scale, uint16_t* __restrict__ P, float* __restrict__ lse) {
+                                   int64_t t0, int nh, float scale, T* __restrict__ P, float* __restrict__ lse) {
   __shared__ float sh[kRowThreads / 32];
   const int64_t r = blockIdx.x;
   const int j = blockIdx.y;
   const int tl = q0 + static_cast<int>(r / g), i = static_cast<int>(r % g);
   const int n = tl + 1;
   const float* row = S + (int64_t(j) * M + r) * ld;
-  uint16_t* prow = P + (int64_t(j) * M + r) * ld;
+  T* prow = P + (int64_t(j) * M + r) * ld;
   float m = -INFINITY;
   for (int c = threadIdx.x; c < n; c += kRowThreads) m = fmaxf(m, row[c] * scale);
   m = block_max(m, sh);
@@ -119,8 +125,8 @@ __global__ void softmax_fwd_kernel(const float* __restrict__ S, int64_t ld, int 
   for (int c = threadIdx.x; c < n; c += kRowThreads) s += expf(row[c] * scale - m);
   s = block_sum(s, sh);
   const float l = m + logf(s);
-  for (int c = threadIdx.x; c < Lk; c += kRowThreads) prow[c] = c < n ? bf16_bits(expf(row[c] * scale - l)) : 0;
-  if (threadIdx.x == 0) lse[(t0 + tl) * nh + int64_t(j) * g + i] = l;
+  for (int c = threadIdx.x; c < Lk; c += kRowThreads) store_as(prow + c, c < n ? expf(row[c] * scale - l) : 0.f);
+  if (lse && threadIdx.x == 0) lse[(t0 + tl) * nh + int64_t(j) * g + i] = l;
 }
 
 // The backward's element-wise step on the same rows: P = exp(scale S - lse) (the forward's P
@@ -166,6 +172,8 @@ struct AttentionTc::Impl {
   int64_t block_elems = int64_t(1) << 25;
   DeviceArray<uint16_t> qg, dog, kb, vb, pb, dsb;
   DeviceArray<float> og, S, dP, D;
+  bool fp32 = false;               // set_fp32: the forward's operands stay float32
+  DeviceArray<float> qf, pf;       // its packed queries and probabilities
 
   Impl() {
     QUADS_ATTN_CUBLAS(cublasCreate(&blas));
@@ -195,20 +203,22 @@ struct AttentionTc::Impl {
     }
     (void)nkv;
     need(S, size_t(most));
-    need(pb, size_t(most));
+    if (fp32 && !backward) need(pf, size_t(most));
+    else need(pb, size_t(most));
     if (backward) {
       need(dP, size_t(most));
       need(dsb, size_t(most));
     }
   }
 
-  // C = alpha op(A) op(B) + beta C over `batch` kv heads, BF16 operands, FP32 accumulation.
+  // C = alpha op(A) op(B) + beta C over `batch` kv heads, FP32 accumulation; BF16 operands on
+  // tensor cores, or float32 ones (CUBLAS_COMPUTE_32F: no TF32) for the FP32 forward.
   void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, float alpha,
-            const uint16_t* A, int64_t lda, int64_t sa, const uint16_t* B, int64_t ldb, int64_t sb, float beta,
-            void* C, cudaDataType_t ct, int64_t ldc, int64_t sc, int batch) {
+            const void* A, int64_t lda, int64_t sa, const void* B, int64_t ldb, int64_t sb, float beta,
+            void* C, cudaDataType_t ct, int64_t ldc, int64_t sc, int batch, cudaDataType_t abt = CUDA_R_16BF) {
     QUADS_ATTN_CUBLAS(cublasGemmStridedBatchedEx(
-        blas, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), &alpha, A, CUDA_R_16BF,
-        static_cast<int>(lda), sa, B, CUDA_R_16BF, static_cast<int>(ldb), sb, &beta, C, ct, static_cast<int>(ldc), sc,
+        blas, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), &alpha, A, abt,
+        static_cast<int>(lda), sa, B, abt, static_cast<int>(ldb), sb, &beta, C, ct, static_cast<int>(ldc), sc,
         batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
 
@@ -219,9 +229,10 @@ struct AttentionTc::Impl {
     QUADS_CHECK(hd > 0 && hd % 8 == 0, "AttentionTc::{}: head_dim {} is not a multiple of 8", what, hd);
   }
 
-  void pack(const float* src, int nh, int g, int hd, uint16_t* dst, cudaStream_t st) {
+  template <typename E>
+  void pack(const float* src, int nh, int g, int hd, E* dst, cudaStream_t st) {
     const int64_t n = T() * nh * hd;
-    pack_bf16_kernel<<<kern::grid_for(n), kern::kThreads, 0, st>>>(src, s0.data(), len.data(), T(), nh, g, hd, dst);
+    pack_kernel<E><<<kern::grid_for(n), kern::kThreads, 0, st>>>(src, s0.data(), len.data(), T(), nh, g, hd, dst);
     QUADS_CUDA_LAUNCH_CHECK();
   }
   void unpack(const float* src, int nh, int g, int hd, float* dst, cudaStream_t st) {
@@ -232,12 +243,17 @@ struct AttentionTc::Impl {
 
   // S [nkv][M][ld] = Qb Kbᵀ for the rows of local queries q0 .. q1-1 against keys 0 .. q1-1 of the
   // sequence at t0 (column-major: Sᵀ [Lk, M] = Kb [Lk, hd] · Qbᵀ, kv head j's K at column j * hd).
-  void scores(const uint16_t* xg, const uint16_t* keys, int64_t t0, int64_t L, int64_t q0, int64_t q1, int nh, int nkv,
-              int hd, float* out) {
+  template <typename E>
+  void scores(const E* xg, const E* keys, int64_t t0, int64_t L, int64_t q0, int64_t q1, int nh, int nkv, int hd,
+              float* out) {
     const int g = nh / nkv;
     const int64_t M = (q1 - q0) * g, Lk = q1, ld = round8(Lk);
     gemm(CUBLAS_OP_T, CUBLAS_OP_N, Lk, M, hd, 1.f, keys + t0 * nkv * hd, int64_t(nkv) * hd, hd,
-         xg + t0 * nh * hd + q0 * g * hd, hd, L * g * hd, 0.f, out, CUDA_R_32F, ld, M * ld, nkv);
+         xg + t0 * nh * hd + q0 * g * hd, hd, L * g * hd, 0.f, out, CUDA_R_32F, ld, M * ld, nkv, elem_type<E>());
+  }
+  template <typename E>
+  static cudaDataType_t elem_type() {
+    return std::is_same_v<E, float> ? CUDA_R_32F : CUDA_R_16BF;
   }
 
   void fwd(const float* q, const float* k, const float* v, int nh, int nkv, int hd, float scale, float* out,
@@ -245,29 +261,41 @@ struct AttentionTc::Impl {
     check(nh, nkv, hd, "fwd");
     const int64_t Tn = T();
     if (Tn == 0) return;
-    const int g = nh / nkv;
     QUADS_ATTN_CUBLAS(cublasSetStream(blas, st));
     reserve(nh, nkv, false);
-    uint16_t* q_b = need(qg, size_t(Tn * nh * hd));
-    uint16_t* k_b = need(kb, size_t(Tn * nkv * hd));
-    uint16_t* v_b = need(vb, size_t(Tn * nkv * hd));
+    if (fp32) {
+      fwd_as<float>(need(qf, size_t(Tn * nh * hd)), k, v, pf.data(), q, nh, nkv, hd, scale, out, lse, st);
+    } else {
+      uint16_t* k_b = need(kb, size_t(Tn * nkv * hd));
+      uint16_t* v_b = need(vb, size_t(Tn * nkv * hd));
+      kern::to_bf16(k, k_b, Tn * nkv * hd, st);
+      kern::to_bf16(v, v_b, Tn * nkv * hd, st);
+      fwd_as<uint16_t>(need(qg, size_t(Tn * nh * hd)), k_b, v_b, pb.data(), q, nh, nkv, hd, scale, out, lse, st);
+    }
+  }
+
+  // The forward over operands of element type E: qx (scratch for the packed queries), keys and
+  // values [T, nkv, hd] already in E, p (scratch for the probabilities).
+  template <typename E>
+  void fwd_as(E* qx, const E* k_e, const E* v_e, E* p, const float* q, int nh, int nkv, int hd, float scale,
+              float* out, float* lse, cudaStream_t st) {
+    const int64_t Tn = T();
+    const int g = nh / nkv;
     float* o_g = need(og, size_t(Tn * nh * hd));
-    kern::to_bf16(k, k_b, Tn * nkv * hd, st);
-    kern::to_bf16(v, v_b, Tn * nkv * hd, st);
-    pack(q, nh, g, hd, q_b, st);
+    pack<E>(q, nh, g, hd, qx, st);
     for (size_t s = 0; s + 1 < off.size(); ++s) {
       const int64_t t0 = off[s], L = off[s + 1] - t0;
       if (L == 0) continue;
       const int64_t br = block_rows(L, nh);
       for (int64_t q0 = 0; q0 < L; q0 += br) {
         const int64_t q1 = std::min(L, q0 + br), M = (q1 - q0) * g, Lk = q1, ld = round8(Lk);
-        scores(q_b, k_b, t0, L, q0, q1, nh, nkv, hd, S.data());
-        softmax_fwd_kernel<<<dim3(static_cast<unsigned>(M), static_cast<unsigned>(nkv)), kRowThreads, 0, st>>>(
-            S.data(), ld, static_cast<int>(Lk), M, static_cast<int>(q0), g, t0, nh, scale, pb.data(), lse);
+        scores<E>(qx, k_e, t0, L, q0, q1, nh, nkv, hd, S.data());
+        softmax_fwd_kernel<E><<<dim3(static_cast<unsigned>(M), static_cast<unsigned>(nkv)), kRowThreads, 0, st>>>(
+            S.data(), ld, static_cast<int>(Lk), M, static_cast<int>(q0), g, t0, nh, scale, p, lse);
         QUADS_CUDA_LAUNCH_CHECK();
-        // O [M, hd] = P [M, Lk] · V [Lk, hd]; column-major Oᵀ = Vbᵀ · Pᵀ.
-        gemm(CUBLAS_OP_N, CUBLAS_OP_N, hd, M, Lk, 1.f, v_b + t0 * nkv * hd, int64_t(nkv) * hd, hd, pb.data(), ld,
-             M * ld, 0.f, o_g + t0 * nh * hd + q0 * g * hd, CUDA_R_32F, hd, L * g * hd, nkv);
+        // O [M, hd] = P [M, Lk] · V [Lk, hd]; column-major Oᵀ = Vᵀ · Pᵀ.
+        gemm(CUBLAS_OP_N, CUBLAS_OP_N, hd, M, Lk, 1.f, v_e + t0 * nkv * hd, int64_t(nkv) * hd, hd, p, ld, M * ld, 0.f,
+             o_g + t0 * nh * hd + q0 * g * hd, CUDA_R_32F, hd, L * g * hd, nkv, elem_type<E>());
       }
     }
     unpack(o_g, nh, g, hd, out, st);
@@ -289,8 +317,9 @@ struct AttentionTc::Impl {
     float* Dp = need(D, size_t(Tn * nh));
     kern::to_bf16(k, k_b, Tn * nkv * hd, st);
     kern::to_bf16(v, v_b, Tn * nkv * hd, st);
-    pack(q, nh, g, hd, q_b, st);
-    pack(dout, nh, g, hd, do_b, st);
+    QUADS_CHECK(!fp32, "AttentionTc::bwd: the FP32 mode is forward-only");
+    pack<uint16_t>(q, nh, g, hd, q_b, st);
+    pack<uint16_t>(dout, nh, g, hd, do_b, st);
     {
       const int64_t rows = Tn * nh;
       rowdot_kernel<<<kern::grid_for(rows * 32), kern::kThreads, 0, st>>>(dout, out, rows, hd, Dp);
@@ -308,9 +337,9 @@ struct AttentionTc::Impl {
         const float beta = bi == nblocks - 1 ? 0.f : 1.f;
         const uint16_t* qrows = q_b + t0 * nh * hd + q0 * g * hd;
         const uint16_t* dorows = do_b + t0 * nh * hd + q0 * g * hd;
-        scores(q_b, k_b, t0, L, q0, q1, nh, nkv, hd, S.data());
+        scores<uint16_t>(q_b, k_b, t0, L, q0, q1, nh, nkv, hd, S.data());
         // dP [M, Lk] = dO · Vᵀ: the same product as the scores with (dO, V) for (Q, K).
-        scores(do_b, v_b, t0, L, q0, q1, nh, nkv, hd, dP.data());
+        scores<uint16_t>(do_b, v_b, t0, L, q0, q1, nh, nkv, hd, dP.data());
         softmax_bwd_kernel<<<dim3(static_cast<unsigned>(M), static_cast<unsigned>(nkv)), kRowThreads, 0, st>>>(
             S.data(), dP.data(), ld, static_cast<int>(Lk), M, static_cast<int>(q0), g, t0, nh, scale, lse, Dp,
             pb.data(), dsb.data());
@@ -363,6 +392,8 @@ void AttentionTc::bwd(const float* q, const float* k, const float* v, const floa
                       cudaStream_t s) {
   impl_->bwd(q, k, v, out, lse, dout, nh, nkv, hd, scale, dq, dk, dv, s);
 }
+
+void AttentionTc::set_fp32(bool on) { impl_->fp32 = on; }
 
 void AttentionTc::set_block_elems(int64_t n) {
   QUADS_CHECK(n > 0, "AttentionTc::set_block_elems: {} elements", n);

@@ -1,5 +1,6 @@
 #pragma once
-// Causal attention over a packed batch on tensor cores, for the GPU trainer's BF16 presets: the
+// Causal attention over a packed batch as batched GEMMs. For the GPU trainer's BF16 presets (on
+// tensor cores) and, with set_fp32, the rollout engine's prefill of fresh slots (FP32). The
 // contract of kern::attention_train_fwd / attention_train_bwd (cuda/train_kernels.h) with BF16
 // GEMM operands, FP32 accumulation and an FP32 softmax, as a BF16 trainer's flash attention
 // computes it. Token t attends to the tokens of its own sequence up to itself; q [T, nh, hd],
@@ -43,6 +44,11 @@ class AttentionTc {
   // out and lse: the forward's (out for D = rowsum(dout * out), lse to recompute P).
   void bwd(const float* q, const float* k, const float* v, const float* out, const float* lse, const float* dout,
            int nh, int nkv, int hd, float scale, float* dq, float* dk, float* dv, cudaStream_t s);
+
+  // FP32 forward (the rollout engine's prefill): float32 operands, SGEMMs without TF32, float32
+  // probabilities: the CPU's arithmetic up to summation order. bwd refuses this mode; lse may be
+  // null in fwd.
+  void set_fp32(bool on);
 
   // Most score elements (kv heads x query rows x keys) of one block of query rows (default 2^25:
   // a 1024-token sequence with 32 heads in one block). Tests lower it to exercise the blocking.

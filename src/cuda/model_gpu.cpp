@@ -18,6 +18,7 @@
 
 #include "common/error.h"
 #include "cpu/ops.h"
+#include "cuda/attention_tc.h"
 #include "cuda/check.h"
 #include "cuda/device.h"
 #include "cuda/gemm.h"
@@ -187,6 +188,13 @@ struct GpuModel::Impl {
   bool legacy_moe = false, graphs_on = true, rac_grouped_on = true;
   int attn_tokens = 1;  // QUADS_GPU_ATTN_TOKENS: prefill attention tokens per CTA (kern::attention)
   bool attn_tiled = false;  // QUADS_GPU_ATTN=tiled: prefill through kern::attention_tiled
+  // Prefills of fresh slots (every item from position 0, at least kGemmAttnTokens tokens): the
+  // attention as FP32 SGEMMs per sequence (AttentionTc::set_fp32: the CPU's arithmetic up to
+  // summation order, ~6x the one-warp-per-row kernel at 16 x 1024); QUADS_GPU_ATTN=direct keeps
+  // kern::attention for every prefill.
+  bool attn_gemm_on = true;
+  std::unique_ptr<AttentionTc> attn_gemm;
+  static constexpr int64_t kGemmAttnTokens = 64;
   struct GroupedProj {  // one projection of all experts: a device table of their weights
     GpuLinearMode mode = GpuLinearMode::Fake;
     bool amax_row = false;             // W4A4: per-row weight amax
@@ -249,6 +257,11 @@ struct GpuModel::Impl {
     rac_grouped_on = !env_is("QUADS_GPU_RAC_GROUPED", "0");
     if (const char* a = std::getenv("QUADS_GPU_ATTN_TOKENS")) attn_tokens = std::max(1, std::atoi(a));
     attn_tiled = env_is("QUADS_GPU_ATTN", "tiled");
+    attn_gemm_on = !attn_tiled && !env_is("QUADS_GPU_ATTN", "direct");
+    if (attn_gemm_on) {  // now, not in the first prefill: creating its cuBLAS handle takes ~0.1 s
+      attn_gemm = std::make_unique<AttentionTc>();
+      attn_gemm->set_fp32(true);
+    }
     blas = std::make_unique<Blas>();
     build_linears();
     master.resize(lay.total);
@@ -925,7 +938,8 @@ struct GpuModel::Impl {
     std::vector<int64_t> pos64;
     std::vector<uint8_t> used(slots, 0);
     int64_t max_ctx = 1;
-    bool decode = true;
+    bool decode = true, fresh = true;
+    std::vector<int64_t> seq_off{0};
     for (size_t i = 0; i < items.size(); ++i) {
       const model::StepItem& it = items[i];
       QUADS_CHECK(it.slot >= 0 && it.slot < slots, "GpuModel::step: item {} uses slot {}, the cache has {}", i, it.slot,
@@ -948,6 +962,8 @@ struct GpuModel::Impl {
       }
       max_ctx = std::max(max_ctx, start + n);
       decode &= n == 1;
+      fresh &= start == 0;
+      seq_off.push_back(seq_off.back() + n);
     }
     const int64_t T = static_cast<int64_t>(htok.size()), nout = static_cast<int64_t>(hsel.size());
     if (T == 0) return 0;
@@ -972,6 +988,8 @@ struct GpuModel::Impl {
       }
     }
     const int64_t nblk = static_cast<int64_t>(hblk.size() / 2);
+    const bool gemm_attn = attn_gemm_on && !decode && fresh && hd % 8 == 0 && T >= kGemmAttnTokens;
+    if (gemm_attn) attn_gemm->plan(seq_off);
 
     std::vector<float> hcos(T * hd / 2), hsin(T * hd / 2);
     cpu::rope_tables(pos64.data(), T, hd, cfg.rope_theta, hcos.data(), hsin.data());
@@ -1024,8 +1042,8 @@ struct GpuModel::Impl {
     float* qkvp = grow(qkvbuf, T * (qd + 2 * kvd));
     bool kv_post = kv_quant;
     for (const auto& m : kv_shift) kv_post |= m.size() > 0;
-    float* kbp = kv_post ? grow(kbuf, T * kvd) : nullptr;
-    float* vbp = kv_post ? grow(vbuf, T * kvd) : nullptr;
+    float* kbp = kv_post || gemm_attn ? grow(kbuf, T * kvd) : nullptr;
+    float* vbp = kv_post || gemm_attn ? grow(vbuf, T * kvd) : nullptr;
     float* kvap = kv_quant ? grow(kv_amax, T * nkv) : nullptr;
     float* xep = grow(xe, R * H);
     float* yep = grow(ye, R * H);
@@ -1111,7 +1129,11 @@ struct GpuModel::Impl {
         }
         kern::kv_rows(kcl, vcl, d_slot, d_pos, T, nkv, hd, max_len, nullptr, kbp, vbp, true, stream);
       }
-      if (tiled)
+      if (gemm_attn) {
+        // the new K/V rows as the cache holds them (after ReQAT's transform, if any), packed
+        kern::kv_rows(kcl, vcl, d_slot, d_pos, T, nkv, hd, max_len, nullptr, kbp, vbp, false, stream);
+        attn_gemm->fwd(qp, kbp, vbp, nh, nkv, hd, scale, ap, nullptr, stream);
+      } else if (tiled)
         kern::attention_tiled(qp, kcl, vcl, d_slot, d_pos, d_blk, nblk, nh, nkv, hd, scale, max_len, max_ctx, attn_hpc,
                               attn_tpc, ap, stream);
       else

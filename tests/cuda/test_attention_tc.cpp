@@ -1,8 +1,7 @@
 // The tensor-core attention (cuda/attention_tc.h) against the CPU twin (cpu::attention_forward /
-// attention_backward per sequence) and the exact FP32 kernels (kern::attention_train_*): packed
+// attention_backward per sequence) and the exact FP32 kernels (kern::attention_train_*), and its
+// FP32 forward (the rollout engine's prefill) against the CPU to FP32 summation-order noise: packed
 // sequences of lengths 1, odd, > 256; GQA 1/2/4/8; head_dim 32..256; query rows split into blocks.
-// (Shapes keep L * nkv * hd <= 2^15: above it cpu::attention_backward's final sum runs in OpenMP
-// threads whose thread_local scratch is empty, and crashes; reported to the owner.)
 // Its operands are BF16 (2^-9 relative per element), so it is held to relative L2 errors that
 // BF16 rounding explains, not to FP32 agreement; repeated runs give the same bits.
 #include <gtest/gtest.h>
@@ -142,4 +141,51 @@ TEST(CudaTrainAttentionTc, RejectsBadShapes) {
   EXPECT_THROW(tc.fwd(x.data(), x.data(), x.data(), 3, 2, 32, 1.f, x.data(), lse.data(), nullptr), Error);
   EXPECT_THROW(tc.fwd(x.data(), x.data(), x.data(), 2, 1, 20, 1.f, x.data(), lse.data(), nullptr), Error);
   EXPECT_THROW(tc.plan({0, 3, 2}), Error);
+}
+
+// The FP32 forward the rollout engine's prefill runs (set_fp32): float32 SGEMMs, the CPU's
+// attention up to summation order; lse optional; the backward refuses the mode.
+TEST(CudaModelAttentionGemm, Fp32ForwardMatchesCpu) {
+  QUADS_REQUIRE_GPU();
+  struct Case {
+    std::vector<int> lens;
+    int nh, nkv, hd;
+    int64_t block_elems;
+  };
+  const std::vector<Case> cases = {
+      {{70, 1, 300}, 4, 2, 64, 0}, {{63, 130}, 32, 4, 128, 0}, {{257, 9}, 8, 8, 32, 8 * 40 * 264}};
+  cuda::AttentionTc tc;
+  tc.set_fp32(true);
+  for (size_t ci = 0; ci < cases.size(); ++ci) {
+    const Case& c = cases[ci];
+    std::vector<int64_t> off = {0};
+    for (int L : c.lens) off.push_back(off.back() + L);
+    const int64_t T = off.back(), qd = int64_t(c.nh) * c.hd, kd = int64_t(c.nkv) * c.hd;
+    const float scale = 1.f / std::sqrt(float(c.hd));
+    const auto q = randn(T * qd, 311 + ci, 1.5f), k = randn(T * kd, 312 + ci, 1.5f), v = randn(T * kd, 313 + ci);
+    std::vector<float> out(T * qd), lse(T * c.nh);
+    for (size_t s = 0; s + 1 < off.size(); ++s) {
+      const int64_t o = off[s], L = off[s + 1] - off[s];
+      cpu::attention_forward(q.data() + o * qd, k.data() + o * kd, v.data() + o * kd, L, L, c.nh, c.nkv, c.hd, scale,
+                             out.data() + o * qd, lse.data() + o * c.nh);
+    }
+    DeviceArray<float> gq = dev(q), gk = dev(k), gv = dev(v), gout(out.size()), glse(lse.size());
+    gout.fill_bytes(0xFF);
+    tc.set_block_elems(c.block_elems > 0 ? c.block_elems : int64_t(1) << 25);
+    tc.plan(off);
+    tc.fwd(gq.data(), gk.data(), gv.data(), c.nh, c.nkv, c.hd, scale, gout.data(), glse.data(), nullptr);
+    const auto out1 = gout.download(), lse1 = glse.download();
+    tc.fwd(gq.data(), gk.data(), gv.data(), c.nh, c.nkv, c.hd, scale, gout.data(), nullptr, nullptr);
+    const auto out2 = gout.download();
+    const double e_out = rel_l2(out1, out), e_lse = rel_l2(lse1, lse);
+    std::printf("fp32 gemm attention case %zu (T %lld, heads %d/%d, hd %d) vs CPU: rel L2 out %.3g lse %.3g\n", ci,
+                static_cast<long long>(T), c.nh, c.nkv, c.hd, e_out, e_lse);
+    EXPECT_LT(e_out, 2e-6) << "case " << ci;
+    EXPECT_LT(e_lse, 1e-6) << "case " << ci;
+    EXPECT_EQ(first_float_mismatch(out2, out1), -1) << "case " << ci << ": lse or not, the same bits";
+    DeviceArray<float> d(out.size());
+    EXPECT_THROW(tc.bwd(gq.data(), gk.data(), gv.data(), gout.data(), glse.data(), gq.data(), c.nh, c.nkv, c.hd, scale,
+                        d.data(), d.data(), d.data(), nullptr),
+                 Error);
+  }
 }

@@ -521,3 +521,54 @@ TEST(CudaModelGpu, GroupedRacEqualsPerExpertRac) {
   EXPECT_EQ(psteps, 0) << "the per-expert RAC path syncs per layer";
   EXPECT_NEAR(bg, bp, 1e-6 * bp) << "both count the same weight bytes";
 }
+
+// Prefills of fresh slots run their attention as FP32 SGEMMs (cuda/attention_tc.h): the logits of
+// every prompt token agree with the one-warp-per-row kernel (QUADS_GPU_ATTN=direct) to FP32
+// summation-order noise, and decode continues from the cache the same way.
+TEST(CudaModelGpu, GemmPrefillAttentionMatchesDirectKernel) {
+  QUADS_REQUIRE_GPU();
+  model::ModelConfig c;
+  c.vocab_size = 64;
+  c.hidden_size = 128;
+  c.moe_intermediate_size = 64;
+  c.intermediate_size = 128;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 64;
+  c.num_experts = 8;
+  c.num_experts_per_tok = 2;
+  c.norm_topk_prob = true;
+  c.max_position_embeddings = 512;
+  const model::Weights w = model::Weights::random(c, 23, 0.05f);
+  for (const auto& [preset, tol] : std::vector<std::pair<std::string, double>>{{"fp32", 1e-5}, {"nvfp4", 2e-3}}) {
+    const auto prec = model::PrecisionConfig::preset(preset);
+    cuda::GpuModel fast(w, prec);
+    setenv("QUADS_GPU_ATTN", "direct", 1);
+    cuda::GpuModel direct(w, prec);
+    unsetenv("QUADS_GPU_ATTN");
+    auto run = [&](cuda::GpuModel& g) {
+      g.reset_cache(3, 400);
+      std::vector<model::StepItem> items(3);
+      const int lens[3] = {150, 1, 300};
+      for (int i = 0; i < 3; ++i) {
+        items[i].slot = i;
+        items[i].all_logits = true;
+        for (int t = 0; t < lens[i]; ++t) items[i].tokens.push_back((13 * t + 7 * i + 1) % 64);
+      }
+      std::vector<float> out = g.step(items);
+      for (int i = 0; i < 3; ++i) {
+        items[i].tokens = {(5 * i + 3) % 64};
+        items[i].all_logits = false;
+      }
+      const auto next = g.step(items);
+      out.insert(out.end(), next.begin(), next.end());
+      return out;
+    };
+    const auto a = run(fast), b = run(direct);
+    const double e = rel_l2(a, b);
+    std::printf("%s: prefill attention as FP32 GEMMs vs the direct kernel: rel L2 of the logits %.3g\n",
+                preset.c_str(), e);
+    EXPECT_LT(e, tol) << preset;
+  }
+}
