@@ -14,6 +14,7 @@
 // nvfp4+rac: the nvfp4 preset with RAC on the first half of every quantized linear's input channels
 // (model::RacConfig's default ratio; the cost of RAC, not a calibrated selection).
 // Wall-clock times (host steady clock, the GPU synchronized at the end of each timed region).
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -142,6 +143,52 @@ double run_prefill(cuda::GpuModel& g, int B, int64_t len) {
   g.step_greedy(items);
   QUADS_CUDA_CHECK(cudaDeviceSynchronize());
   return double(B) * len / (now() - t0);
+}
+
+// --ncu P / --ncu-decode P: one prefill (16 x 1024) or one decode step at batch 64 (after a
+// 128-token prompt) of precision P without graphs, between cudaProfilerStart / Stop, for
+// `ncu --profile-from-start off` (scripts/gpu/profile.sh sums the kernel times by name).
+void ncu_regions(const model::ModelConfig& cfg, const std::string& p, bool decode) {
+  setenv("QUADS_GPU_GRAPHS", "0", 1);
+  std::string base = p;
+  const bool rac = base.size() > 4 && base.compare(base.size() - 4, 4, "+rac") == 0;
+  if (rac) base.resize(base.size() - 4);
+  cuda::GpuModel g(cfg, model::PrecisionConfig::preset(base));
+  g.randomize(42, 0.02f);
+  if (rac) g.set_rac_first_channels(model::RacConfig{}.ratio);
+  run_decode(g, 2, 8, 4);  // warm-up
+  const int V = cfg.vocab_size;
+  const int B = 16;
+  g.reset_cache(B, 1025);
+  std::vector<model::StepItem> items(B);
+  for (int b = 0; b < B; ++b) {
+    items[b].slot = b;
+    items[b].tokens = random_prompt(1024, 5000 + b, V);
+  }
+  g.step_greedy(items);
+  for (int b = 0; b < B; ++b) g.clear(b);
+  QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+  if (!decode) cudaProfilerStart();
+  g.step_greedy(items);
+  QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+  if (!decode) cudaProfilerStop();
+  const int D = 64;
+  g.reset_cache(D, 140);
+  std::vector<model::StepItem> d(D);
+  for (int b = 0; b < D; ++b) {
+    d[b].slot = b;
+    d[b].tokens = random_prompt(128, 1000 + b, V);
+  }
+  std::vector<int32_t> next = g.step_greedy(d);
+  for (int r = 0; r < 2; ++r) {  // the second one is profiled
+    for (int b = 0; b < D; ++b) d[b].tokens.assign(1, next[b]);
+    QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+    if (r == 1 && decode) cudaProfilerStart();
+    next = g.step_greedy(d);
+    QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+    if (r == 1 && decode) cudaProfilerStop();
+  }
+  unsetenv("QUADS_GPU_GRAPHS");
 }
 
 // One precision's rows of the table; returns false (after printing the error) on failure.
@@ -334,6 +381,10 @@ int main(int argc, char** argv) {
       if (!std::strcmp(argv[i], "--quick")) quick = true;
       else if (!std::strcmp(argv[i], "--train-only")) train_only = true;
       else if (!std::strcmp(argv[i], "--rollout-only")) rollout_only = true;
+      else if ((!std::strcmp(argv[i], "--ncu") || !std::strcmp(argv[i], "--ncu-decode")) && i + 1 < argc) {
+        ncu_regions(peer_config(), argv[i + 1], !std::strcmp(argv[i], "--ncu-decode"));
+        return 0;
+      }
       else if (!std::strcmp(argv[i], "--precisions") && i + 1 < argc) {
         precisions.clear();
         std::stringstream ss(argv[++i]);

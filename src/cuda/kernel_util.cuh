@@ -18,6 +18,21 @@ inline int grid_for(int64_t n, int threads = kThreads) {
   return static_cast<int>(std::min<int64_t>(std::max<int64_t>(g, 1), 1 << 20));
 }
 
+// Row kernels: blockIdx.x strides over the rows, threads over a row's `cols` work items, and when
+// the rows are few (decode), blockIdx.y splits the columns too so that the grid fills the GPU.
+// In the kernel: for (r = blockIdx.x; r < n; r += gridDim.x) for (c = col0(); c < cols; c += col_step()).
+inline int row_threads(int64_t cols) {
+  return static_cast<int>(std::min<int64_t>(kThreads, std::max<int64_t>(32, (cols + 31) / 32 * 32)));
+}
+inline dim3 row_grid(int64_t n, int64_t cols) {
+  const int64_t rows = std::min<int64_t>(std::max<int64_t>(n, 1), 1 << 24);
+  const int64_t threads = row_threads(cols), chunks = (cols + threads - 1) / threads;
+  const int64_t split = rows >= 1024 ? 1 : std::max<int64_t>(1, std::min<int64_t>(chunks, 65535));
+  return dim3(static_cast<unsigned>(rows), static_cast<unsigned>(split));
+}
+__device__ __forceinline__ int64_t col0() { return int64_t(blockIdx.y) * blockDim.x + threadIdx.x; }
+__device__ __forceinline__ int64_t col_step() { return int64_t(gridDim.y) * blockDim.x; }
+
 __device__ __forceinline__ double warp_sum(double v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;

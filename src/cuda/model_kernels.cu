@@ -82,12 +82,20 @@ __global__ void kv_rows_kernel(float* __restrict__ kcache, float* __restrict__ v
   }
 }
 
+// Row kernels: blocks over rows (grid-stride), threads (and, for few rows, blockIdx.y) over the
+// columns: no 64-bit division per element (which made the per-element grid-stride versions slow
+// at prefill sizes) and enough blocks at decode sizes (kern::row_grid).
 __global__ void gather_rows_kernel(const float* __restrict__ x, const int32_t* __restrict__ idx, int64_t n, int div,
                                    int64_t D, float* __restrict__ out) {
-  const int64_t total = n * D;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / D, c = i - r * D;
-    out[i] = x[int64_t(idx[r] / div) * D + c];
+  for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
+    const float* src = x + int64_t(idx[r] / div) * D;
+    float* dst = out + r * D;
+    if ((D & 3) == 0) {
+      for (int64_t c = col0(); c < D / 4; c += col_step())
+        reinterpret_cast<float4*>(dst)[c] = reinterpret_cast<const float4*>(src)[c];
+    } else {
+      for (int64_t c = col0(); c < D; c += col_step()) dst[c] = src[c];
+    }
   }
 }
 
@@ -310,23 +318,23 @@ attention_tiled_kernel(const float* __restrict__ q, const float* __restrict__ kc
 
 __global__ void swiglu_kernel(const float* __restrict__ g, const float* __restrict__ u, int64_t ld, int64_t n,
                               int64_t I, float* __restrict__ h) {
-  const int64_t total = n * I;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / I, c = i - r * I;
-    const float gi = g[r * ld + c];
-    h[i] = __fmul_rn(__fdiv_rn(gi, __fadd_rn(1.f, expf(-gi))), u[r * ld + c]);
-  }
+  for (int64_t r = blockIdx.x; r < n; r += gridDim.x)
+    for (int64_t c = col0(); c < I; c += col_step()) {
+      const float gi = g[r * ld + c];
+      h[r * I + c] = __fmul_rn(__fdiv_rn(gi, __fadd_rn(1.f, expf(-gi))), u[r * ld + c]);
+    }
 }
 
 __global__ void split_cols3_kernel(const float* __restrict__ src, int64_t rows, int64_t a, int64_t b, int64_t c,
                                    float* __restrict__ da, float* __restrict__ db, float* __restrict__ dc) {
-  const int64_t w = a + b + c, n = rows * w;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / w, col = i - r * w;
-    if (col < a) da[r * a + col] = src[i];
-    else if (col < a + b) db[r * b + col - a] = src[i];
-    else dc[r * c + col - a - b] = src[i];
-  }
+  const int64_t w = a + b + c;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x)
+    for (int64_t col = col0(); col < w; col += col_step()) {
+      const float v = src[r * w + col];
+      if (col < a) da[r * a + col] = v;
+      else if (col < a + b) db[r * b + col - a] = v;
+      else dc[r * c + col - a - b] = v;
+    }
 }
 
 __global__ void broadcast_kernel(const float* __restrict__ src, float* __restrict__ dst, int64_t n) {
@@ -337,13 +345,12 @@ __global__ void broadcast_kernel(const float* __restrict__ src, float* __restric
 __global__ void moe_combine_add_kernel(const float* __restrict__ ye, const int32_t* __restrict__ inv,
                                        const float* __restrict__ w, int64_t T, int k, int64_t D,
                                        float* __restrict__ x) {
-  const int64_t n = T * D;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t = i / D, c = i - t * D;
-    float acc = 0.f;
-    for (int s = 0; s < k; ++s) acc = __fadd_rn(acc, __fmul_rn(w[t * k + s], ye[int64_t(inv[t * k + s]) * D + c]));
-    x[i] = __fadd_rn(x[i], acc);
-  }
+  for (int64_t t = blockIdx.x; t < T; t += gridDim.x)
+    for (int64_t c = col0(); c < D; c += col_step()) {
+      float acc = 0.f;
+      for (int s = 0; s < k; ++s) acc = __fadd_rn(acc, __fmul_rn(w[t * k + s], ye[int64_t(inv[t * k + s]) * D + c]));
+      x[t * D + c] = __fadd_rn(x[t * D + c], acc);
+    }
 }
 
 __global__ void add_kernel(float* __restrict__ y, const float* __restrict__ x, int64_t n) {
@@ -432,7 +439,8 @@ void rmsnorm(const float* x, const float* w, int64_t rows, int64_t D, float eps,
 
 void gather_rows(const float* x, const int32_t* idx, int64_t n, int div, int64_t D, float* out, cudaStream_t s) {
   if (n * D == 0) return;
-  gather_rows_kernel<<<grid_for(n * D), kThreads, 0, s>>>(x, idx, n, div, D, out);
+  gather_rows_kernel<<<row_grid(n, (D & 3) == 0 ? D / 4 : D), row_threads((D & 3) == 0 ? D / 4 : D), 0, s>>>(
+      x, idx, n, div, D, out);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
@@ -545,14 +553,14 @@ void attention_tiled(const float* q, const float* kcache, const float* vcache, c
 
 void swiglu(const float* g, const float* u, int64_t ld, int64_t n, int64_t I, float* h, cudaStream_t s) {
   if (n * I == 0) return;
-  swiglu_kernel<<<grid_for(n * I), kThreads, 0, s>>>(g, u, ld, n, I, h);
+  swiglu_kernel<<<row_grid(n, I), row_threads(I), 0, s>>>(g, u, ld, n, I, h);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void split_cols3(const float* src, int64_t rows, int64_t a, int64_t b, int64_t c, float* da, float* db, float* dc,
                  cudaStream_t s) {
   if (rows * (a + b + c) == 0) return;
-  split_cols3_kernel<<<grid_for(rows * (a + b + c)), kThreads, 0, s>>>(src, rows, a, b, c, da, db, dc);
+  split_cols3_kernel<<<row_grid(rows, a + b + c), row_threads(a + b + c), 0, s>>>(src, rows, a, b, c, da, db, dc);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
@@ -565,7 +573,7 @@ void broadcast(const float* src, float* dst, int64_t n, cudaStream_t s) {
 void moe_combine_add(const float* ye, const int32_t* inv, const float* w, int64_t T, int k, int64_t D, float* x,
                      cudaStream_t s) {
   if (T * D == 0) return;
-  moe_combine_add_kernel<<<grid_for(T * D), kThreads, 0, s>>>(ye, inv, w, T, k, D, x);
+  moe_combine_add_kernel<<<row_grid(T, D), row_threads(D), 0, s>>>(ye, inv, w, T, k, D, x);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
