@@ -202,11 +202,13 @@ bool bench_precision(const model::ModelConfig& cfg, const std::string& p, double
     // Suffixes: +rac (RAC on the first channels), +eager (no CUDA graphs: QUADS_GPU_GRAPHS=0),
     // +legacy (host-routed MoE, one GEMM per expert: QUADS_GPU_MOE=legacy), +attn (prefill
     // attention with K/V tiles in shared memory: QUADS_GPU_ATTN=tiled), +attnl1 (the default
-    // kernel with 4 tokens x the GQA group per CTA: QUADS_GPU_ATTN_TOKENS=4).
+    // kernel with 4 tokens x the GQA group per CTA: QUADS_GPU_ATTN_TOKENS=4), +attndec (decode
+    // attention through the tiled kernel: QUADS_GPU_ATTN_DECODE=tiled).
     std::string base = p;
-    bool rac = false, eager = false, legacy = false, attn = false, attnl1 = false;
-    for (const auto& [suffix, flag] : {std::pair<std::string, bool*>{"+rac", &rac}, {"+eager", &eager},
-                                       {"+legacy", &legacy}, {"+attnl1", &attnl1}, {"+attn", &attn}}) {
+    bool rac = false, eager = false, legacy = false, attn = false, attnl1 = false, attndec = false;
+    for (const auto& [suffix, flag] :
+         {std::pair<std::string, bool*>{"+rac", &rac}, {"+eager", &eager}, {"+legacy", &legacy},
+          {"+attnl1", &attnl1}, {"+attndec", &attndec}, {"+attn", &attn}}) {
       const size_t at = base.find(suffix);
       if (at != std::string::npos) {
         *flag = true;
@@ -217,11 +219,13 @@ bool bench_precision(const model::ModelConfig& cfg, const std::string& p, double
     if (legacy) setenv("QUADS_GPU_MOE", "legacy", 1);
     if (attnl1) setenv("QUADS_GPU_ATTN_TOKENS", "4", 1);
     if (attn) setenv("QUADS_GPU_ATTN", "tiled", 1);
+    if (attndec) setenv("QUADS_GPU_ATTN_DECODE", "tiled", 1);
     cuda::GpuModel g(cfg, model::PrecisionConfig::preset(base));
     unsetenv("QUADS_GPU_GRAPHS");
     unsetenv("QUADS_GPU_MOE");
     unsetenv("QUADS_GPU_ATTN_TOKENS");
     unsetenv("QUADS_GPU_ATTN");
+    unsetenv("QUADS_GPU_ATTN_DECODE");
     g.randomize(42, 0.02f);
     if (rac) g.set_rac_first_channels(model::RacConfig{}.ratio);
     std::fprintf(stderr, "%s: %.2f GB of GEMM weights on the device, set up in %.1f s\n", p.c_str(),

@@ -188,6 +188,9 @@ struct GpuModel::Impl {
   bool legacy_moe = false, graphs_on = true, rac_grouped_on = true;
   int attn_tokens = 1;  // QUADS_GPU_ATTN_TOKENS: prefill attention tokens per CTA (kern::attention)
   bool attn_tiled = false;  // QUADS_GPU_ATTN=tiled: prefill through kern::attention_tiled
+  // QUADS_GPU_ATTN_DECODE=tiled: decode steps through kern::attention_tiled too (one token per CTA,
+  // its GQA group's heads sharing the staged K/V tiles; the same bits)
+  bool attn_tiled_decode = false;
   // Prefills of fresh slots (every item from position 0, at least kGemmAttnTokens tokens): the
   // attention as FP32 SGEMMs per sequence (AttentionTc::set_fp32: the CPU's arithmetic up to
   // summation order, ~6x the one-warp-per-row kernel at 16 x 1024); QUADS_GPU_ATTN=direct keeps
@@ -212,7 +215,8 @@ struct GpuModel::Impl {
   };
   struct Grouped {
     bool ok = false;      // the layer's experts run as grouped GEMMs
-    bool gemv = false;    // some projection uses the GEMV-style kernel (BF16 / FP32)
+    bool f32 = false;     // some projection uses the FP32 GEMV-style kernel (CUDA cores)
+    bool bf16 = false;    // some projection uses the BF16 streaming tensor-core kernel
     GroupedProj gu, g, u, d;  // gu: the fused [2I, H] gate/up weights where the layer fuses them
     double expert_bytes = 0;  // weight bytes of one expert (gate + up + down), RAC's included
     bool rac_ok = true;       // the experts' RAC (if any) runs grouped (else the per-expert path)
@@ -257,6 +261,7 @@ struct GpuModel::Impl {
     rac_grouped_on = !env_is("QUADS_GPU_RAC_GROUPED", "0");
     if (const char* a = std::getenv("QUADS_GPU_ATTN_TOKENS")) attn_tokens = std::max(1, std::atoi(a));
     attn_tiled = env_is("QUADS_GPU_ATTN", "tiled");
+    attn_tiled_decode = env_is("QUADS_GPU_ATTN_DECODE", "tiled");
     attn_gemm_on = !attn_tiled && !env_is("QUADS_GPU_ATTN", "direct");
     if (attn_gemm_on) {  // now, not in the first prefill: creating its cuBLAS handle takes ~0.1 s
       attn_gemm = std::make_unique<AttentionTc>();
@@ -325,7 +330,8 @@ struct GpuModel::Impl {
         const DevLinear& b = lin[li.mlp + j];
         P.mode = b.mode;
         P.amax_row = b.mode == GpuLinearMode::W4A4 && b.wv.amax_per_row;
-        G.gemv |= b.mode != GpuLinearMode::W4A4;
+        G.f32 |= b.mode == GpuLinearMode::Fake;
+        G.bf16 |= b.mode == GpuLinearMode::BF16;
         std::vector<Nvfp4Weight> q;
         std::vector<const uint16_t*> bb;
         std::vector<const float*> f;
@@ -358,13 +364,16 @@ struct GpuModel::Impl {
     }
   }
 
-  static constexpr int64_t kBf16GroupedMaxTokens = 256;
+  // Longer prefills run their experts through cuBLAS, one GEMM per expert (host sync, and cuBLAS's
+  // heuristics for every new row count). The FP32 grouped kernel is a GEMV on CUDA cores; the BF16
+  // one streams each weight row once per 16 activation rows (re-reads come from L2).
+  static constexpr int64_t kF32GroupedMaxTokens = 256, kBf16GroupedMaxTokens = 8192;
 
   // The layer's experts run grouped in this step (RAC on an expert needs the per-expert path).
   bool grouped_now(int l, int64_t T) const {
     if (legacy_moe || !grouped[l].ok || !grouped[l].rac_ok) return false;
-    // The BF16 / FP32 grouped kernel is a GEMV on CUDA cores: long prefills go to cuBLAS per expert.
-    if (grouped[l].gemv && T > kBf16GroupedMaxTokens) return false;
+    if (grouped[l].f32 && T > kF32GroupedMaxTokens) return false;
+    if (grouped[l].bf16 && T > kBf16GroupedMaxTokens) return false;
     return true;
   }
 
@@ -974,9 +983,11 @@ struct GpuModel::Impl {
     // Tiled prefill attention: runs of at most tpc consecutive tokens of one slot.
     std::vector<int32_t> hblk;
     int attn_hpc = 1, attn_tpc = 1;
-    const bool tiled = attn_tiled && !decode && kern::attention_tiled_supported(nh, nkv, hd);
+    const bool tiled =
+        (decode ? attn_tiled_decode : attn_tiled) && kern::attention_tiled_supported(nh, nkv, hd);
     if (tiled) {
       attn_tpc = kern::attention_tiled_tokens(nh, nkv, hd, max_ctx, &attn_hpc);
+      if (decode) attn_tpc = 1;  // a token per slot: the CTA's warps are its query heads
       for (int64_t t = 0; t < static_cast<int64_t>(hslot.size()); ++t) {
         const size_t nb = hblk.size() / 2;
         if (nb == 0 || hslot[t] != hslot[t - 1] || hblk[2 * nb - 1] >= attn_tpc) {

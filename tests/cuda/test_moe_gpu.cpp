@@ -30,6 +30,25 @@ std::vector<int32_t> offsets_of(const std::vector<int>& sizes) {
   return o;
 }
 
+// A small random MoE model whose every linear fits the W4A4 kernels (K % 64 == 0) and whose
+// head_dim the tiled attention supports (the fixture's 16 fits neither).
+model::ModelConfig small_moe_config() {
+  model::ModelConfig c;
+  c.vocab_size = 64;
+  c.hidden_size = 128;
+  c.moe_intermediate_size = 64;
+  c.intermediate_size = 128;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 64;
+  c.num_experts = 8;
+  c.num_experts_per_tok = 2;
+  c.norm_topk_prob = true;
+  c.max_position_embeddings = 512;
+  return c;
+}
+
 }  // namespace
 
 TEST(CudaMoe, RouteMatchesCpuPermute) {
@@ -484,20 +503,7 @@ TEST(CudaMoe, GroupedRacGemmEqualsPerExpert) {
 // host sync, so decode steps become graphs) and agrees with the per-expert RAC path.
 TEST(CudaModelGpu, GroupedRacEqualsPerExpertRac) {
   QUADS_REQUIRE_GPU();
-  model::ModelConfig c;
-  c.vocab_size = 64;
-  c.hidden_size = 128;
-  c.moe_intermediate_size = 64;
-  c.intermediate_size = 128;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 64;
-  c.num_experts = 8;
-  c.num_experts_per_tok = 2;
-  c.norm_topk_prob = true;
-  c.max_position_embeddings = 128;
-  const model::Weights w = model::Weights::random(c, 17, 0.05f);
+  const model::Weights w = model::Weights::random(small_moe_config(), 17, 0.05f);
   const auto prec = model::PrecisionConfig::preset("nvfp4");
   cuda::GpuModel plain(w, prec);
   ASSERT_EQ(plain.linear_mode("model.layers.0.mlp.experts.0.down_proj"), cuda::GpuLinearMode::W4A4);
@@ -527,20 +533,7 @@ TEST(CudaModelGpu, GroupedRacEqualsPerExpertRac) {
 // summation-order noise, and decode continues from the cache the same way.
 TEST(CudaModelGpu, GemmPrefillAttentionMatchesDirectKernel) {
   QUADS_REQUIRE_GPU();
-  model::ModelConfig c;
-  c.vocab_size = 64;
-  c.hidden_size = 128;
-  c.moe_intermediate_size = 64;
-  c.intermediate_size = 128;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 64;
-  c.num_experts = 8;
-  c.num_experts_per_tok = 2;
-  c.norm_topk_prob = true;
-  c.max_position_embeddings = 512;
-  const model::Weights w = model::Weights::random(c, 23, 0.05f);
+  const model::Weights w = model::Weights::random(small_moe_config(), 23, 0.05f);
   for (const auto& [preset, tol] : std::vector<std::pair<std::string, double>>{{"fp32", 1e-5}, {"nvfp4", 2e-3}}) {
     const auto prec = model::PrecisionConfig::preset(preset);
     cuda::GpuModel fast(w, prec);
@@ -570,5 +563,24 @@ TEST(CudaModelGpu, GemmPrefillAttentionMatchesDirectKernel) {
     std::printf("%s: prefill attention as FP32 GEMMs vs the direct kernel: rel L2 of the logits %.3g\n",
                 preset.c_str(), e);
     EXPECT_LT(e, tol) << preset;
+  }
+}
+
+// Decode attention through the tiled kernel (QUADS_GPU_ATTN_DECODE=tiled: the GQA group's heads of
+// a token share the staged K/V tiles) gives the default kernel's bits, eager and in graphs.
+TEST(CudaModelGpu, TiledDecodeAttentionSameBits) {
+  QUADS_REQUIRE_GPU();
+  const model::Weights w = model::Weights::random(small_moe_config(), 29, 0.05f);
+  ASSERT_TRUE(cuda::kern::attention_tiled_supported(4, 2, 64));
+  for (const std::string preset : {"fp32", "nvfp4"}) {
+    const auto prec = model::PrecisionConfig::preset(preset);
+    cuda::GpuModel plain(w, prec);
+    setenv("QUADS_GPU_ATTN_DECODE", "tiled", 1);
+    cuda::GpuModel tiled(w, prec);
+    unsetenv("QUADS_GPU_ATTN_DECODE");
+    int64_t gp = -1, gt = -1;
+    const auto a = decode_logits(plain, 6, nullptr, &gp), b = decode_logits(tiled, 6, nullptr, &gt);
+    EXPECT_EQ(first_float_mismatch(b, a), -1) << preset;
+    EXPECT_EQ(gt, gp) << preset;
   }
 }
