@@ -20,14 +20,6 @@
 
 namespace quads::cuda {
 
-#define QUADS_ATTN_CUBLAS(call)                                                                    \
-  do {                                                                                             \
-    cublasStatus_t quads_st_ = (call);                                                             \
-    if (quads_st_ != CUBLAS_STATUS_SUCCESS)                                                        \
-      ::quads::fail("cuBLAS error in {} ({}:{}): status {}", #call, __FILE__, __LINE__,             \
-                    static_cast<int>(quads_st_));                                                  \
-  } while (0)
-
 namespace {
 
 constexpr int kRowThreads = 128;  // one CTA per score row in the softmax kernels
@@ -176,10 +168,10 @@ struct AttentionTc::Impl {
   DeviceArray<float> qf, pf;       // its packed queries and probabilities
 
   Impl() {
-    QUADS_ATTN_CUBLAS(cublasCreate(&blas));
-    QUADS_ATTN_CUBLAS(cublasSetPointerMode(blas, CUBLAS_POINTER_MODE_HOST));
+    QUADS_CUBLAS_CHECK(cublasCreate(&blas));
+    QUADS_CUBLAS_CHECK(cublasSetPointerMode(blas, CUBLAS_POINTER_MODE_HOST));
     ws.resize(size_t(32) << 20);
-    QUADS_ATTN_CUBLAS(cublasSetWorkspace(blas, ws.data(), ws.bytes()));
+    QUADS_CUBLAS_CHECK(cublasSetWorkspace(blas, ws.data(), ws.bytes()));
   }
   ~Impl() {
     if (blas) cublasDestroy(blas);
@@ -216,7 +208,7 @@ struct AttentionTc::Impl {
   void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, float alpha,
             const void* A, int64_t lda, int64_t sa, const void* B, int64_t ldb, int64_t sb, float beta,
             void* C, cudaDataType_t ct, int64_t ldc, int64_t sc, int batch, cudaDataType_t abt = CUDA_R_16BF) {
-    QUADS_ATTN_CUBLAS(cublasGemmStridedBatchedEx(
+    QUADS_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
         blas, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), &alpha, A, abt,
         static_cast<int>(lda), sa, B, abt, static_cast<int>(ldb), sb, &beta, C, ct, static_cast<int>(ldc), sc,
         batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
@@ -261,7 +253,7 @@ struct AttentionTc::Impl {
     check(nh, nkv, hd, "fwd");
     const int64_t Tn = T();
     if (Tn == 0) return;
-    QUADS_ATTN_CUBLAS(cublasSetStream(blas, st));
+    QUADS_CUBLAS_CHECK(cublasSetStream(blas, st));
     reserve(nh, nkv, false);
     if (fp32) {
       fwd_as<float>(need(qf, size_t(Tn * nh * hd)), k, v, pf.data(), q, nh, nkv, hd, scale, out, lse, st);
@@ -307,7 +299,7 @@ struct AttentionTc::Impl {
     const int64_t Tn = T();
     if (Tn == 0) return;
     const int g = nh / nkv;
-    QUADS_ATTN_CUBLAS(cublasSetStream(blas, st));
+    QUADS_CUBLAS_CHECK(cublasSetStream(blas, st));
     reserve(nh, nkv, true);
     uint16_t* q_b = need(qg, size_t(Tn * nh * hd));
     uint16_t* do_b = need(dog, size_t(Tn * nh * hd));

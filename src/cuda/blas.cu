@@ -16,31 +16,6 @@
 
 namespace quads::cuda {
 
-namespace {
-
-const char* cublas_status_name(cublasStatus_t s) {
-  switch (s) {
-    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
-    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
-    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
-    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
-    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
-    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
-    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
-    default: return "cuBLAS error";
-  }
-}
-
-}  // namespace
-
-#define QUADS_CUBLAS_CHECK(call)                                                                       \
-  do {                                                                                                 \
-    cublasStatus_t quads_st_ = (call);                                                                 \
-    if (quads_st_ != CUBLAS_STATUS_SUCCESS)                                                            \
-      ::quads::fail("cuBLAS error in {} ({}:{}): {} ({})", #call, __FILE__, __LINE__,                  \
-                    cublas_status_name(quads_st_), static_cast<int>(quads_st_));                       \
-  } while (0)
-
 // A cuBLASLt matmul set up once per (kind, m, n, k, accumulate): descriptors and the heuristic's
 // first algorithm.
 struct LtPlan {
@@ -126,7 +101,7 @@ LtPlan& get_plan(Blas::Impl& B, PlanKind kind, int64_t m, int64_t n, int64_t k) 
   cublasLtMatmulPreferenceDestroy(pref);
   QUADS_CHECK(st == CUBLAS_STATUS_SUCCESS && found > 0,
               "cuBLASLt has no {} GEMM for m={} n={} k={} on this GPU ({})", kind == kFp8 ? "FP8 E4M3" : "NVFP4", m, n,
-              k, cublas_status_name(st));
+              k, cublasGetStatusName(st));
   plan->algo = res.algo;
   auto& ref = *plan;
   B.plans.emplace(key, std::move(plan));

@@ -19,6 +19,15 @@
                     cudaGetErrorString(quads_err_));                                            \
   } while (0)
 
+// QUADS_CUBLAS_CHECK(call): the same for cuBLAS / cuBLASLt calls (where cublas_api.h is included).
+#define QUADS_CUBLAS_CHECK(call)                                                                \
+  do {                                                                                          \
+    cublasStatus_t quads_st_ = (call);                                                          \
+    if (quads_st_ != CUBLAS_STATUS_SUCCESS)                                                     \
+      ::quads::fail("cuBLAS error in {} ({}:{}): {} ({})", #call, __FILE__, __LINE__,           \
+                    cublasGetStatusName(quads_st_), static_cast<int>(quads_st_));               \
+  } while (0)
+
 // After a kernel launch: reports launch-configuration errors at once (execution errors surface at
 // the next synchronizing call).
 #define QUADS_CUDA_LAUNCH_CHECK() QUADS_CUDA_CHECK(cudaGetLastError())

@@ -29,14 +29,6 @@
 
 namespace quads::cuda {
 
-#define QUADS_GPU_CUBLAS(call)                                                                     \
-  do {                                                                                             \
-    cublasStatus_t quads_st_ = (call);                                                             \
-    if (quads_st_ != CUBLAS_STATUS_SUCCESS)                                                        \
-      ::quads::fail("cuBLAS error in {} ({}:{}): status {}", #call, __FILE__, __LINE__,             \
-                    static_cast<int>(quads_st_));                                                  \
-  } while (0)
-
 const char* gpu_linear_mode_name(GpuLinearMode m) {
   switch (m) {
     case GpuLinearMode::BF16: return "bf16";
@@ -248,11 +240,11 @@ struct GpuModel::Impl {
     cfg.validate("GpuModel config");
     QUADS_CHECK(device_count() > 0, "GpuModel: no CUDA device");
     lay = model::Layout::build(cfg);
-    QUADS_GPU_CUBLAS(cublasCreate(&cublas));
-    QUADS_GPU_CUBLAS(cublasSetMathMode(cublas, CUBLAS_DEFAULT_MATH));  // no TF32: FP32 GEMMs stay FP32
+    QUADS_CUBLAS_CHECK(cublasCreate(&cublas));
+    QUADS_CUBLAS_CHECK(cublasSetMathMode(cublas, CUBLAS_DEFAULT_MATH));  // no TF32: FP32 GEMMs stay FP32
     // A workspace of our own: cuBLAS must not allocate while a graph is being captured.
     cublas_ws.resize(size_t(32) << 20);
-    QUADS_GPU_CUBLAS(cublasSetWorkspace(cublas, cublas_ws.data(), cublas_ws.bytes()));
+    QUADS_CUBLAS_CHECK(cublasSetWorkspace(cublas, cublas_ws.data(), cublas_ws.bytes()));
     // A stream of our own (graphs cannot capture the legacy default stream); a blocking one, so
     // synchronous copies on the default stream still wait for it.
     QUADS_CUDA_CHECK(cudaStreamCreate(&stream));
@@ -777,9 +769,9 @@ struct GpuModel::Impl {
       case QuantKind::Quant: fake_quantize(gb, gb, n, cols, L.rac_quant.cfg, stream); break;
     }
     const float alpha = 1.f, beta = 1.f;
-    QUADS_GPU_CUBLAS(cublasSetStream(cublas, stream));
-    QUADS_GPU_CUBLAS(cublasSetWorkspace(cublas, cublas_ws.data(), cublas_ws.bytes()));  // reset by SetStream
-    QUADS_GPU_CUBLAS(cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(L.out), static_cast<int>(n),
+    QUADS_CUBLAS_CHECK(cublasSetStream(cublas, stream));
+    QUADS_CUBLAS_CHECK(cublasSetWorkspace(cublas, cublas_ws.data(), cublas_ws.bytes()));  // reset by SetStream
+    QUADS_CUBLAS_CHECK(cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(L.out), static_cast<int>(n),
                                  static_cast<int>(cols), &alpha, L.rac_w.data(), static_cast<int>(cols), gb,
                                  static_cast<int>(cols), &beta, Y, static_cast<int>(L.out)));
   }
@@ -868,9 +860,9 @@ struct GpuModel::Impl {
       case GpuLinearMode::W4A4: w4a4_gemm_emulated(rows_of(op.v, r0, n), L.wv, Y, false, stream); break;
       case GpuLinearMode::Fake: {
         const float alpha = 1.f, beta = 0.f;
-        QUADS_GPU_CUBLAS(cublasSetStream(cublas, stream));
-        QUADS_GPU_CUBLAS(cublasSetWorkspace(cublas, cublas_ws.data(), cublas_ws.bytes()));  // reset by SetStream
-        QUADS_GPU_CUBLAS(cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(L.out), static_cast<int>(n),
+        QUADS_CUBLAS_CHECK(cublasSetStream(cublas, stream));
+        QUADS_CUBLAS_CHECK(cublasSetWorkspace(cublas, cublas_ws.data(), cublas_ws.bytes()));  // reset by SetStream
+        QUADS_CUBLAS_CHECK(cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(L.out), static_cast<int>(n),
                                      static_cast<int>(L.in), &alpha, L.wf.data(), static_cast<int>(L.in),
                                      op.f + r0 * L.in, static_cast<int>(L.in), &beta, Y, static_cast<int>(L.out)));
         break;

@@ -29,14 +29,6 @@
 
 namespace quads::cuda {
 
-#define QUADS_TRAIN_CUBLAS(call)                                                                   \
-  do {                                                                                             \
-    cublasStatus_t quads_st_ = (call);                                                             \
-    if (quads_st_ != CUBLAS_STATUS_SUCCESS)                                                        \
-      ::quads::fail("cuBLAS error in {} ({}:{}): status {}", #call, __FILE__, __LINE__,             \
-                    static_cast<int>(quads_st_));                                                  \
-  } while (0)
-
 namespace {
 
 using model::QuantKind;
@@ -214,12 +206,12 @@ struct GpuTrainer::Impl {
     QUADS_CHECK(device_count() > 0, "GpuTrainer: no CUDA device");
     lay = model::Layout::build(cfg);
     QUADS_CUDA_CHECK(cudaStreamCreate(&stream));
-    QUADS_TRAIN_CUBLAS(cublasCreate(&blas));
-    QUADS_TRAIN_CUBLAS(cublasSetMathMode(blas, CUBLAS_DEFAULT_MATH));  // no TF32: FP32 GEMMs stay FP32
-    QUADS_TRAIN_CUBLAS(cublasSetStream(blas, stream));
+    QUADS_CUBLAS_CHECK(cublasCreate(&blas));
+    QUADS_CUBLAS_CHECK(cublasSetMathMode(blas, CUBLAS_DEFAULT_MATH));  // no TF32: FP32 GEMMs stay FP32
+    QUADS_CUBLAS_CHECK(cublasSetStream(blas, stream));
     blas_ws.resize(size_t(64) << 20);
-    QUADS_TRAIN_CUBLAS(cublasSetWorkspace(blas, blas_ws.data(), blas_ws.bytes()));
-    QUADS_TRAIN_CUBLAS(cublasSetPointerMode(blas, CUBLAS_POINTER_MODE_DEVICE));
+    QUADS_CUBLAS_CHECK(cublasSetWorkspace(blas, blas_ws.data(), blas_ws.bytes()));
+    QUADS_CUBLAS_CHECK(cublasSetPointerMode(blas, CUBLAS_POINTER_MODE_DEVICE));
     consts.upload(std::vector<float>{0.f, 1.f});
     build_linears();
     alphas.upload(std::vector<float>(lin.size(), 1.f));
@@ -394,7 +386,7 @@ struct GpuTrainer::Impl {
   // ---- the fast path's GEMMs: at once, or kept for an expert batch
 
   void exec_gemm(cublasHandle_t h, const GemmOp& g) {
-    QUADS_TRAIN_CUBLAS(cublasGemmEx(h, g.ta, g.tb, g.m, g.n, g.k, g.alpha_li >= 0 ? alphas.data() + g.alpha_li : one(),
+    QUADS_CUBLAS_CHECK(cublasGemmEx(h, g.ta, g.tb, g.m, g.n, g.k, g.alpha_li >= 0 ? alphas.data() + g.alpha_li : one(),
                                     g.A, CUDA_R_16BF, g.lda, g.B, CUDA_R_16BF, g.ldb, g.beta1 ? one() : zero(), g.C,
                                     CUDA_R_32F, g.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
@@ -456,12 +448,12 @@ struct GpuTrainer::Impl {
                                        stream));
       const std::vector<int> ones(cnt, 1);
       const void* const* P = gptrs.data();
-      QUADS_TRAIN_CUBLAS(cublasSetPointerMode(blas, CUBLAS_POINTER_MODE_HOST));
+      QUADS_CUBLAS_CHECK(cublasSetPointerMode(blas, CUBLAS_POINTER_MODE_HOST));
       const cublasStatus_t st = cublasGemmGroupedBatchedEx(
           blas, ta.data(), tb.data(), m.data(), n.data(), k.data(), al.data(), P, CUDA_R_16BF, lda.data(), P + cnt,
           CUDA_R_16BF, ldb.data(), be.data(), const_cast<void* const*>(P + 2 * cnt), CUDA_R_32F, ldc.data(), cnt,
           ones.data(), CUBLAS_COMPUTE_32F);
-      QUADS_TRAIN_CUBLAS(cublasSetPointerMode(blas, CUBLAS_POINTER_MODE_DEVICE));
+      QUADS_CUBLAS_CHECK(cublasSetPointerMode(blas, CUBLAS_POINTER_MODE_DEVICE));
       if (st != CUBLAS_STATUS_SUCCESS) {
         QUADS_CHECK(!grouped_ran, "GpuTrainer: cublasGemmGroupedBatchedEx failed with status {} ({} GEMMs)",
                     static_cast<int>(st), cnt);
@@ -489,12 +481,12 @@ struct GpuTrainer::Impl {
       for (int i = 1; i < kLanes; ++i) {
         QUADS_CUDA_CHECK(cudaStreamCreateWithFlags(&lane_stream[i], cudaStreamNonBlocking));
         QUADS_CUDA_CHECK(cudaEventCreateWithFlags(&join_ev[i], cudaEventDisableTiming));
-        QUADS_TRAIN_CUBLAS(cublasCreate(&lane_blas[i]));
-        QUADS_TRAIN_CUBLAS(cublasSetMathMode(lane_blas[i], CUBLAS_DEFAULT_MATH));
-        QUADS_TRAIN_CUBLAS(cublasSetStream(lane_blas[i], lane_stream[i]));
+        QUADS_CUBLAS_CHECK(cublasCreate(&lane_blas[i]));
+        QUADS_CUBLAS_CHECK(cublasSetMathMode(lane_blas[i], CUBLAS_DEFAULT_MATH));
+        QUADS_CUBLAS_CHECK(cublasSetStream(lane_blas[i], lane_stream[i]));
         lane_ws[i].resize(blas_ws.size());
-        QUADS_TRAIN_CUBLAS(cublasSetWorkspace(lane_blas[i], lane_ws[i].data(), lane_ws[i].bytes()));
-        QUADS_TRAIN_CUBLAS(cublasSetPointerMode(lane_blas[i], CUBLAS_POINTER_MODE_DEVICE));
+        QUADS_CUBLAS_CHECK(cublasSetWorkspace(lane_blas[i], lane_ws[i].data(), lane_ws[i].bytes()));
+        QUADS_CUBLAS_CHECK(cublasSetPointerMode(lane_blas[i], CUBLAS_POINTER_MODE_DEVICE));
       }
     }
     QUADS_CUDA_CHECK(cudaEventRecord(fork_ev, stream));
@@ -558,7 +550,7 @@ struct GpuTrainer::Impl {
       g.ldc = static_cast<int>(ldy);
       fast_gemm(g);
     } else {
-      QUADS_TRAIN_CUBLAS(cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M), K,
+      QUADS_CUBLAS_CHECK(cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M), K,
                                      one(), weff.data() + off, K, x.f, K, zero(), Y, static_cast<int>(ldy)));
     }
   }
@@ -611,7 +603,7 @@ struct GpuTrainer::Impl {
         g.phase = phase;
         fast_gemm(g);
       } else
-        QUADS_TRAIN_CUBLAS(cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, K, Mi, static_cast<int>(N), one(),
+        QUADS_CUBLAS_CHECK(cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, K, Mi, static_cast<int>(N), one(),
                                        weff.data() + off, K, dY + c0, ld, beta, dX, K));
     };
     auto dw_gemm = [&](size_t off, int64_t N, int64_t c0) {
@@ -630,7 +622,7 @@ struct GpuTrainer::Impl {
         g.ldc = K;
         fast_gemm(g);
       } else
-        QUADS_TRAIN_CUBLAS(cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_T, K, static_cast<int>(N), Mi, one(), x.f, K,
+        QUADS_CUBLAS_CHECK(cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_T, K, static_cast<int>(N), Mi, one(), x.f, K,
                                        dY + c0, ld, one(), grads.data() + off, K));
     };
     if (fusable(i0, n)) {
