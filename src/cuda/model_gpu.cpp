@@ -992,7 +992,10 @@ struct GpuModel::Impl {
     }
     const int64_t nblk = static_cast<int64_t>(hblk.size() / 2);
     const bool gemm_attn = attn_gemm_on && !decode && fresh && hd % 8 == 0 && T >= kGemmAttnTokens;
-    if (gemm_attn) attn_gemm->plan(seq_off);
+    if (gemm_attn) {
+      attn_gemm->plan(seq_off);
+      ++stats.gemm_attention_steps;
+    }
 
     std::vector<float> hcos(T * hd / 2), hsin(T * hd / 2);
     cpu::rope_tables(pos64.data(), T, hd, cfg.rope_theta, hcos.data(), hsin.data());

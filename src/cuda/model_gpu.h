@@ -50,6 +50,7 @@ struct GpuModelStats {
   int64_t expert_gemms = 0;  // (expert, GEMM) launches
   double weight_bytes = 0;   // GEMM weight bytes read (each linear's device storage, once per use)
   int64_t graph_steps = 0;   // steps run as a CUDA graph (decode, every MoE layer grouped)
+  int64_t gemm_attention_steps = 0;  // prefills whose attention ran as FP32 SGEMMs (AttentionTc)
 };
 
 class GpuModel {

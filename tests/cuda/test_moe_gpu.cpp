@@ -559,6 +559,8 @@ TEST(CudaModelGpu, GemmPrefillAttentionMatchesDirectKernel) {
       return out;
     };
     const auto a = run(fast), b = run(direct);
+    EXPECT_EQ(fast.stats().gemm_attention_steps, 1) << preset << ": the prefill, not the decode step";
+    EXPECT_EQ(direct.stats().gemm_attention_steps, 0) << preset;
     const double e = rel_l2(a, b);
     std::printf("%s: prefill attention as FP32 GEMMs vs the direct kernel: rel L2 of the logits %.3g\n",
                 preset.c_str(), e);
