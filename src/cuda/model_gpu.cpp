@@ -129,12 +129,9 @@ struct GpuModel::Impl {
   model::Layout lay;
   std::vector<DevLinear> lin;
   struct LayerIdx : model::LinearTable::Layer {  // indices into lin, and how the layer runs
-    int64_t inter = 0;
-    bool sparse = false;
     bool experts_uniform = true;  // every expert's gate/up and down share one activation quantizer
     bool fused_gu = false;        // gate and up run as one [2I, H] GEMM per expert
     bool fused_qkv = false;       // q, k and v run as one [q_dim + 2 kv_dim, H] GEMM
-    int nexperts = 1;             // 1 for a dense MLP
   };
   std::vector<LayerIdx> layers;
   int lm_head = -1;
@@ -427,23 +424,11 @@ struct GpuModel::Impl {
     if (!gr.on || R == 0) return resid;
     const DevLinear& L0 = lin[li.mlp + j];  // experts_uniform: every expert's shape and numerics
     const int64_t in = L0.in, cols = gr.cols;
-    if (!resid) {
-      float* r = grow(rbuf, size_t(R * in));
-      fake_quantize(X, r, R, in, L0.act_cfg(), stream);
-      kern::sub(X, r, r, R * in, stream);
-      resid = r;
-    }
+    if (!resid) resid = rac_residual(L0, X, R);
     float* gb = grow(gbuf, size_t(R * cols));
     gather_blocks_grouped(resid, R, in, gr.blocks.data(), gr.nsel.data(), cols, eoff_d.data(), li.nexperts, gb,
                           stream);
-    xrq.cfg = gr.quant.cfg;
-    xrq.rows = R;
-    xrq.cols = cols;
-    xrq.layout = ScaleLayout::RowMajor;
-    grow(xrq.codes, size_t(R * cols / 2));
-    grow(xrq.scales, size_t(R * cols / 16));
-    grow(xrq.amax, size_t(R));
-    quantize(gb, xrq, stream);
+    quantize_rac(gb, R, cols, gr.quant.cfg);
     const GroupedProj& P = j == 0 ? Gt.g : j == 1 ? Gt.u : Gt.d;
     w4a4_gemm_grouped_gather(nvfp4_view(xrq, L0.name.c_str()), P.q.data(), P.amax_row, L0.out, in, li.nexperts,
                              eoff_d.data(), T, gr.blocks.data(), y, ldy, stream);
@@ -535,20 +520,15 @@ struct GpuModel::Impl {
     for (const model::LinearSpec& sp : t.specs) add(sp.name, sp.layer, sp.out, sp.in, sp.offset);
     layers.assign(cfg.num_hidden_layers, {});
     for (int l = 0; l < cfg.num_hidden_layers; ++l) {
-      const model::LayerOffsets& o = lay.layers[l];
-      const model::LinearTable::Layer& y = t.layers[l];
       LayerIdx& x = layers[l];
-      static_cast<model::LinearTable::Layer&>(x) = y;
-      x.inter = static_cast<int64_t>(o.inter);
-      x.sparse = o.sparse;
-      if (o.sparse)
-        for (int e = 0; e < cfg.num_experts; ++e)
+      static_cast<model::LinearTable::Layer&>(x) = t.layers[l];
+      if (x.sparse)
+        for (int e = 0; e < x.nexperts; ++e)
           for (int j = 0; j < 3; ++j) {
             const DevLinear& a = lin[x.mlp + 3 * e + j];
             const DevLinear& b = lin[x.mlp + (j == 2 ? 2 : 0)];
             x.experts_uniform &= a.mode == b.mode && a.num.act == b.num.act;
           }
-      x.nexperts = o.sparse ? cfg.num_experts : 1;
       setup_fused_gu(x);
     }
     lm_head = t.lm_head;
@@ -741,25 +721,35 @@ struct GpuModel::Impl {
     refresh_rac_weights(L);
   }
 
+  // RAC's residual R = X - X_eff of n rows of L's input (in rbuf).
+  const float* rac_residual(const DevLinear& L, const float* X, int64_t n) {
+    float* r = grow(rbuf, size_t(n * L.in));
+    fake_quantize(X, r, n, L.in, L.act_cfg(), stream);
+    kern::sub(X, r, r, n * L.in, stream);
+    return r;
+  }
+  // The gathered residual blocks [n, cols] quantized into xrq (NVFP4, row-major scales).
+  void quantize_rac(const float* gb, int64_t n, int64_t cols, const num::QConfig& cfg) {
+    xrq.cfg = cfg;
+    xrq.rows = n;
+    xrq.cols = cols;
+    xrq.layout = ScaleLayout::RowMajor;
+    grow(xrq.codes, size_t(n * cols / 2));
+    grow(xrq.scales, size_t(n * cols / 16));
+    grow(xrq.amax, size_t(n));
+    quantize(gb, xrq, stream);
+  }
+
   // Y [n, out] += Q_rac(R[:, S]) · W[:, S]^T for the rows X [n, in], R = X - X_eff.
   void rac(const DevLinear& L, const float* X, int64_t n, float* Y) {
     if (n == 0) return;
     stats.weight_bytes += L.rac_bytes();
     const int64_t in = L.in, cols = L.rac_cols;
-    float* r = grow(rbuf, size_t(n * in));
+    const float* r = rac_residual(L, X, n);
     float* gb = grow(gbuf, size_t(n * cols));
-    fake_quantize(X, r, n, in, L.act_cfg(), stream);
-    kern::sub(X, r, r, n * in, stream);
     gather_blocks(r, n, in, L.rac_blocks.data(), L.rac_nsel, gb, cols, stream);
     if (L.mode == GpuLinearMode::W4A4) {
-      xrq.cfg = L.rac_quant.cfg;
-      xrq.rows = n;
-      xrq.cols = cols;
-      xrq.layout = ScaleLayout::RowMajor;
-      grow(xrq.codes, size_t(n * cols / 2));
-      grow(xrq.scales, size_t(n * cols / 16));
-      grow(xrq.amax, size_t(n));
-      quantize(gb, xrq, stream);
+      quantize_rac(gb, n, cols, L.rac_quant.cfg);
       w4a4_gemm_gather(nvfp4_view(xrq, L.name.c_str()), L.wv, L.rac_blocks.data(), Y, true, stream);
       return;
     }

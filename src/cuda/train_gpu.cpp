@@ -113,10 +113,7 @@ struct GpuTrainer::Impl {
   model::PrecisionConfig prec;
   model::Layout lay;
   std::vector<Lin> lin;
-  struct LayerIdx : model::LinearTable::Layer {  // indices into lin (q, k, v consecutive)
-    bool sparse = false;
-    int64_t inter = 0;
-  };
+  using LayerIdx = model::LinearTable::Layer;  // indices into lin (q, k, v consecutive)
   std::vector<LayerIdx> layers;
   int lm_head = -1;
   bool any_exact = false, any_fast = false;
@@ -285,17 +282,12 @@ struct GpuTrainer::Impl {
   void build_linears() {
     const model::LinearTable t = model::linear_table(cfg, lay);
     for (const model::LinearSpec& sp : t.specs) add(sp.name, sp.layer, sp.out, sp.in, sp.offset);
-    layers.assign(cfg.num_hidden_layers, {});
+    layers = t.layers;
     for (int l = 0; l < cfg.num_hidden_layers; ++l) {
-      const model::LayerOffsets& o = lay.layers[l];
-      const model::LinearTable::Layer& y = t.layers[l];
-      LayerIdx& x = layers[l];
-      static_cast<model::LinearTable::Layer&>(x) = y;
-      x.inter = static_cast<int64_t>(o.inter);
-      x.sparse = o.sparse;
+      const LayerIdx& x = layers[l];
       check_same_operand(x.q, x.q + 1);
       check_same_operand(x.q, x.q + 2);
-      if (o.sparse) {
+      if (x.sparse) {
         // One operand for every expert's rows: the experts of a layer must share their numerics.
         for (int e = 0; e < cfg.num_experts; ++e)
           for (int j = 0; j < 3; ++j) {

@@ -107,6 +107,9 @@ LinearTable linear_table(const ModelConfig& c, const Layout& L) {
     x.v = add(p + "self_attn.v_proj", l, c.kv_dim(), H, o.v);
     x.o = add(p + "self_attn.o_proj", l, H, c.q_dim(), o.o);
     const int64_t I = static_cast<int64_t>(o.inter);
+    x.inter = I;
+    x.sparse = o.sparse;
+    x.nexperts = o.sparse ? c.num_experts : 1;
     if (o.sparse) {
       x.router = add(p + "mlp.gate", l, c.num_experts, H, o.router);
       for (int e = 0; e < c.num_experts; ++e) {

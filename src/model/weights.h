@@ -66,6 +66,9 @@ struct LinearTable {
   struct Layer {
     int q = -1, k = -1, v = -1, o = -1, router = -1;  // indices into specs (router: -1 when dense)
     int mlp = -1;  // the dense gate_proj, or expert 0's; expert e's gate, up, down at mlp + 3e + 0/1/2
+    int64_t inter = 0;  // the MLP's (or each expert's) intermediate size
+    bool sparse = false;
+    int nexperts = 1;   // 1 for a dense MLP
   };
   std::vector<LinearSpec> specs;
   std::vector<Layer> layers;

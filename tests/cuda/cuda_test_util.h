@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/fixtures.h"
+#include "cpu/ops.h"
 #include "cuda/check.h"
 #include "cuda/device.h"
 #include "model/weights.h"
@@ -102,6 +103,48 @@ inline std::vector<float> randn(size_t n, uint64_t seed, float sd = 1.f, float m
   std::vector<float> v(n);
   for (auto& x : v) x = nd(rng);
   return v;
+}
+
+// Causal attention over packed sequences of lengths `lens` (seq0[t]: the first token of t's
+// sequence; off: sequence offsets) with random q, k, v, dout (seeds seed .. seed + 3) and the CPU
+// twin's forward and backward per sequence: the reference of the GPU attention tests.
+struct PackedAttention {
+  std::vector<int32_t> seq0;
+  std::vector<int64_t> off;
+  int64_t T, qd, kd;
+  float scale;
+  std::vector<float> q, k, v, dout, out, lse, dq, dk, dv;
+};
+inline PackedAttention packed_attention(const std::vector<int>& lens, int nh, int nkv, int hd, uint64_t seed) {
+  PackedAttention a;
+  a.off = {0};
+  for (int L : lens) {
+    for (int i = 0; i < L; ++i) a.seq0.push_back(static_cast<int32_t>(a.off.back()));
+    a.off.push_back(a.off.back() + L);
+  }
+  a.T = a.off.back();
+  a.qd = int64_t(nh) * hd;
+  a.kd = int64_t(nkv) * hd;
+  a.scale = 1.f / std::sqrt(float(hd));
+  const int64_t T = a.T, qd = a.qd, kd = a.kd;
+  a.q = randn(T * qd, seed, 1.5f);
+  a.k = randn(T * kd, seed + 1, 1.5f);
+  a.v = randn(T * kd, seed + 2);
+  a.dout = randn(T * qd, seed + 3);
+  a.out.resize(T * qd);
+  a.lse.resize(T * nh);
+  a.dq.resize(T * qd);
+  a.dk.assign(T * kd, 0.f);
+  a.dv.assign(T * kd, 0.f);
+  for (size_t s = 0; s + 1 < a.off.size(); ++s) {
+    const int64_t o = a.off[s], L = a.off[s + 1] - a.off[s];
+    cpu::attention_forward(a.q.data() + o * qd, a.k.data() + o * kd, a.v.data() + o * kd, L, L, nh, nkv, hd, a.scale,
+                           a.out.data() + o * qd, a.lse.data() + o * nh);
+    cpu::attention_backward(a.q.data() + o * qd, a.k.data() + o * kd, a.v.data() + o * kd, a.out.data() + o * qd,
+                            a.lse.data() + o * nh, a.dout.data() + o * qd, L, L, nh, nkv, hd, a.scale,
+                            a.dq.data() + o * qd, a.dk.data() + o * kd, a.dv.data() + o * kd);
+  }
+  return a;
 }
 
 // |a - b| / |b| in float64.

@@ -119,26 +119,8 @@ TEST(CudaTrainKernels, AttentionMatchesCpuPerSequence) {
   };
   for (size_t ci = 0; ci < cases.size(); ++ci) {
     const Case& c = cases[ci];
-    std::vector<int32_t> seq0;
-    std::vector<int64_t> off = {0};
-    for (int L : c.lens) {
-      for (int i = 0; i < L; ++i) seq0.push_back(static_cast<int32_t>(off.back()));
-      off.push_back(off.back() + L);
-    }
-    const int64_t T = off.back();
-    const int64_t qd = int64_t(c.nh) * c.hd, kd = int64_t(c.nkv) * c.hd;
-    const float scale = 1.f / std::sqrt(float(c.hd));
-    const auto q = randn(T * qd, 11 + ci, 1.5f), k = randn(T * kd, 12 + ci, 1.5f), v = randn(T * kd, 13 + ci);
-    const auto dout = randn(T * qd, 14 + ci);
-    std::vector<float> out(T * qd), lse(T * c.nh), dq(T * qd), dk(T * kd, 0.f), dv(T * kd, 0.f);
-    for (size_t s = 0; s + 1 < off.size(); ++s) {
-      const int64_t o = off[s], L = off[s + 1] - off[s];
-      cpu::attention_forward(q.data() + o * qd, k.data() + o * kd, v.data() + o * kd, L, L, c.nh, c.nkv, c.hd, scale,
-                             out.data() + o * qd, lse.data() + o * c.nh);
-      cpu::attention_backward(q.data() + o * qd, k.data() + o * kd, v.data() + o * kd, out.data() + o * qd,
-                              lse.data() + o * c.nh, dout.data() + o * qd, L, L, c.nh, c.nkv, c.hd, scale,
-                              dq.data() + o * qd, dk.data() + o * kd, dv.data() + o * kd);
-    }
+    const PackedAttention pa = packed_attention(c.lens, c.nh, c.nkv, c.hd, 11 + ci);
+    const auto& [seq0, off, T, qd, kd, scale, q, k, v, dout, out, lse, dq, dk, dv] = pa;
     DeviceArray<float> gq = dev(q), gk = dev(k), gv = dev(v), gdo = dev(dout), gout(out.size()), glse(lse.size());
     DeviceArray<float> gdq(dq.size()), gdk(dk.size()), gdv(dv.size());
     DeviceArray<int32_t> gs0 = dev(seq0);
