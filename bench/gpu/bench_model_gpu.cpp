@@ -28,6 +28,7 @@
 
 #include <fmt/format.h>
 
+#include "common/error.h"
 #include "cuda/check.h"
 #include "cuda/device.h"
 #include "cuda/model_gpu.h"
@@ -146,8 +147,9 @@ double run_prefill(cuda::GpuModel& g, int B, int64_t len) {
 }
 
 // --ncu P / --ncu-decode P: one prefill (16 x 1024) or one decode step at batch 64 (after a
-// 128-token prompt) of precision P without graphs, between cudaProfilerStart / Stop, for
-// `ncu --profile-from-start off` (scripts/gpu/profile.sh sums the kernel times by name).
+// 128-token prompt; QUADS_NCU_DECODE_BATCH overrides the batch) of precision P without graphs,
+// between cudaProfilerStart / Stop, for `ncu --profile-from-start off` (scripts/gpu/profile.sh
+// sums the kernel times by name).
 void ncu_regions(const model::ModelConfig& cfg, const std::string& p, bool decode) {
   setenv("QUADS_GPU_GRAPHS", "0", 1);
   std::string base = p;
@@ -172,7 +174,9 @@ void ncu_regions(const model::ModelConfig& cfg, const std::string& p, bool decod
   g.step_greedy(items);
   QUADS_CUDA_CHECK(cudaDeviceSynchronize());
   if (!decode) cudaProfilerStop();
-  const int D = 64;
+  const char* db = std::getenv("QUADS_NCU_DECODE_BATCH");
+  const int D = db ? std::atoi(db) : 64;
+  QUADS_CHECK(D > 0, "QUADS_NCU_DECODE_BATCH must be a positive batch size");
   g.reset_cache(D, 140);
   std::vector<model::StepItem> d(D);
   for (int b = 0; b < D; ++b) {

@@ -3,6 +3,8 @@
 # of the peer model, through Nsight Compute (ncu; its duration metric only, clocks left alone),
 # summed by kernel name. Builds bench_model_gpu first (scripts/gpu/env.sh).
 #   bash scripts/gpu/profile.sh [PRECISION ...]      # default: nvfp4 bf16
+# QUADS_NCU_DECODE_BATCH=N profiles the decode step at batch N; QUADS_NCU_WHAT="decode" skips the
+# prefill.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 gpu_build bench_model_gpu || exit 1
@@ -11,9 +13,9 @@ ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/
 precisions=("$@")
 [ ${#precisions[@]} -gt 0 ] || precisions=(nvfp4 bf16)
 for p in "${precisions[@]}"; do
-  for what in prefill decode; do
+  for what in ${QUADS_NCU_WHAT:-prefill decode}; do
     flag=--ncu; [ $what = decode ] && flag=--ncu-decode
-    csv=$logdir/ncu_${p//+/_}_$what.csv
+    csv=$logdir/ncu_${p//+/_}_$what${QUADS_NCU_DECODE_BATCH:+_b$QUADS_NCU_DECODE_BATCH}.csv
     timeout 300 "$ncu" --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
       --print-units base "$build/bench_model_gpu" $flag "$p" >"$csv" 2>"$logdir/ncu_${p//+/_}_$what.err" \
       || { echo "ncu failed for $p $what"; tail -5 "$logdir/ncu_${p//+/_}_$what.err"; }

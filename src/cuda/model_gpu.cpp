@@ -177,9 +177,10 @@ struct GpuModel::Impl {
   bool legacy_moe = false, graphs_on = true, rac_grouped_on = true;
   int attn_tokens = 1;  // QUADS_GPU_ATTN_TOKENS: prefill attention tokens per CTA (kern::attention)
   bool attn_tiled = false;  // QUADS_GPU_ATTN=tiled: prefill through kern::attention_tiled
-  // QUADS_GPU_ATTN_DECODE=tiled: decode steps through kern::attention_tiled too (one token per CTA,
-  // its GQA group's heads sharing the staged K/V tiles; the same bits)
-  bool attn_tiled_decode = false;
+  // Decode attention: kern::attention_decode_split by default (keys split over CTAs, flash-decoding;
+  // a batch-1 step otherwise ran 4 CTAs). QUADS_GPU_ATTN_DECODE=warp keeps kern::attention (the
+  // CPU's summation order), =tiled kern::attention_tiled (its bits, K/V staged in shared memory).
+  bool attn_tiled_decode = false, attn_split_decode = true;
   // Prefills of fresh slots (every item from position 0, at least kGemmAttnTokens tokens): the
   // attention as FP32 SGEMMs per sequence (AttentionTc::set_fp32: the CPU's arithmetic up to
   // summation order, ~6x the one-warp-per-row kernel at 16 x 1024); QUADS_GPU_ATTN=direct keeps
@@ -251,6 +252,7 @@ struct GpuModel::Impl {
     if (const char* a = std::getenv("QUADS_GPU_ATTN_TOKENS")) attn_tokens = std::max(1, std::atoi(a));
     attn_tiled = env_is("QUADS_GPU_ATTN", "tiled");
     attn_tiled_decode = env_is("QUADS_GPU_ATTN_DECODE", "tiled");
+    attn_split_decode = !attn_tiled_decode && !env_is("QUADS_GPU_ATTN_DECODE", "warp");
     attn_gemm_on = !attn_tiled && !env_is("QUADS_GPU_ATTN", "direct");
     if (attn_gemm_on) {  // now, not in the first prefill: creating its cuBLAS handle takes ~0.1 s
       attn_gemm = std::make_unique<AttentionTc>();
@@ -1132,6 +1134,8 @@ struct GpuModel::Impl {
       } else if (tiled)
         kern::attention_tiled(qp, kcl, vcl, d_slot, d_pos, d_blk, nblk, nh, nkv, hd, scale, max_len, max_ctx, attn_hpc,
                               attn_tpc, ap, stream);
+      else if (decode && attn_split_decode && kern::attention_decode_split_supported(nh, nkv, hd))
+        kern::attention_decode_split(qp, kcl, vcl, d_slot, d_pos, T, nh, nkv, hd, scale, max_len, max_ctx, ap, stream);
       else
         kern::attention(qp, kcl, vcl, d_slot, d_pos, T, nh, nkv, hd, scale, max_len, max_ctx, decode, ap, stream,
                         attn_tokens);

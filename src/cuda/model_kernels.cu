@@ -316,6 +316,117 @@ attention_tiled_kernel(const float* __restrict__ q, const float* __restrict__ kc
   }
 }
 
+// Decode attention split over keys (attention_decode_split): CTA (split, kv head g, token t), one
+// warp per query head of the group. Keys [split * chunk, min(L, split * chunk + chunk)) pass 32
+// at a time through shared memory (K rows padded to hd + 4 floats: conflict-free float4 reads by
+// lanes of different rows); lane j scores key j of the tile, the tile's max and sum update an online
+// softmax, and lane l accumulates the unnormalized output of dimensions l * hd/32 .. + hd/32.
+constexpr int kDecTile = 32;
+__global__ void __launch_bounds__(1024)
+attention_decode_split_kernel(const float* __restrict__ q, const float* __restrict__ kcache,
+                              const float* __restrict__ vcache, const int32_t* __restrict__ slot,
+                              const int32_t* __restrict__ pos, int nh, int nkv, int hd, float scale, int64_t max_len,
+                              int64_t chunk, float* __restrict__ part_o, float* __restrict__ part_ml,
+                              float* __restrict__ out) {
+  extern __shared__ float smem[];
+  const int G = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nd = hd / 32;
+  const int split = blockIdx.x, nsplit = gridDim.x, g = blockIdx.y;
+  const int64_t t = blockIdx.z;
+  const int h = g * G + warp;
+  const int64_t L = int64_t(pos[t]) + 1;
+  const int64_t j0 = int64_t(split) * chunk, j1 = min(L, j0 + chunk);
+  const int kstride = hd + 4, h4 = hd / 4;
+  float* qs = smem;                   // [G][hd]
+  float* kt = qs + G * hd;            // [kDecTile][hd + 4]
+  float* vt = kt + kDecTile * kstride;  // [kDecTile][hd]
+  for (int i = threadIdx.x; i < G * hd; i += blockDim.x) qs[i] = q[(t * nh + int64_t(g) * G) * hd + i];
+  const int64_t kvd = int64_t(nkv) * hd;
+  const float* kb = kcache + int64_t(slot[t]) * max_len * kvd + int64_t(g) * hd;
+  const float* vb = vcache + int64_t(slot[t]) * max_len * kvd + int64_t(g) * hd;
+  float m = -INFINITY, l = 0.f, acc[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+  const float* qw = qs + warp * hd;
+  for (int64_t jt = j0; jt < j1; jt += kDecTile) {
+    const int n = static_cast<int>(min(int64_t(kDecTile), j1 - jt));
+    __syncthreads();  // the previous tile is consumed (and qs written, the first time)
+    for (int i = threadIdx.x; i < kDecTile * h4; i += blockDim.x) {
+      const int r = i / h4, c = i - r * h4;
+      float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), vv = kv;
+      if (r < n) {
+        kv = *reinterpret_cast<const float4*>(kb + (jt + r) * kvd + 4 * c);
+        vv = *reinterpret_cast<const float4*>(vb + (jt + r) * kvd + 4 * c);
+      }
+      *reinterpret_cast<float4*>(kt + r * kstride + 4 * c) = kv;
+      *reinterpret_cast<float4*>(vt + r * hd + 4 * c) = vv;
+    }
+    __syncthreads();
+    float sj = -INFINITY;
+    if (lane < n) {
+      const float4* kr = reinterpret_cast<const float4*>(kt + lane * kstride);
+      const float4* q4 = reinterpret_cast<const float4*>(qw);
+      float a = 0.f;
+      for (int d = 0; d < h4; ++d) {
+        const float4 kv = kr[d], qv = q4[d];
+        a = __fmaf_rn(qv.x, kv.x, a);
+        a = __fmaf_rn(qv.y, kv.y, a);
+        a = __fmaf_rn(qv.z, kv.z, a);
+        a = __fmaf_rn(qv.w, kv.w, a);
+      }
+      sj = __fmul_rn(a, scale);
+    }
+    const float mnew = fmaxf(m, warp_max(sj));
+    const float corr = m == -INFINITY ? 0.f : expf(m - mnew);
+    const float p = lane < n ? expf(sj - mnew) : 0.f;
+    l = l * corr + warp_sum(p);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] *= corr;
+    for (int r = 0; r < n; ++r) {
+      const float pr = __shfl_sync(0xffffffffu, p, r);
+      const float* vr = vt + r * hd + lane * nd;
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (i < nd) acc[i] = __fmaf_rn(pr, vr[i], acc[i]);
+    }
+    m = mnew;
+  }
+  const int64_t th = t * nh + h;
+  if (nsplit == 1) {  // j0 = 0 < L: at least one key, l > 0
+    const float inv = 1.f / l;
+    for (int i = 0; i < nd; ++i) out[th * hd + lane * nd + i] = acc[i] * inv;
+    return;
+  }
+  for (int i = 0; i < nd; ++i) part_o[(th * nsplit + split) * hd + lane * nd + i] = acc[i];
+  if (lane == 0) {
+    part_ml[2 * (th * nsplit + split)] = m;  // -inf for a split past the context
+    part_ml[2 * (th * nsplit + split) + 1] = l;
+  }
+}
+
+// Merges the splits of one (token, head) in split order: a warp, lane l owns hd/32 dimensions.
+__global__ void attention_decode_merge_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                              int nsplit, int hd, float* __restrict__ out) {
+  const int64_t th = blockIdx.x;
+  const int lane = threadIdx.x, nd = hd / 32;
+  const float* ml = part_ml + 2 * th * nsplit;
+  float M = -INFINITY;
+  for (int s = 0; s < nsplit; ++s) M = fmaxf(M, ml[2 * s]);
+  float lsum = 0.f, o[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) o[i] = 0.f;
+  for (int s = 0; s < nsplit; ++s) {
+    if (ml[2 * s] == -INFINITY) continue;
+    const float w = expf(ml[2 * s] - M);
+    lsum = __fmaf_rn(w, ml[2 * s + 1], lsum);
+    const float* po = part_o + (th * nsplit + s) * hd + lane * nd;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (i < nd) o[i] = __fmaf_rn(w, po[i], o[i]);
+  }
+  const float inv = 1.f / lsum;
+  for (int i = 0; i < nd; ++i) out[th * hd + lane * nd + i] = o[i] * inv;
+}
+
 __global__ void swiglu_kernel(const float* __restrict__ g, const float* __restrict__ u, int64_t ld, int64_t n,
                               int64_t I, float* __restrict__ h) {
   for (int64_t r = blockIdx.x; r < n; r += gridDim.x)
@@ -499,6 +610,55 @@ void attention(const float* q, const float* kcache, const float* vcache, const i
   attention_kernel<<<grid, 32 * per_cta * tpc, smem, s>>>(q, kcache, vcache, slot, pos, nh, nkv, hd, scale, max_len,
                                                           max_ctx, per_cta, tpc, T, out);
   QUADS_CUDA_LAUNCH_CHECK();
+}
+
+bool attention_decode_split_supported(int nh, int nkv, int hd) {
+  return hd % 32 == 0 && hd <= 256 && nkv > 0 && nh % nkv == 0 && nh / nkv <= 32;
+}
+
+void attention_decode_split(const float* q, const float* kcache, const float* vcache, const int32_t* slot,
+                            const int32_t* pos, int64_t T, int nh, int nkv, int hd, float scale, int64_t max_len,
+                            int64_t max_ctx, float* out, cudaStream_t s) {
+  if (T == 0) return;
+  QUADS_CHECK(attention_decode_split_supported(nh, nkv, hd),
+              "cuda attention_decode_split: heads {}/{} and head_dim {} unsupported (hd % 32, hd <= 256, group <= 32)",
+              nh, nkv, hd);
+  QUADS_CHECK(T < 65536 && max_ctx > 0, "cuda attention_decode_split: {} tokens, context {}", T, max_ctx);
+  static int sms = 0;
+  if (sms == 0) {
+    int dev = 0;
+    QUADS_CUDA_CHECK(cudaGetDevice(&dev));
+    QUADS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  }
+  // About two CTAs per SM, at least one 32-key tile per split.
+  const int64_t base = T * nkv, tiles = (max_ctx + kDecTile - 1) / kDecTile;
+  int64_t nsplit = std::clamp<int64_t>((2 * sms + base - 1) / base, 1, tiles);
+  const int64_t chunk = (tiles + nsplit - 1) / nsplit * kDecTile;
+  nsplit = (max_ctx + chunk - 1) / chunk;
+  const int G = nh / nkv;
+  const size_t smem = sizeof(float) * (size_t(G) * hd + size_t(kDecTile) * (hd + 4) + size_t(kDecTile) * hd);
+  static size_t smem_set = 48 * 1024;
+  if (smem > smem_set) {
+    QUADS_CUDA_CHECK(cudaFuncSetAttribute(attention_decode_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+    smem_set = smem;
+  }
+  float *part_o = nullptr, *part_ml = nullptr;
+  if (nsplit > 1) {
+    QUADS_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&part_o), sizeof(float) * T * nh * nsplit * hd, s));
+    QUADS_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&part_ml), sizeof(float) * 2 * T * nh * nsplit, s));
+  }
+  const dim3 grid(static_cast<unsigned>(nsplit), static_cast<unsigned>(nkv), static_cast<unsigned>(T));
+  attention_decode_split_kernel<<<grid, 32 * G, smem, s>>>(q, kcache, vcache, slot, pos, nh, nkv, hd, scale, max_len,
+                                                           chunk, part_o, part_ml, out);
+  QUADS_CUDA_LAUNCH_CHECK();
+  if (nsplit > 1) {
+    attention_decode_merge_kernel<<<static_cast<unsigned>(T * nh), 32, 0, s>>>(part_o, part_ml,
+                                                                                static_cast<int>(nsplit), hd, out);
+    QUADS_CUDA_LAUNCH_CHECK();
+    QUADS_CUDA_CHECK(cudaFreeAsync(part_o, s));
+    QUADS_CUDA_CHECK(cudaFreeAsync(part_ml, s));
+  }
 }
 
 bool attention_tiled_supported(int nh, int nkv, int hd) { return hd % 32 == 0 && hd <= 256 && nh % nkv == 0; }

@@ -48,6 +48,18 @@ void attention(const float* q, const float* kcache, const float* vcache, const i
                int64_t T, int nh, int nkv, int hd, float scale, int64_t max_len, int64_t max_ctx, bool decode,
                float* out, cudaStream_t s, int prefill_tokens_per_cta = 1);
 
+// Decode attention split over the keys (flash-decoding): CTA (split, kv head, token) stages its
+// share of the keys and values (at most max_ctx / splits, 32 at a time) in shared memory for all
+// query heads of the GQA group, keeps an online softmax (running max, sum, unnormalized output),
+// and a second kernel merges the splits in split order (deterministic). The splits are chosen from
+// T * nkv so that a batch-1 step still fills the GPU. Same contract as attention(); the sums run in
+// another order than the CPU's (within ~1e-6 relative, measured in the tests). Supported:
+// hd % 32 == 0, hd <= 256, nh / nkv <= 32.
+bool attention_decode_split_supported(int nh, int nkv, int hd);
+void attention_decode_split(const float* q, const float* kcache, const float* vcache, const int32_t* slot,
+                            const int32_t* pos, int64_t T, int nh, int nkv, int hd, float scale, int64_t max_len,
+                            int64_t max_ctx, float* out, cudaStream_t s);
+
 // Prefill attention with K/V staged through shared memory (QUADS_GPU_ATTN=tiled): the same bits as
 // attention(). blocks [nblocks, 2] = (first token, count): runs of consecutive tokens of ONE slot,
 // at most tokens_per_cta each; a CTA holds heads_per_cta heads (a divisor of the GQA group) of one
