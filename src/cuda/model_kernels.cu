@@ -486,14 +486,25 @@ __global__ void bf16_round_kernel(const float* x, float* out, int64_t n) {
     out[i] = __uint_as_float(uint32_t(bf16_bits(x[i])) << 16);
 }
 
-// One CTA per row; (value, index) pairs reduced in a fixed tree, lower index wins ties.
-__global__ void argmax_kernel(const float* __restrict__ x, int64_t cols, int32_t* __restrict__ out) {
+// The better of two (value, index) candidates: NaN never wins (index < 0: none), then the larger
+// value, then the lower index.
+__device__ __forceinline__ bool argmax_better(float v, int64_t i, float bv, int64_t bi) {
+  return i >= 0 && (bi < 0 || v > bv || (v == bv && i < bi));
+}
+
+// The best of columns chunk * per .. + per of a row in a fixed tree. Unchunked (CTA = row) it
+// writes the index; chunked (CTA = (chunk, row)) the (value, index) for argmax_merge_kernel.
+__global__ void argmax_kernel(const float* __restrict__ x, int64_t cols, int64_t per, int32_t* __restrict__ out,
+                              float* __restrict__ pv, int64_t* __restrict__ pi) {
   __shared__ float bv[kThreads];
   __shared__ int64_t bi[kThreads];
-  const float* r = x + int64_t(blockIdx.x) * cols;
+  const bool chunked = pv != nullptr;
+  const int64_t row = chunked ? blockIdx.y : blockIdx.x, chunk = chunked ? blockIdx.x : 0;
+  const int64_t c0 = chunk * per, c1 = min(cols, c0 + per);
+  const float* r = x + row * cols;
   float best = -INFINITY;
   int64_t bidx = -1;
-  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+  for (int64_t c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
     const float v = r[c];
     if (!isnan(v) && (bidx < 0 || v > best)) {
       best = v;
@@ -504,17 +515,34 @@ __global__ void argmax_kernel(const float* __restrict__ x, int64_t cols, int32_t
   bi[threadIdx.x] = bidx;
   __syncthreads();
   for (int o = blockDim.x / 2; o > 0; o >>= 1) {
-    if (threadIdx.x < o) {
-      const float v = bv[threadIdx.x + o];
-      const int64_t i = bi[threadIdx.x + o];
-      if (i >= 0 && (bi[threadIdx.x] < 0 || v > bv[threadIdx.x] || (v == bv[threadIdx.x] && i < bi[threadIdx.x]))) {
-        bv[threadIdx.x] = v;
-        bi[threadIdx.x] = i;
-      }
+    if (threadIdx.x < o && argmax_better(bv[threadIdx.x + o], bi[threadIdx.x + o], bv[threadIdx.x], bi[threadIdx.x])) {
+      bv[threadIdx.x] = bv[threadIdx.x + o];
+      bi[threadIdx.x] = bi[threadIdx.x + o];
     }
     __syncthreads();
   }
-  if (threadIdx.x == 0) out[blockIdx.x] = static_cast<int32_t>(bi[0] < 0 ? 0 : bi[0]);
+  if (threadIdx.x != 0) return;
+  if (!chunked) {
+    out[row] = static_cast<int32_t>(bi[0] < 0 ? 0 : bi[0]);
+  } else {
+    pv[row * gridDim.x + chunk] = bv[0];
+    pi[row * gridDim.x + chunk] = bi[0];
+  }
+}
+
+// One thread per row: the chunks' candidates in chunk order (the same winner as one pass).
+__global__ void argmax_merge_kernel(const float* __restrict__ pv, const int64_t* __restrict__ pi, int64_t rows,
+                                    int chunks, int32_t* __restrict__ out) {
+  const int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (row >= rows) return;
+  float best = -INFINITY;
+  int64_t bidx = -1;
+  for (int c = 0; c < chunks; ++c)
+    if (argmax_better(pv[row * chunks + c], pi[row * chunks + c], best, bidx)) {
+      best = pv[row * chunks + c];
+      bidx = pi[row * chunks + c];
+    }
+  out[row] = static_cast<int32_t>(bidx < 0 ? 0 : bidx);
 }
 
 __device__ __forceinline__ uint64_t mix64(uint64_t z) {
@@ -763,8 +791,25 @@ void bf16_round(const float* x, float* out, int64_t n, cudaStream_t s) {
 
 void argmax_rows(const float* x, int64_t rows, int64_t cols, int32_t* out, cudaStream_t s) {
   if (rows == 0) return;
-  argmax_kernel<<<static_cast<unsigned>(rows), kThreads, 0, s>>>(x, cols, out);
+  // A few rows (decode at batch 1: one row of 32000 logits) split their columns over CTAs.
+  constexpr int64_t kPer = 4096;
+  const int64_t chunks = rows >= 64 || cols <= kPer ? 1 : (cols + kPer - 1) / kPer;
+  if (chunks == 1) {
+    argmax_kernel<<<static_cast<unsigned>(rows), kThreads, 0, s>>>(x, cols, cols, out, nullptr, nullptr);
+    QUADS_CUDA_LAUNCH_CHECK();
+    return;
+  }
+  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(rows));  // rows < 64
+  float* pv = nullptr;
+  int64_t* pi = nullptr;
+  QUADS_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&pv), sizeof(float) * rows * chunks, s));
+  QUADS_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&pi), sizeof(int64_t) * rows * chunks, s));
+  argmax_kernel<<<grid, kThreads, 0, s>>>(x, cols, kPer, out, pv, pi);
   QUADS_CUDA_LAUNCH_CHECK();
+  argmax_merge_kernel<<<static_cast<unsigned>((rows + 63) / 64), 64, 0, s>>>(pv, pi, rows, static_cast<int>(chunks), out);
+  QUADS_CUDA_LAUNCH_CHECK();
+  QUADS_CUDA_CHECK(cudaFreeAsync(pv, s));
+  QUADS_CUDA_CHECK(cudaFreeAsync(pi, s));
 }
 
 void fill_normal(float* x, int64_t n, uint64_t seed, float mean, float stddev, cudaStream_t s) {

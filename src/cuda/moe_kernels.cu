@@ -132,12 +132,15 @@ __global__ void grouped_gemv_kernel(const float* __restrict__ x, const float* co
   }
 }
 
-// BF16 on tensor cores (mma.sync m16n8k16, FP32 accumulation): a warp owns 32 weight rows
-// (4 n8 tiles) of expert blockIdx.y and runs over the expert's rows 16 at a time, streaming each
-// weight row with 16-byte loads straight into the B fragments. The sum over k is order-free for
-// the MMA, so each lane takes 8 consecutive elements of a 32-wide chunk (physical k = 8t .. 8t+7,
-// t = lane % 4) and both operands use that same permutation of the fragment's k: A and B need no
-// shuffle or shared memory. BF16 x BF16 products are exact; only the FP32 sums round.
+// BF16 on tensor cores (mma.sync m16n8k16, FP32 accumulation): a CTA owns 32 weight rows (4 n8
+// tiles) of expert blockIdx.y, and each warp streams those weight rows with 16-byte loads straight
+// into the B fragments. The sum over k is order-free for the MMA, so each lane takes 8 consecutive
+// elements of a 32-wide chunk (physical k = 8t .. 8t+7, t = lane % 4) and both operands use that
+// same permutation of the fragment's k: A and B need no shuffle or shared memory. An expert with
+// at most 16 rows (decode) splits K over the 4 warps, whose partials meet in shared memory in warp
+// order (a batch-1 step otherwise had 8 experts x 12 column tiles of single warps streaming the
+// whole K); a larger one gives each warp every 4th 16-row chunk over the whole K (the 4 warps share
+// the weight slice through L1). BF16 x BF16 products are exact; only the FP32 sums round.
 constexpr int kTcWarps = 4, kTcCols = 32;
 
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -157,46 +160,83 @@ __device__ __forceinline__ uint4 ldg16_or_zero(const uint16_t* p, bool ok) {
   return ok ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0, 0, 0, 0);
 }
 
+// acc += rows ra / rb (16-row chunk) x the CTA's 32 weight rows over k chunks kb0, kb0 + step, ...
+__device__ __forceinline__ void bf16_tc_rows(float (&acc)[4][4], const uint16_t* __restrict__ x,
+                                             const uint16_t* __restrict__ W, int64_t ra, int64_t rb, bool va, bool vb,
+                                             int64_t n0, int64_t N, int64_t K, int64_t kb0, int64_t step, int g,
+                                             int t) {
+#pragma unroll 4
+  for (int64_t kb = kb0; kb < K; kb += step) {
+    const int64_t k = kb + 8 * t;
+    const bool vk = k < K;  // K % 8 == 0: a lane's 8 elements are all inside or all outside
+    const uint4 xa = ldg16_or_zero(x + ra * K + k, va && vk);
+    const uint4 xb = ldg16_or_zero(x + rb * K + k, vb && vk);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t n = n0 + 8 * j + g;
+      const uint4 wv = ldg16_or_zero(W + n * K + k, n < N && vk);
+      mma_bf16_16816(acc[j], xa.x, xb.x, xa.y, xb.y, wv.x, wv.y);
+      mma_bf16_16816(acc[j], xa.z, xb.z, xa.w, xb.w, wv.z, wv.w);
+    }
+  }
+}
+
+__device__ __forceinline__ void bf16_tc_store(const float (&acc)[4][4], float* __restrict__ y, int64_t ra, int64_t rb,
+                                              bool va, bool vb, int64_t n0, int64_t N, int t) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int64_t n = n0 + 8 * j + 2 * t + c;
+      if (n >= N) continue;
+      if (va) y[ra * N + n] = acc[j][c];
+      if (vb) y[rb * N + n] = acc[j][2 + c];
+    }
+}
+
 __global__ void __launch_bounds__(32 * kTcWarps)
 grouped_bf16_tc_kernel(const uint16_t* __restrict__ x, const uint16_t* const* __restrict__ wtab,
                        const int32_t* __restrict__ eoff, int64_t N, int64_t K, float* __restrict__ y) {
+  __shared__ float red[kTcWarps - 1][32][16];
   const int e = blockIdx.y;
   const int64_t mb = eoff[e], me = eoff[e + 1];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int64_t n0 = (int64_t(blockIdx.x) * kTcWarps + warp) * kTcCols;
-  if (mb >= me || n0 >= N) return;  // no barriers in this kernel
+  const int64_t n0 = int64_t(blockIdx.x) * kTcCols;
+  if (mb >= me || n0 >= N) return;  // uniform over the CTA: before its only barrier
   const uint16_t* W = wtab[e];
-  for (int64_t r0 = mb; r0 < me; r0 += 16) {
-    const int64_t ra = r0 + g, rb = r0 + g + 8;
+  float acc[4][4];
+  if (me - mb <= 16) {
+    const int64_t ra = mb + g, rb = mb + g + 8;
     const bool va = ra < me, vb = rb < me;
-    float acc[4][4];
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[j][q] = 0.f;
-#pragma unroll 4
-    for (int64_t kb = 0; kb < K; kb += 32) {
-      const int64_t k = kb + 8 * t;
-      const bool vk = k < K;  // K % 8 == 0: a lane's 8 elements are all inside or all outside
-      const uint4 xa = ldg16_or_zero(x + ra * K + k, va && vk);
-      const uint4 xb = ldg16_or_zero(x + rb * K + k, vb && vk);
+    bf16_tc_rows(acc, x, W, ra, rb, va, vb, n0, N, K, 32 * warp, 32 * kTcWarps, g, t);
+    if (warp > 0)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int64_t n = n0 + 8 * j + g;
-        const uint4 wv = ldg16_or_zero(W + n * K + k, n < N && vk);
-        mma_bf16_16816(acc[j], xa.x, xb.x, xa.y, xb.y, wv.x, wv.y);
-        mma_bf16_16816(acc[j], xa.z, xb.z, xa.w, xb.w, wv.z, wv.w);
-      }
-    }
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) red[warp - 1][lane][4 * j + q] = acc[j][q];
+    __syncthreads();
+    if (warp > 0) return;
+    for (int w = 1; w < kTcWarps; ++w)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[j][q] += red[w - 1][lane][4 * j + q];
+    bf16_tc_store(acc, y, ra, rb, va, vb, n0, N, t);
+    return;
+  }
+  for (int64_t r0 = mb + 16 * warp; r0 < me; r0 += 16 * kTcWarps) {
+    const int64_t ra = r0 + g, rb = r0 + g + 8;
+    const bool va = ra < me, vb = rb < me;
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int64_t n = n0 + 8 * j + 2 * t + c;
-        if (n >= N) continue;
-        if (va) y[ra * N + n] = acc[j][c];
-        if (vb) y[rb * N + n] = acc[j][2 + c];
-      }
+      for (int q = 0; q < 4; ++q) acc[j][q] = 0.f;
+    bf16_tc_rows(acc, x, W, ra, rb, va, vb, n0, N, K, 0, 32, g, t);
+    bf16_tc_store(acc, y, ra, rb, va, vb, n0, N, t);
   }
 }
 
@@ -228,8 +268,7 @@ void gemm_bf16_grouped(const uint16_t* x, const uint16_t* const* w_table, int64_
   QUADS_CHECK(K % 8 == 0, "grouped expert GEMM: K = {} must be a multiple of 8", K);
   QUADS_CHECK(groups > 0 && groups <= 65535, "grouped expert GEMM: {} groups (1..65535)", groups);
   if (N == 0 || K == 0) return;
-  constexpr int per_cta = kTcWarps * kTcCols;
-  const dim3 grid(static_cast<unsigned>((N + per_cta - 1) / per_cta), static_cast<unsigned>(groups));
+  const dim3 grid(static_cast<unsigned>((N + kTcCols - 1) / kTcCols), static_cast<unsigned>(groups));
   grouped_bf16_tc_kernel<<<grid, 32 * kTcWarps, 0, s>>>(x, w_table, eoff, N, K, y);
   QUADS_CUDA_LAUNCH_CHECK();
 }

@@ -227,6 +227,57 @@ TEST(CudaModelKernels, RouterSwigluCombineMatchCpu) {
   EXPECT_EQ(dres.download(), want) << "same operations in the same order: bitwise";
 }
 
+// Decode attention split over keys (the default decode launch) against cpu::attention_forward,
+// token by token: GQA groups of 8, 4, 1 and 16, head dims 32..256, contexts of 1 key, of less than
+// one 32-key tile, of many tiles and of exactly max_ctx keys, a batch of 1 (many splits) and of 40
+// tokens (few splits), slots in any order.
+TEST(CudaModelKernels, AttentionDecodeSplitMatchesCpu) {
+  QUADS_REQUIRE_GPU();
+  struct Case {
+    int nh, nkv, hd;
+    int64_t max_ctx;
+    int T;
+  };
+  for (const Case c : {Case{8, 1, 64, 40, 1}, Case{32, 4, 128, 256, 1}, Case{32, 4, 128, 256, 40},
+                       Case{4, 4, 32, 100, 3}, Case{16, 1, 256, 70, 2}}) {
+    const int slots = c.T + 1;
+    const int64_t max_len = c.max_ctx + 3, kvd = int64_t(c.nkv) * c.hd;
+    std::mt19937_64 rng(11 + c.hd + c.T);
+    std::vector<int32_t> slot(c.T), pos(c.T);
+    for (int t = 0; t < c.T; ++t) {
+      slot[t] = (t * 7 + 1) % slots;
+      const int64_t pick[4] = {0, 17, c.max_ctx - 1, int64_t(rng() % uint64_t(c.max_ctx))};
+      pos[t] = static_cast<int32_t>(pick[t % 4]);
+    }
+    const auto q = randn(int64_t(c.T) * c.nh * c.hd, 21 + c.T), kc = randn(slots * max_len * kvd, 22 + c.T),
+               vc = randn(slots * max_len * kvd, 23 + c.T);
+    const float scale = 1.f / std::sqrt(float(c.hd));
+    std::vector<float> want(q.size());
+    for (int t = 0; t < c.T; ++t)
+      cpu::attention_forward(q.data() + int64_t(t) * c.nh * c.hd, kc.data() + slot[t] * max_len * kvd,
+                             vc.data() + slot[t] * max_len * kvd, 1, pos[t] + 1, c.nh, c.nkv, c.hd, scale,
+                             want.data() + int64_t(t) * c.nh * c.hd, nullptr);
+    auto dq = dev(q), dk = dev(kc), dv = dev(vc);
+    auto ds = dev(slot), dp = dev(pos);
+    DeviceArray<float> out(q.size());
+    out.fill_bytes(0xFF);
+    ASSERT_TRUE(cuda::kern::attention_decode_split_supported(c.nh, c.nkv, c.hd));
+    cuda::kern::attention_decode_split(dq.data(), dk.data(), dv.data(), ds.data(), dp.data(), c.T, c.nh, c.nkv, c.hd,
+                                       scale, max_len, c.max_ctx, out.data(), nullptr);
+    const auto got = out.download();
+    const double e = rel_l2(got, want), m = max_abs(got, want);
+    std::printf("decode split attention heads %d/%d hd %d ctx %lld batch %d: rel L2 %.3g max abs %.3g\n", c.nh, c.nkv,
+                c.hd, static_cast<long long>(c.max_ctx), c.T, e, m);
+    EXPECT_LT(e, 2e-6);
+    EXPECT_LT(m, 1e-5);
+    // deterministic: the splits merge in a fixed order
+    DeviceArray<float> again(q.size());
+    cuda::kern::attention_decode_split(dq.data(), dk.data(), dv.data(), ds.data(), dp.data(), c.T, c.nh, c.nkv, c.hd,
+                                       scale, max_len, c.max_ctx, again.data(), nullptr);
+    EXPECT_EQ(first_float_mismatch(again.download(), got), -1);
+  }
+}
+
 TEST(CudaModelKernels, Bf16ArgmaxEmbedding) {
   QUADS_REQUIRE_GPU();
   auto x = randn(1000, 16, 100.f);
@@ -262,6 +313,20 @@ TEST(CudaModelKernels, Bf16ArgmaxEmbedding) {
   DeviceArray<int32_t> am(3);
   cuda::kern::argmax_rows(dm.data(), 3, 700, am.data(), nullptr);
   EXPECT_EQ(am.download(), (std::vector<int32_t>{5, 10, 1}));
+  // Long rows (a decode step's vocabulary) split their columns over CTAs: the same first-index
+  // winner across chunk boundaries, NaNs skipped, an all-NaN row gives 0.
+  const int64_t V = 32000;
+  std::vector<float> lv(3 * V, -5.f);
+  lv[4095] = 7.f;
+  lv[4096] = 7.f;
+  lv[30000] = 7.f;
+  lv[V + 31999] = 1.f;
+  lv[V + 12] = std::nanf("");
+  for (int64_t i = 0; i < V; ++i) lv[2 * V + i] = std::nanf("");
+  auto dl = dev(lv);
+  DeviceArray<int32_t> al(3);
+  cuda::kern::argmax_rows(dl.data(), 3, V, al.data(), nullptr);
+  EXPECT_EQ(al.download(), (std::vector<int32_t>{4095, 31999, 0}));
   const auto table = randn(20 * 8, 17);
   const std::vector<int32_t> toks{3, 19, 0, 3};
   std::vector<float> want(4 * 8);

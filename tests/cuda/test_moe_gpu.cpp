@@ -180,7 +180,8 @@ TEST(CudaMoe, GroupedW4A4EqualsPerExpertGemm) {
 TEST(CudaMoe, GroupedBf16MatchesCpu) {
   QUADS_REQUIRE_GPU();
   const int64_t K = 264, N = 70;  // K not a multiple of 256: the lanes' last step is partial
-  const std::vector<int> sizes = {0, 9, 1, 0, 20};
+  // <= 16 rows: K split over the warps; more: 16-row chunks over the warps (70: five chunks)
+  const std::vector<int> sizes = {0, 9, 1, 0, 20, 16, 70};
   const int E = static_cast<int>(sizes.size());
   const std::vector<int32_t> off = offsets_of(sizes);
   const int64_t R = off[E];
