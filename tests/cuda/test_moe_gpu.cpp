@@ -570,20 +570,28 @@ TEST(CudaModelGpu, GemmPrefillAttentionMatchesDirectKernel) {
 }
 
 // Decode attention through the tiled kernel (QUADS_GPU_ATTN_DECODE=tiled: the GQA group's heads of
-// a token share the staged K/V tiles) gives the default kernel's bits, eager and in graphs.
+// a token share the staged K/V tiles) gives the one-warp-per-head kernel's bits (=warp), eager and
+// in graphs; the default split-key kernel stays within float rounding of both.
 TEST(CudaModelGpu, TiledDecodeAttentionSameBits) {
   QUADS_REQUIRE_GPU();
   const model::Weights w = model::Weights::random(small_moe_config(), 29, 0.05f);
   ASSERT_TRUE(cuda::kern::attention_tiled_supported(4, 2, 64));
   for (const std::string preset : {"fp32", "nvfp4"}) {
     const auto prec = model::PrecisionConfig::preset(preset);
+    cuda::GpuModel split(w, prec);
+    setenv("QUADS_GPU_ATTN_DECODE", "warp", 1);
     cuda::GpuModel plain(w, prec);
     setenv("QUADS_GPU_ATTN_DECODE", "tiled", 1);
     cuda::GpuModel tiled(w, prec);
     unsetenv("QUADS_GPU_ATTN_DECODE");
-    int64_t gp = -1, gt = -1;
-    const auto a = decode_logits(plain, 6, nullptr, &gp), b = decode_logits(tiled, 6, nullptr, &gt);
+    int64_t gp = -1, gt = -1, gs = -1;
+    const auto a = decode_logits(plain, 6, nullptr, &gp), b = decode_logits(tiled, 6, nullptr, &gt),
+               c = decode_logits(split, 6, nullptr, &gs);
     EXPECT_EQ(first_float_mismatch(b, a), -1) << preset;
     EXPECT_EQ(gt, gp) << preset;
+    EXPECT_EQ(gs, gp) << preset;
+    const double e = rel_l2(c, a);
+    std::printf("%s: split-key decode attention vs one warp per head: rel L2 of the logits %.3g\n", preset.c_str(), e);
+    EXPECT_LT(e, preset == "fp32" ? 1e-5 : 1e-3) << preset;
   }
 }

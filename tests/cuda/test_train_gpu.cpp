@@ -224,6 +224,22 @@ TEST(CudaTrain, GroupedExpertGemmsEqualPerExpert) {
       }
     }
   }
+  // cuBLASLt with the bucketed algorithm cache (default) against cublasGemmEx's own choice
+  // (QUADS_GPU_TRAIN_LT=0): other algorithms, so other FP32 summation orders, the same GEMMs.
+  for (const char* preset : {"bf16", "qat"}) {
+    cuda::GpuTrainer lt(w, model::PrecisionConfig::preset(preset));
+    setenv("QUADS_GPU_TRAIN_LT", "0", 1);
+    cuda::GpuTrainer ex(w, model::PrecisionConfig::preset(preset));
+    unsetenv("QUADS_GPU_TRAIN_LT");
+    const CpuResult a = gpu_train_step(lt, b), c = gpu_train_step(ex, b, &a.routing);
+    const double el = rel_l2(a.logits, c.logits), eg = rel_l2(a.grads, c.grads);
+    std::printf("%s cuBLASLt (%s) vs cublasGemmEx (%s) rel L2: logits %.3g, grads %.3g\n", preset,
+                lt.expert_gemms().c_str(), ex.expert_gemms().c_str(), el, eg);
+    EXPECT_LT(el, 1e-5) << preset;
+    EXPECT_LT(eg, 1e-5) << preset;
+    EXPECT_NE(lt.expert_gemms().find("cuBLASLt"), std::string::npos);
+    EXPECT_NE(ex.expert_gemms().find("cublasGemmEx"), std::string::npos);
+  }
   cuda::GpuTrainer g(w, model::PrecisionConfig::preset("fp32"));
   EXPECT_EQ(g.attention(), "exact");
   EXPECT_THROW(g.set_expert_gemms("fused"), Error);
