@@ -39,9 +39,13 @@
 // QUADS_GPU_TRAIN_GROUPED=1 / set_expert_gemms("grouped") runs a layer's expert GEMMs of one kind
 // as one cublasGemmGroupedBatchedEx (a group per expert GEMM, the NVFP4 alpha per group); cuBLAS
 // 13.1 refuses BF16 inputs with FP32 output there (CUBLAS_STATUS_NOT_SUPPORTED on the H200), and
-// the trainer then stays per expert. "streams" spreads the per-expert GEMMs over 4 streams (the
-// same cuBLAS problems; measured no faster on the peer model). Default and
-// QUADS_GPU_TRAIN_GROUPED=0: one GEMM per expert on the trainer's stream.
+// the trainer then stays per expert. Default ("streams"): the per-expert GEMMs spread over 4
+// streams, each expert's GEMMs in order on one of them (the same cuBLASLt problems and algorithms
+// as "per-expert", so the same bits; 52.6 vs 70.7 ms of GEMMs per 8x1024 step of the peer model on
+// the H200 once the expert GEMMs stopped paying cuBLAS heuristics per shape).
+// QUADS_GPU_TRAIN_GROUPED=0 or "per-expert": one GEMM per expert on the trainer's stream.
+// The fast path's GEMMs run through cuBLASLt with an algorithm per shape bucket (train_gpu.cpp,
+// LtGemms); QUADS_GPU_TRAIN_LT=0 uses cublasGemmEx.
 // Not supported (quads::Error): router aux / z losses with non-zero coefficients, KV hooks, RAC,
 // stochastic weight rounding, static activation scales without an amax in the QConfig.
 #include <cstdint>
