@@ -81,6 +81,7 @@ const char* tile_name(W4A4Tile t) {
     case W4A4Tile::M16: return "16x128";
     case W4A4Tile::M64: return "64x128";
     case W4A4Tile::M128: return "128x128";
+    case W4A4Tile::Gemv: return "gemv";
     default: return "auto";
   }
 }
@@ -104,6 +105,126 @@ int profile() {
   return 0;
 }
 
+// Decode GEMV against the 16-row tile at the peer model's shapes (hidden 2048, 64 experts top-8,
+// moe_intermediate 768, q/k/v fused N = 6144, o_proj K = 4096). Every call reads weights that are
+// not in L2: the calls rotate over copies (dense) or over layers x disjoint sets of 8 experts
+// (grouped) worth more than 150 MB. GB/s counts the codes and scales of the weights read.
+void gemv_table(double copy_gbs) {
+  const double kRotateBytes = 150e6;
+  std::printf("\n| W4A4 decode | weight N x K | M (rows per weight) | kernel | us | weight GB/s | %% of copy |\n");
+  std::printf("|---|---|---|---|---|---|---|\n");
+  auto print = [&](const char* what, int64_t n, int64_t k, int64_t m, const char* kern, double us, double bytes) {
+    const double gbs = bytes / us / 1e3;
+    std::printf("| %s | %lldx%lld | %lld | %s | %.1f | %.0f | %.0f |\n", what, static_cast<long long>(n),
+                static_cast<long long>(k), static_cast<long long>(m), kern, us, gbs, 100.0 * gbs / copy_gbs);
+  };
+  num::QConfig xc = num::QConfig::nvfp4_act();
+  xc.global = num::Global::PerRow;
+  struct S {
+    const char* name;
+    int64_t n, k;
+  };
+  for (const S& d : {S{"dense q/k/v", 6144, 2048}, S{"dense o_proj", 2048, 4096}}) {
+    const double wbytes = d.n * d.k * (0.5 + 1.0 / 16);
+    const int copies = static_cast<int>(kRotateBytes / wbytes) + 1;
+    DeviceArray<float> w(d.n * d.k);
+    fill_device(w, randn(std::min<int64_t>(d.n * d.k, 1 << 22), 11, 0.02f));
+    std::vector<DeviceQTensor> wq;
+    for (int c = 0; c < copies; ++c) {
+      wq.push_back(make_qtensor(d.n, d.k, num::QConfig::nvfp4_weight(true)));
+      quantize(w.data(), wq.back());
+    }
+    for (int64_t M : {1, 4, 8, 16}) {
+      DeviceArray<float> x(M * d.k), y(M * d.n);
+      fill_device(x, randn(M * d.k, 12));
+      DeviceQTensor xq = make_qtensor(M, d.k, xc);
+      quantize(x.data(), xq);
+      for (W4A4Tile t : {W4A4Tile::M16, W4A4Tile::Gemv, W4A4Tile::Auto}) {
+        W4A4Options o;
+        o.tile = t;
+        int i = 0;
+        const double us = time_us([&] {
+          w4a4_gemm_emulated(nvfp4_view(xq), nvfp4_view(wq[i++ % copies]), y.data(), false, nullptr, o);
+        });
+        print(d.name, d.n, d.k, M, tile_name(t), us, wbytes);
+      }
+    }
+  }
+  // grouped: 64 experts; M rows for each of 8 active experts (max_rows = M), and a routed decode
+  // batch of T tokens (top-8 of 64 at random: 8T rows, max_rows = T)
+  for (const S& g : {S{"experts gate/up", 1536, 2048}, S{"experts down", 2048, 768}}) {
+    const int E = 64, active = 8;
+    const double ebytes = g.n * g.k * (0.5 + 1.0 / 16);
+    const int layers = static_cast<int>(kRotateBytes / (E * ebytes)) + 1;
+    DeviceArray<float> w(g.n * g.k);
+    fill_device(w, randn(std::min<int64_t>(g.n * g.k, 1 << 22), 13, 0.02f));
+    std::vector<DeviceQTensor> wq;
+    std::vector<DeviceArray<Nvfp4Weight>> tabs;
+    for (int l = 0; l < layers; ++l) {
+      std::vector<Nvfp4Weight> tab;
+      for (int e = 0; e < E; ++e) {
+        wq.push_back(make_qtensor(g.n, g.k, num::QConfig::nvfp4_weight(true)));
+        quantize(w.data(), wq.back());
+        const Nvfp4View v = nvfp4_view(wq.back());
+        tab.push_back({v.codes, v.scales, v.amax});
+      }
+      tabs.emplace_back();
+      tabs.back().upload(tab);
+    }
+    // eoff sets: sets[s] for one call; `experts` non-empty groups each
+    auto run = [&](const char* what, int64_t rows, int64_t max_rows, const std::vector<std::vector<int32_t>>& sets,
+                   int64_t show_m, int experts) {
+      std::vector<DeviceArray<int32_t>> deoff(sets.size());
+      for (size_t s = 0; s < sets.size(); ++s) deoff[s].upload(sets[s]);
+      DeviceArray<float> x(rows * g.k), y(rows * g.n);
+      fill_device(x, randn(rows * g.k, 14));
+      DeviceQTensor xq = make_qtensor(rows, g.k, xc);
+      quantize(x.data(), xq);
+      const int ns = static_cast<int>(sets.size());
+      for (W4A4Tile t : {W4A4Tile::M16, W4A4Tile::Gemv, W4A4Tile::Auto}) {
+        int i = 0;
+        const double us = time_us([&] {
+          const int c = i++;
+          w4a4_gemm_grouped(nvfp4_view(xq), tabs[c % layers].data(), false, g.n, E, deoff[(c / layers) % ns].data(),
+                            max_rows, y.data(), nullptr, 0, t);
+        });
+        print(what, g.n, g.k, show_m, tile_name(t), us, experts * ebytes);
+      }
+    };
+    for (int64_t M : {1, 4, 8, 16}) {
+      std::vector<std::vector<int32_t>> sets;
+      for (int s = 0; s < E / active; ++s) {  // experts s*8 .. s*8+7 hold M rows each
+        std::vector<int32_t> off(E + 1, 0);
+        for (int e = 0; e < E; ++e) off[e + 1] = off[e] + (e / active == s ? static_cast<int32_t>(M) : 0);
+        sets.push_back(off);
+      }
+      run(g.name, active * M, M, sets, M, active);
+    }
+    std::mt19937 rng(7);
+    for (int64_t T : {4, 16}) {  // decode batches: rows per expert from a random top-8 routing
+      std::vector<std::vector<int32_t>> sets;
+      double experts = 0;
+      for (int s = 0; s < 8; ++s) {
+        std::vector<int32_t> cnt(E, 0);
+        for (int64_t t = 0; t < T; ++t) {
+          std::vector<int> perm(E);
+          for (int e = 0; e < E; ++e) perm[e] = e;
+          std::shuffle(perm.begin(), perm.end(), rng);
+          for (int j = 0; j < active; ++j) ++cnt[perm[j]];
+        }
+        std::vector<int32_t> off(E + 1, 0);
+        for (int e = 0; e < E; ++e) {
+          off[e + 1] = off[e] + cnt[e];
+          experts += cnt[e] > 0 ? 1.0 / 8 : 0.0;
+        }
+        sets.push_back(off);
+      }
+      const std::string what = std::string(g.name) + ", routed batch " + std::to_string(T);
+      run(what.c_str(), active * T, T, sets, T, static_cast<int>(experts + 0.5));
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -125,6 +246,12 @@ int main(int argc, char** argv) {
   const double copy_gbs = 2.0 * src.bytes() / copy_us / 1e3;
   std::printf("| kernel | shape | us | GB/s | %% of copy |\n|---|---|---|---|---|\n");
   std::printf("| device copy (read+write) | %lld MB | %.1f | %.0f | 100 |\n", static_cast<long long>(src.bytes() >> 20), copy_us, copy_gbs);
+  if (argc > 1 && std::string(argv[1]) == "--gemv") {  // the decode GEMV table alone
+    src.reset();
+    dst.reset();
+    gemv_table(copy_gbs);
+    return 0;
+  }
 
   DeviceArray<uint16_t> srcb(R * C), dstb(R * C);
   {
@@ -276,5 +403,6 @@ int main(int argc, char** argv) {
       }
     }
   }
+  gemv_table(copy_gbs);
   return 0;
 }

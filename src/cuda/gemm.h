@@ -9,7 +9,8 @@
 //    (mma.sync m16n8k16) with FP32 accumulation, and applies the global scales in the epilogue.
 //    Its only rounding is the FP32 accumulation. For M <= 16 (decode) the tiles are 16 x 128 and
 //    stream the packed weights; small grids split K (partials summed in a fixed order, so results
-//    are deterministic).
+//    are deterministic). For a few rows (decode) a GEMV on CUDA cores (int8 dot products of the
+//    codes, exact block terms, FP32 sums) streams the weights without split K (W4A4Tile::Gemv).
 //  - Blackwell (sm_100, checked at run time): cuBLASLt's native block-scaled FP4 GEMM
 //    (CUDA_R_4F_E2M1, VEC16_UE4M3 scales in the 128x4 swizzled layout).
 // RAC's residual GEMM: the same kernel over a subset of W's 16-blocks given as a list.
@@ -36,12 +37,20 @@ struct Nvfp4View {
 // Checks that q is NVFP4 with E2M1 elements and row-major scales (throws naming `what`).
 Nvfp4View nvfp4_view(const DeviceQTensor& q, const char* what = "operand");
 
-// Kernel choice, for tests and benchmarks; Auto picks by M (M16 up to 32 rows, M64 up to 64).
-// Tiles are M x 128 outputs per CTA.
-enum class W4A4Tile : uint8_t { Auto, M16, M64, M128 };
+// Kernel choice, for tests and benchmarks. Tiles are M x 128 outputs per CTA on tensor cores.
+// Gemv (decode, a few rows per weight): warps stream whole weight rows with 16-byte loads, the
+// E2M1 codes become int8 (twice their value) in registers, X's rows (decoded once per CTA into
+// shared memory) meet them in __dp4a dot products of 16-element blocks; a block's integer sum times
+// the two block scales is exact in FP32 (|sum| < 2^12, scale product 8 bits), and those exact
+// block terms are summed in FP32 per lane in K order, then over the lanes by a fixed shuffle tree.
+// So the GEMV differs from the tile kernels only in the FP32 summation order, and an output's
+// bits do not depend on M, on how many rows a CTA takes at once, or on a grouped call's grouping.
+// It ignores `splits`. Auto picks the GEMV for M <= kGemvAutoMaxRows, else M16 up to 32 rows, M64
+// up to 64.
+enum class W4A4Tile : uint8_t { Auto, M16, M64, M128, Gemv };
 struct W4A4Options {
   W4A4Tile tile = W4A4Tile::Auto;
-  int splits = 0;  // K splits; 0 = choose (enough CTAs to fill the GPU)
+  int splits = 0;  // K splits of the tile kernels; 0 = choose (enough CTAs to fill the GPU)
 };
 
 // Y (+)= X . W^T, emulated (any GPU from sm_80; tests and benchmarks use it on Hopper). K must be a
@@ -68,21 +77,34 @@ struct Nvfp4Weight {
 // times W_e^T into the same rows of y [x.rows, n]. eoff (int32, groups + 1 entries) and w_table
 // (groups entries) live on the device, so the host needs no group sizes (no sync): the grid covers
 // max_rows rows per group (a host bound on eoff[e+1] - eoff[e], e.g. the token count) and tiles
-// past a group's end exit at once; empty groups cost one CTA launch each per tile. Same kernel as
-// w4a4_gemm_emulated; `splits` K splits per expert (0: chosen from min(groups, x.rows) active
-// experts, so that decode fills the GPU), partials summed in split order: each output is the same
-// sum in the same order as a per-expert w4a4_gemm_emulated with the same split count. Every row
-// of y must belong to a group (eoff[groups] == x.rows).
+// past a group's end exit at once; empty groups cost one CTA launch each per tile. Same kernels as
+// w4a4_gemm_emulated. Tile kernels: `splits` K splits per expert (0: chosen from min(groups,
+// x.rows) active experts, so that decode fills the GPU), partials summed in split order: each
+// output is the same sum in the same order as a per-expert w4a4_gemm_emulated with the same tile
+// and split count. GEMV (tile Gemv, or Auto with splits == 0 and few rows per expert, see
+// gemv_auto_grouped): the grid covers min(groups, x.rows) non-empty groups (a CTA finds the j-th
+// non-empty group in eoff) and loops over its group's rows; each output is bit for bit the
+// per-expert w4a4_gemm_emulated with tile Gemv. `splits` > 0 asks for the tile kernels (Auto then
+// never picks the GEMV). Every row of y must belong to a group (eoff[groups] == x.rows).
 void w4a4_gemm_grouped(const Nvfp4View& x, const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n, int groups,
-                       const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t stream = nullptr, int splits = 0);
+                       const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t stream = nullptr, int splits = 0,
+                       W4A4Tile tile = W4A4Tile::Auto);
 
 // RAC on grouped experts (one launch for all experts' residual GEMMs, no host sync): y[r, :]
 // (row stride ldy) += Xr[r] . W_e[:, S_e]^T for the rows r of group e (eoff as w4a4_gemm_grouped),
 // where S_e is row e of `blocks` [groups, xr.k / 16] (W_e's 16-blocks; padding entries any valid
-// index, their residual is zero). W_e is [n, w_k]. Every row of y must belong to a group.
+// index, their residual is zero). W_e is [n, w_k]. Every row of y must belong to a group. Kernel
+// choice and bit-equality with the per-expert w4a4_gemm_gather as in w4a4_gemm_grouped.
 void w4a4_gemm_grouped_gather(const Nvfp4View& xr, const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n,
                               int64_t w_k, int groups, const int32_t* eoff, int64_t max_rows, const int32_t* blocks,
-                              float* y, int64_t ldy, cudaStream_t stream = nullptr, int splits = 0);
+                              float* y, int64_t ldy, cudaStream_t stream = nullptr, int splits = 0,
+                              W4A4Tile tile = W4A4Tile::Auto);
+
+// Auto's choices, exposed for tests and benchmarks: the dense GEMV up to this many rows, and
+// whether a grouped call (x_rows rows over `groups` groups, at most max_rows in one) takes it.
+constexpr int64_t kGemvAutoMaxRows = 4;
+constexpr int64_t kGemvAutoGroupedMaxRows = 16;  // and at most kGemvAutoMaxRows rows per group on average
+bool gemv_auto_grouped(int64_t x_rows, int groups, int64_t max_rows);
 
 // out[m, 16 i + j] = x[m, 16 blocks[i] + j] for i < nsel, zeros up to out_cols (a multiple of 16):
 // the compact input of w4a4_gemm_gather's quantizer.

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 
+#include "cuda/codecs.cuh"
 #include "cuda/gemm.h"
 
 namespace quads::cuda {
@@ -48,6 +49,7 @@ struct Params {
   const Nvfp4Weight* wtab;
   int gsplits;   // grouped: K splits per expert (blockIdx.z = expert * gsplits + split)
   int64_t Mtot;  // grouped: rows of X and y (the partials' row count)
+  int groups;    // grouped GEMV: entries of wtab (eoff has groups + 1)
 };
 
 // The kernels need sm_80 (cp.async, mma.sync m16n8k16); a build for an older target compiles them
@@ -373,6 +375,203 @@ __global__ void splitk_reduce_kernel(const Params p, int splits, int groups) {
   }
 }
 
+// ---- GEMV (decode: a few rows per weight) ----
+// A CTA of kGemvWarps warps owns kGemvWarps * NW consecutive weight rows (NW per warp). Lane l
+// reads, per step of 1024 elements, the 32 elements 1024 s + 32 l .. +31 of each of its warp's
+// rows: one 16-byte load of codes (gather: two 8-byte loads of the listed blocks) and the two
+// block scales. X's rows are decoded once per CTA (R rows at a time) into shared memory as int8
+// (twice the E2M1 value) plus float block scales; the int8 of block b sits at
+// (b / 64) * 1024 + (b % 2) * 512 + ((b / 2) % 32) * 16 in its row, so that the 16-byte reads of a
+// warp's lanes are consecutive (no bank conflicts).
+constexpr int kGemvWarps = 8;
+
+// Four E2M1 codes (nibbles 0..3 of `nib`) as int8 of twice their value {0,1,2,3,4,6,8,12}, negated
+// where bit 3 is set: two table lookups (byte_perm over 8-byte tables, positive and negative),
+// then a per-byte choice by the sign bits.
+__device__ __forceinline__ uint32_t e2m1x4_to_s8(uint32_t nib) {
+  const uint32_t idx = nib & 0x7777u;
+  const uint32_t pos = __byte_perm(0x03020100u, 0x0C080604u, idx);
+  const uint32_t neg = __byte_perm(0xFDFEFF00u, 0xF4F8FAFCu, idx);
+  return __byte_perm(pos, neg, 0x3210u | ((nib & 0x8888u) >> 1));
+}
+// The 32 elements of a 16-byte code load as int8: block 0 in lo (elements 0..15), block 1 in hi.
+__device__ __forceinline__ void e2m1x32_to_s8(const uint4 c, uint4& lo, uint4& hi) {
+  lo = make_uint4(e2m1x4_to_s8(c.x), e2m1x4_to_s8(c.x >> 16), e2m1x4_to_s8(c.y), e2m1x4_to_s8(c.y >> 16));
+  hi = make_uint4(e2m1x4_to_s8(c.z), e2m1x4_to_s8(c.z >> 16), e2m1x4_to_s8(c.w), e2m1x4_to_s8(c.w >> 16));
+}
+__device__ __forceinline__ int dot16(const uint4 a, const uint4 b) {
+  int d = __dp4a(static_cast<int>(a.x), static_cast<int>(b.x), 0);
+  d = __dp4a(static_cast<int>(a.y), static_cast<int>(b.y), d);
+  d = __dp4a(static_cast<int>(a.z), static_cast<int>(b.z), d);
+  return __dp4a(static_cast<int>(a.w), static_cast<int>(b.w), d);
+}
+__host__ __device__ constexpr int64_t gemv_kpad(int64_t k) { return (k + 1023) / 1024 * 1024; }
+// Shared memory of R decoded X rows: int8 [R, kpad] then float scales [R, k / 16].
+__host__ __device__ constexpr int64_t gemv_smem(int R, int64_t k) { return R * (gemv_kpad(k) + k / 4); }
+
+template <int R, int NW, bool GATHER, bool GROUPED>
+__global__ void __launch_bounds__(32 * kGemvWarps) w4a4_gemv_kernel(const Params p) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t K = p.K, nb = K / 16, kpad = gemv_kpad(K);
+  uint8_t* sx = smem;
+  float* sxs = reinterpret_cast<float*>(smem + R * kpad);
+  const int64_t wrow = p.Kw / 2, wsrow = p.Kw / 16;
+
+  int64_t row0 = 0, rows = p.M;  // this CTA's rows of X and y
+  const uint8_t* wq = p.wq;
+  const uint8_t* ws = p.ws;
+  const float* wamax = p.wamax;
+  const int32_t* blk = p.blk;
+  if constexpr (GROUPED) {
+    // CTA row j of the grid takes the j-th non-empty group (every warp finds the same one, so the
+    // exit is uniform for the CTA, before any barrier).
+    const int j = blockIdx.y;
+    int e = -1, seen = 0;
+    for (int base = 0; base < p.groups && e < 0; base += 32) {
+      const int g = base + lane;
+      const bool ne = g < p.groups && p.eoff[g + 1] > p.eoff[g];
+      uint32_t m = __ballot_sync(0xFFFFFFFFu, ne);
+      const int c = __popc(m);
+      if (j < seen + c) {
+        for (int i = 0; i < j - seen; ++i) m &= m - 1;
+        e = base + __ffs(m) - 1;
+      }
+      seen += c;
+    }
+    if (e < 0) return;
+    row0 = p.eoff[e];
+    rows = p.eoff[e + 1] - row0;
+    wq = p.wtab[e].codes;
+    ws = p.wtab[e].scales;
+    wamax = p.wtab[e].amax;
+    if constexpr (GATHER) blk += e * p.blk_stride;
+  }
+  const int64_t nbase = (static_cast<int64_t>(blockIdx.x) * kGemvWarps + warp) * NW;
+  const int64_t nsteps = (nb + 63) / 64;
+
+  // Raw codes (gather: block 0 in x, y and block 1 in z, w) and the two scale bytes of step s.
+  auto load = [&](int64_t s, uint4 (&c)[NW], uint32_t (&sc)[NW]) {
+    const int64_t b0 = s * 64 + 2 * lane;
+    const bool act = b0 < nb;  // nb is a multiple of 4: block b0 + 1 exists too
+    int64_t g0 = b0, g1 = b0 + 1;
+    if constexpr (GATHER) {
+      if (act) {
+        g0 = __ldg(blk + b0);
+        g1 = __ldg(blk + b0 + 1);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < NW; ++i) {
+      const int64_t n = nbase + i;
+      c[i] = make_uint4(0, 0, 0, 0);
+      sc[i] = 0;
+      if (!act || n >= p.N) continue;
+      const uint8_t* wr = wq + n * wrow;
+      const uint8_t* wsr = ws + n * wsrow;
+      if constexpr (!GATHER) {
+        c[i] = __ldg(reinterpret_cast<const uint4*>(wr + b0 * 8));
+        sc[i] = __ldg(reinterpret_cast<const uint16_t*>(wsr + b0));
+      } else {
+        const uint2 c0 = __ldg(reinterpret_cast<const uint2*>(wr + g0 * 8));
+        const uint2 c1 = __ldg(reinterpret_cast<const uint2*>(wr + g1 * 8));
+        c[i] = make_uint4(c0.x, c0.y, c1.x, c1.y);
+        sc[i] = static_cast<uint32_t>(__ldg(wsr + g0)) | (static_cast<uint32_t>(__ldg(wsr + g1)) << 8);
+      }
+    }
+  };
+
+  const float kInv = 1.f / 2688.f;
+  for (int64_t r0 = 0; r0 < rows; r0 += R) {
+    const int nr = static_cast<int>(min(static_cast<int64_t>(R), rows - r0));
+    uint4 c[NW];
+    uint32_t sc[NW];
+    load(0, c, sc);  // in flight while X is decoded
+    if (r0 > 0) __syncthreads();  // the previous chunk's readers are done with shared memory
+    const int64_t nch = K / 32;   // 32-element chunks (2 blocks) per row
+    for (int64_t q = threadIdx.x; q < nr * nch; q += blockDim.x) {
+      const int r = static_cast<int>(q / nch);
+      const int64_t ch = q % nch, b = 2 * ch, gr = row0 + r0 + r;
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(p.xq + gr * (K / 2) + ch * 16));
+      const uint32_t xsb = __ldg(reinterpret_cast<const uint16_t*>(p.xs + gr * nb + b));
+      uint4 lo, hi;
+      e2m1x32_to_s8(v, lo, hi);
+      uint8_t* dst = sx + r * kpad + (b >> 6) * 1024 + ((b >> 1) & 31) * 16;
+      *reinterpret_cast<uint4*>(dst) = lo;
+      *reinterpret_cast<uint4*>(dst + 512) = hi;
+      *reinterpret_cast<float2*>(sxs + r * nb + b) = make_float2(dev::e4m3_decode(xsb & 0xFFu), dev::e4m3_decode(xsb >> 8));
+    }
+    __syncthreads();
+
+    float acc[R][NW];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int i = 0; i < NW; ++i) acc[r][i] = 0.f;
+    for (int64_t s = 0; s < nsteps; ++s) {
+      uint4 cn[NW];
+      uint32_t scn[NW];
+      if (s + 1 < nsteps) {
+        load(s + 1, cn, scn);
+      } else {
+#pragma unroll
+        for (int i = 0; i < NW; ++i) {
+          cn[i] = make_uint4(0, 0, 0, 0);
+          scn[i] = 0;
+        }
+      }
+      const int64_t b0 = s * 64 + 2 * lane;
+      if (b0 < nb) {
+        uint4 wlo[NW], whi[NW];
+        float ws0[NW], ws1[NW];
+#pragma unroll
+        for (int i = 0; i < NW; ++i) {
+          e2m1x32_to_s8(c[i], wlo[i], whi[i]);
+          ws0[i] = dev::e4m3_decode(sc[i] & 0xFFu);
+          ws1[i] = dev::e4m3_decode((sc[i] >> 8) & 0xFFu);
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          if (r >= nr) break;
+          const uint8_t* xr = sx + r * kpad + s * 1024 + lane * 16;
+          const uint4 xlo = *reinterpret_cast<const uint4*>(xr);
+          const uint4 xhi = *reinterpret_cast<const uint4*>(xr + 512);
+          const float2 xs = *reinterpret_cast<const float2*>(sxs + r * nb + b0);
+#pragma unroll
+          for (int i = 0; i < NW; ++i) {
+            // block terms are exact: |dot| <= 16 * 144 < 2^12 times a product of two E4M3 scales
+            acc[r][i] = __fmaf_rn(static_cast<float>(dot16(wlo[i], xlo)), __fmul_rn(xs.x, ws0[i]), acc[r][i]);
+            acc[r][i] = __fmaf_rn(static_cast<float>(dot16(whi[i], xhi)), __fmul_rn(xs.y, ws1[i]), acc[r][i]);
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < NW; ++i) {
+        c[i] = cn[i];
+        sc[i] = scn[i];
+      }
+    }
+
+    // lanes combine in a fixed butterfly; acc * 2^-16 (exact) is the tile kernels' raw sum (their
+    // operands are code * scale * 2^-7, ours twice the code), then the same epilogue.
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int i = 0; i < NW; ++i) {
+        float v = acc[r][i];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+        const int64_t n = nbase + i;
+        if (lane != 0 || r >= nr || n >= p.N) continue;
+        const int64_t row = row0 + r0 + r;
+        const float rf = p.xamax[p.xamax_row ? row : 0] * kInv * 16384.f;
+        const float out = __fmul_rn(v, 1.f / 65536.f) * rf * (wamax[p.wamax_row ? n : 0] * kInv);
+        float* dst = p.y + row * p.ldy + n;
+        *dst = p.accumulate ? *dst + out : out;
+      }
+  }
+}
+
 __global__ void gather_blocks_kernel(const float* x, int64_t m, int64_t k, const int32_t* blocks, int64_t nsel,
                                      float* out, int64_t out_cols) {
   const int64_t n = m * out_cols;
@@ -490,27 +689,101 @@ void launch(Params p, int splits_req, cudaStream_t s, int groups = 1) {
   }
 }
 
+// GEMV launch plan: R rows of X per pass (shared memory R * (kpad + k/4) bytes, at most
+// kGemvSmemMax so that two CTAs fit an SM), NW weight rows per warp (fewer when the weight rows
+// with work are few, so that about 16 warps per SM stream).
+constexpr int64_t kGemvSmemMax = 100 * 1024;
+struct GemvPlan {
+  int R = 0, NW = 1;
+  int64_t smem = 0;
+};
+GemvPlan gemv_plan(int64_t k, int64_t rows_per_pass, int64_t active_weight_rows) {
+  GemvPlan g;
+  g.R = rows_per_pass <= 1 ? 1 : rows_per_pass <= 2 ? 2 : rows_per_pass <= 4 ? 4 : 8;
+  while (g.R > 1 && gemv_smem(g.R, k) > kGemvSmemMax) g.R /= 2;
+  if (gemv_smem(g.R, k) > kGemvSmemMax) g.R = 0;  // K too long for one row in shared memory
+  g.smem = gemv_smem(std::max(g.R, 1), k);
+  const int64_t want = 16LL * sm_count();  // warps
+  g.NW = active_weight_rows >= 4 * want ? 4 : active_weight_rows >= 2 * want ? 2 : 1;
+  return g;
+}
+
+template <int R, int NW, bool GATHER, bool GROUPED>
+void launch_gemv_k(const Params& p, int64_t smem, dim3 grid, cudaStream_t s) {
+  auto kern = w4a4_gemv_kernel<R, NW, GATHER, GROUPED>;
+  static int64_t smem_set = 48 * 1024;  // per instantiation: the opt-in for more shared memory
+  if (smem > smem_set) {
+    QUADS_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kGemvSmemMax)));
+    smem_set = kGemvSmemMax;
+  }
+  kern<<<grid, 32 * kGemvWarps, static_cast<size_t>(smem), s>>>(p);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+template <int R, bool GATHER, bool GROUPED>
+void launch_gemv_nw(const Params& p, const GemvPlan& g, dim3 grid, cudaStream_t s) {
+  // the RAC residuals are short (a few hundred columns): one weight row per warp
+  if constexpr (GATHER) {
+    launch_gemv_k<R, 1, GATHER, GROUPED>(p, g.smem, grid, s);
+  } else {
+    if (g.NW == 1) launch_gemv_k<R, 1, GATHER, GROUPED>(p, g.smem, grid, s);
+    else if (g.NW == 2) launch_gemv_k<R, 2, GATHER, GROUPED>(p, g.smem, grid, s);
+    else launch_gemv_k<R, 4, GATHER, GROUPED>(p, g.smem, grid, s);
+  }
+}
+// grid_y: 1 for a dense call, min(groups, rows) for a grouped one.
+template <bool GATHER, bool GROUPED>
+void launch_gemv(Params p, GemvPlan g, int64_t grid_y, cudaStream_t s) {
+  QUADS_CHECK(g.R > 0, "w4a4_gemm: K = {} is too long for the GEMV (a row of X must fit in shared memory)", p.K);
+  if (GATHER) g.NW = 1;
+  const int64_t rows_per_cta = int64_t(kGemvWarps) * g.NW;
+  const dim3 grid(static_cast<unsigned>((p.N + rows_per_cta - 1) / rows_per_cta), static_cast<unsigned>(grid_y));
+  switch (g.R) {
+    case 1: launch_gemv_nw<1, GATHER, GROUPED>(p, g, grid, s); break;
+    case 2: launch_gemv_nw<2, GATHER, GROUPED>(p, g, grid, s); break;
+    case 4: launch_gemv_nw<4, GATHER, GROUPED>(p, g, grid, s); break;
+    default: launch_gemv_nw<8, GATHER, GROUPED>(p, g, grid, s); break;
+  }
+}
+
 template <bool GATHER>
 void dispatch(const Params& p, const W4A4Options& opt, cudaStream_t s) {
   W4A4Tile tile = opt.tile;
+  if (tile == W4A4Tile::Auto && p.M <= kGemvAutoMaxRows && gemv_plan(p.K, p.M, p.N).R > 0) tile = W4A4Tile::Gemv;
   // M = 17..32 runs two 16-row tiles over the same weights (measured faster than one 64-row tile).
   if (tile == W4A4Tile::Auto) tile = p.M <= 32 ? W4A4Tile::M16 : p.M <= 64 ? W4A4Tile::M64 : W4A4Tile::M128;
   switch (tile) {
+    case W4A4Tile::Gemv: launch_gemv<GATHER, false>(p, gemv_plan(p.K, p.M, p.N), 1, s); break;
     case W4A4Tile::M16: launch<16, 128, 16, 64, 4, GATHER>(p, opt.splits, s); break;
     case W4A4Tile::M64: launch<64, 128, 32, 64, 4, GATHER>(p, opt.splits, s); break;
     default: launch<128, 128, 64, 64, 3, GATHER>(p, opt.splits, s); break;
   }
 }
 
+// The GEMV plan of a grouped call: rows per pass from the mean rows of a non-empty group (a
+// larger group loops, re-reading its weight rows from L1/L2), warps from the weight rows of the
+// min(groups, rows) groups that can have rows.
+GemvPlan gemv_plan_grouped(int64_t k, int64_t rows, int groups, int64_t n) {
+  const int64_t active = std::min<int64_t>(groups, rows);
+  return gemv_plan(k, (rows + active - 1) / active, active * n);
+}
+
 template <bool GATHER>
-void dispatch_grouped(const Params& p, int groups, int splits, cudaStream_t s) {
+void dispatch_grouped(Params p, int groups, int splits, W4A4Tile tile, cudaStream_t s) {
+  p.groups = groups;
+  if (tile == W4A4Tile::Auto && splits <= 0 && gemv_auto_grouped(p.Mtot, groups, p.M) &&
+      gemv_plan_grouped(p.K, p.Mtot, groups, p.N).R > 0)
+    tile = W4A4Tile::Gemv;
+  if (tile == W4A4Tile::Gemv) {
+    launch_gemv<GATHER, true>(p, gemv_plan_grouped(p.K, p.Mtot, groups, p.N), std::min<int64_t>(groups, p.Mtot), s);
+    return;
+  }
   // p.M is the largest group: decode has a few rows per expert, M16 tiles stream the weights.
-  if (p.M <= 64)
-    launch<16, 128, 16, 64, 4, GATHER, true>(p, splits, s, groups);
-  else if (p.M <= 256)
-    launch<64, 128, 32, 64, 4, GATHER, true>(p, splits, s, groups);
-  else
-    launch<128, 128, 64, 64, 3, GATHER, true>(p, splits, s, groups);
+  if (tile == W4A4Tile::Auto) tile = p.M <= 64 ? W4A4Tile::M16 : p.M <= 256 ? W4A4Tile::M64 : W4A4Tile::M128;
+  switch (tile) {
+    case W4A4Tile::M16: launch<16, 128, 16, 64, 4, GATHER, true>(p, splits, s, groups); break;
+    case W4A4Tile::M64: launch<64, 128, 32, 64, 4, GATHER, true>(p, splits, s, groups); break;
+    default: launch<128, 128, 64, 64, 3, GATHER, true>(p, splits, s, groups); break;
+  }
 }
 
 Params make_params(const Nvfp4View& x, const Nvfp4View& w, float* y, bool accumulate) {
@@ -535,6 +808,12 @@ Params make_params(const Nvfp4View& x, const Nvfp4View& w, float* y, bool accumu
 }
 
 }  // namespace
+
+bool gemv_auto_grouped(int64_t x_rows, int groups, int64_t max_rows) {
+  // decode: a few tokens' rows spread over the experts (max_rows is the token count)
+  const int64_t active = std::min<int64_t>(groups, x_rows);
+  return active > 0 && max_rows <= kGemvAutoGroupedMaxRows && x_rows <= kGemvAutoMaxRows * active;
+}
 
 Nvfp4View nvfp4_view(const DeviceQTensor& q, const char* what) {
   QUADS_CHECK(q.cfg.scheme == num::Scheme::NVFP4 && q.cfg.element == num::Format::E2M1,
@@ -572,7 +851,8 @@ void w4a4_gemm_gather(const Nvfp4View& xr, const Nvfp4View& w, const int32_t* bl
 }
 
 void w4a4_gemm_grouped(const Nvfp4View& x, const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n, int groups,
-                       const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t s, int splits) {
+                       const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t s, int splits,
+                       W4A4Tile tile) {
   QUADS_CHECK(x.k % 64 == 0, "w4a4_gemm_grouped: K = {} must be a multiple of 64", x.k);
   QUADS_CHECK(groups > 0 && groups <= 65535, "w4a4_gemm_grouped: {} groups (1..65535)", groups);
   if (x.rows == 0 || n == 0 || max_rows <= 0) return;
@@ -585,12 +865,12 @@ void w4a4_gemm_grouped(const Nvfp4View& x, const Nvfp4Weight* w_table, bool w_am
   p.Mtot = x.rows;
   p.eoff = eoff;
   p.wtab = w_table;
-  dispatch_grouped<false>(p, groups, splits, s);
+  dispatch_grouped<false>(p, groups, splits, tile, s);
 }
 
 void w4a4_gemm_grouped_gather(const Nvfp4View& xr, const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n,
                               int64_t w_k, int groups, const int32_t* eoff, int64_t max_rows, const int32_t* blocks,
-                              float* y, int64_t ldy, cudaStream_t s, int splits) {
+                              float* y, int64_t ldy, cudaStream_t s, int splits, W4A4Tile tile) {
   QUADS_CHECK(xr.k % 64 == 0, "w4a4_gemm_grouped_gather: the residual's K = {} must be a multiple of 64", xr.k);
   QUADS_CHECK(w_k % 64 == 0, "w4a4_gemm_grouped_gather: W's K = {} must be a multiple of 64", w_k);
   QUADS_CHECK(ldy >= n, "w4a4_gemm_grouped_gather: ldy = {} < n = {}", ldy, n);
@@ -608,7 +888,7 @@ void w4a4_gemm_grouped_gather(const Nvfp4View& xr, const Nvfp4Weight* w_table, b
   p.wtab = w_table;
   p.blk = blocks;
   p.blk_stride = xr.k / 16;
-  dispatch_grouped<true>(p, groups, splits, s);
+  dispatch_grouped<true>(p, groups, splits, tile, s);
 }
 
 void gather_blocks(const float* x, int64_t m, int64_t k, const int32_t* blocks, int64_t nsel, float* out,

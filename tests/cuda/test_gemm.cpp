@@ -89,8 +89,9 @@ TEST(CudaGemm, W4A4MatchesDequantizedCpuGemm) {
         ref_gemm(dequant_cpu(xq), dequant_cpu(wq), s.m, s.n, s.k, ref, absref);
         DeviceQTensor dxq = to_device(xq), dwq = to_device(wq);
         DeviceArray<float> y(s.m * s.n);
-        for (W4A4Tile tile : {W4A4Tile::M16, W4A4Tile::M64, W4A4Tile::M128})
+        for (W4A4Tile tile : {W4A4Tile::M16, W4A4Tile::M64, W4A4Tile::M128, W4A4Tile::Gemv})
           for (int splits : {1, 0, 3}) {
+            if (tile == W4A4Tile::Gemv && splits != 1) continue;  // the GEMV does not split K
             const std::string what = "M=" + std::to_string(s.m) + " N=" + std::to_string(s.n) + " K=" +
                                      std::to_string(s.k) + " tile=" + std::to_string(static_cast<int>(tile)) +
                                      " splits=" + std::to_string(splits) + (x_row ? " x per-row" : "") +
@@ -176,13 +177,96 @@ TEST(CudaGemm, RacGatherGemm) {
 
       DeviceQTensor drq = to_device(rq), dwq = to_device(wq);
       DeviceArray<float> y(s.m * s.n);
-      for (W4A4Tile tile : {W4A4Tile::Auto, W4A4Tile::M128}) {
+      for (W4A4Tile tile : {W4A4Tile::Auto, W4A4Tile::M128, W4A4Tile::Gemv}) {
         y.fill_bytes(0xFF);
         W4A4Options opt;
         opt.tile = tile;
         w4a4_gemm_gather(nvfp4_view(drq), nvfp4_view(dwq), dblocks.data(), y.data(), false, nullptr, opt);
         expect_close(y.download(), ref, absref, 1e-5, 1e-4, "gather nsel=" + std::to_string(nsel) + " M=" + std::to_string(s.m));
       }
+    }
+  }
+}
+
+// The decode GEMV against float64 GEMM of the CPU-dequantized operands: few and odd row counts
+// (R = 1, 2, 4, 8 rows per pass, 13 in two passes), odd N (a CTA's last warps without rows), K
+// from one partial 1024-step to several, per-row and per-tensor amax of both operands,
+// overwrite and accumulate; two runs give the same bits, and Auto takes the GEMV up to
+// kGemvAutoMaxRows rows (same bits as the explicit choice).
+TEST(CudaGemm, GemvMatchesDequantizedCpuGemm) {
+  QUADS_REQUIRE_GPU();
+  uint64_t seed = 500;
+  for (int64_t K : {64, 192, 2048, 4096})
+    for (int64_t M : {1, 2, 3, 5, 8, 13}) {
+      // odd N: 8 weight rows per CTA, the last CTA partly empty; 16x16 weight blocks need N % 16 == 0
+      const bool w2d = M % 3 == 0;
+      const int64_t N = w2d ? 80 : K >= 2048 ? 67 : 333;
+      const bool per_row = (M + K / 64) % 2 == 0;  // both amax modes over the shapes
+      QConfig xc = QConfig::nvfp4_act(), wc = QConfig::nvfp4_weight(w2d);
+      xc.global = per_row ? Global::PerRow : Global::PerTensor;
+      if (per_row && !w2d) wc.global = Global::PerRow;
+      const std::vector<float> x = random_matrix(M, K, seed++), w = random_matrix(N, K, seed++);
+      const std::vector<float> y0 = random_matrix(M, N, seed++);
+      const num::QTensor xq = num::quantize(x.data(), M, K, xc), wq = num::quantize(w.data(), N, K, wc);
+      std::vector<double> ref, absref;
+      ref_gemm(dequant_cpu(xq), dequant_cpu(wq), M, N, K, ref, absref);
+      DeviceQTensor dxq = to_device(xq), dwq = to_device(wq);
+      const std::string what = "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) +
+                               (per_row ? " per-row amax" : " per-tensor amax");
+      W4A4Options opt;
+      opt.tile = W4A4Tile::Gemv;
+      DeviceArray<float> y(M * N);
+      y.fill_bytes(0xFF);  // NaN poison: every output must be written
+      w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), y.data(), false, nullptr, opt);
+      const std::vector<float> first = y.download();
+      expect_close(first, ref, absref, 1e-5, 1e-4, what);
+      y.fill_bytes(0xFF);
+      w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), y.data(), false, nullptr, opt);
+      EXPECT_EQ(first_float_mismatch(first, y.download()), -1) << what << ": repeat run differs";
+      if (M <= kGemvAutoMaxRows) {
+        y.fill_bytes(0xFF);
+        w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), y.data(), false, nullptr, {});
+        EXPECT_EQ(first_float_mismatch(first, y.download()), -1) << what << ": Auto is not the GEMV";
+      }
+      // accumulate: y0 + X.W^T
+      y.upload(y0);
+      w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), y.data(), true, nullptr, opt);
+      std::vector<double> refa = ref, absa = absref;
+      for (size_t i = 0; i < refa.size(); ++i) {
+        refa[i] += y0[i];
+        absa[i] += std::fabs(y0[i]);
+      }
+      expect_close(y.download(), refa, absa, 1e-5, 1e-4, what + " accumulate");
+    }
+}
+
+// A row's GEMV output does not depend on the other rows: the first and last rows of a 7-row call
+// (passes of 4 rows) equal one-row calls bit for bit, with 1, 2 and 4 weight rows per warp.
+TEST(CudaGemm, GemvRowIndependentOfM) {
+  QUADS_REQUIRE_GPU();
+  struct NK {
+    int64_t n, k;
+  };
+  for (const NK& s : {NK{40, 1024}, NK{20000, 2048}, NK{20000, 1024}}) {
+    const int64_t M = 7, N = s.n, K = s.k;
+    const std::vector<float> x = random_matrix(M, K, 71 + N), w = random_matrix(N, K, 72 + N);
+    const num::QTensor xq = num::quantize(x.data(), M, K, QConfig::nvfp4_act());
+    const num::QTensor wq = num::quantize(w.data(), N, K, QConfig::nvfp4_weight(false));
+    DeviceQTensor dxq = to_device(xq), dwq = to_device(wq);
+    W4A4Options opt;
+    opt.tile = W4A4Tile::Gemv;
+    DeviceArray<float> ym(M * N), y1(N);
+    w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), ym.data(), false, nullptr, opt);
+    Nvfp4View x1 = nvfp4_view(dxq);
+    for (int64_t r : {int64_t(0), M - 1}) {
+      x1.codes = dxq.codes.data() + r * K / 2;
+      x1.scales = dxq.scales.data() + r * K / 16;
+      if (x1.amax_per_row) x1.amax = dxq.amax.data() + r;
+      x1.rows = 1;
+      w4a4_gemm_emulated(x1, nvfp4_view(dwq), y1.data(), false, nullptr, opt);
+      const std::vector<float> all = ym.download();
+      const std::vector<float> one(all.begin() + r * N, all.begin() + (r + 1) * N);
+      EXPECT_EQ(first_float_mismatch(one, y1.download()), -1) << "N=" << N << " K=" << K << " row " << r;
     }
   }
 }

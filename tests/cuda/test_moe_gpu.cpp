@@ -500,6 +500,119 @@ TEST(CudaMoe, GroupedRacGemmEqualsPerExpert) {
   }
 }
 
+// The grouped GEMV (tile Gemv) gives each expert's dense GEMV bits: over more than 32 groups
+// (the CTAs find the j-th non-empty group 32 at a time), empty groups, groups larger than a pass
+// of rows, per-tensor and per-row weight amax; Auto takes it for decode-like calls. The grouped
+// RAC GEMV (gather, y with a row stride) equals the per-expert gather GEMV likewise.
+TEST(CudaMoe, GroupedGemvEqualsPerExpertGemv) {
+  QUADS_REQUIRE_GPU();
+  struct Case {
+    std::vector<int> sizes;
+    int64_t N, K;
+    bool w_row;  // per-row weight amax
+  };
+  std::vector<int> many(70, 0);  // decode-like: 16 rows over 5 of 70 experts
+  many[0] = 3, many[5] = 1, many[33] = 9, many[40] = 2, many[69] = 1;
+  for (const Case& c : {Case{many, 200, 256, false}, Case{{3, 0, 17, 1, 0, 40}, 77, 1152, true}}) {
+    const std::vector<int>& sizes = c.sizes;
+    const int64_t N = c.N, K = c.K;
+    const int E = static_cast<int>(sizes.size());
+    const std::vector<int32_t> off = offsets_of(sizes);
+    const int64_t R = off[E];
+    int max_rows = 0;
+    for (int s : sizes) max_rows = std::max(max_rows, s);
+    num::QConfig xc = num::QConfig::nvfp4_act();
+    xc.global = num::Global::PerRow;
+    cuda::DeviceArray<float> dx = dev(random_matrix(R, K, 17));
+    cuda::DeviceQTensor xq = cuda::make_qtensor(R, K, xc);
+    cuda::quantize(dx.data(), xq);
+    const cuda::Nvfp4View xv = cuda::nvfp4_view(xq, "x");
+    num::QConfig wc = num::QConfig::nvfp4_weight(false);
+    if (c.w_row) wc.global = num::Global::PerRow;
+    std::vector<cuda::DeviceQTensor> wq;
+    std::vector<cuda::Nvfp4Weight> tab;
+    for (int e = 0; e < E; ++e) {
+      DeviceArray<float> dw = dev(random_matrix(N, K, 300 + e));
+      wq.push_back(cuda::make_qtensor(N, K, wc));
+      cuda::quantize(dw.data(), wq.back());
+      QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+      const cuda::Nvfp4View v = cuda::nvfp4_view(wq.back(), "w");
+      tab.push_back({v.codes, v.scales, v.amax});
+    }
+    DeviceArray<cuda::Nvfp4Weight> dtab = dev(tab);
+    DeviceArray<int32_t> deoff = dev(off);
+    cuda::W4A4Options opt;
+    opt.tile = cuda::W4A4Tile::Gemv;
+    auto expert_x = [&](const cuda::Nvfp4View& v, int e, int64_t k) {
+      cuda::Nvfp4View xe = v;
+      xe.codes += off[e] * k / 2;
+      xe.scales += off[e] * k / 16;
+      xe.amax += off[e];
+      xe.rows = sizes[e];
+      return xe;
+    };
+    const std::string what = std::to_string(E) + " groups, N " + std::to_string(N) + " K " + std::to_string(K);
+
+    DeviceArray<float> y(R * N), yref(R * N);
+    y.fill_bytes(0xFF);  // NaN: every row must be written
+    yref.fill_bytes(0xFF);
+    cuda::w4a4_gemm_grouped(xv, dtab.data(), c.w_row, N, E, deoff.data(), max_rows, y.data(), nullptr, 0,
+                            cuda::W4A4Tile::Gemv);
+    for (int e = 0; e < E; ++e)
+      if (sizes[e] > 0)
+        cuda::w4a4_gemm_emulated(expert_x(xv, e, K), cuda::nvfp4_view(wq[e], "w"), yref.data() + off[e] * N, false,
+                                 nullptr, opt);
+    const std::vector<float> got = y.download(), ref = yref.download();
+    EXPECT_EQ(first_float_mismatch(got, ref), -1) << what;
+    // against the tile kernel: the same sums up to their order
+    cuda::w4a4_gemm_grouped(xv, dtab.data(), c.w_row, N, E, deoff.data(), max_rows, y.data(), nullptr, 1,
+                            cuda::W4A4Tile::M16);
+    const std::vector<float> tiled = y.download();
+    double err = 0, mag = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      err = std::max(err, std::fabs(double(tiled[i]) - ref[i]));
+      mag = std::max(mag, std::fabs(double(ref[i])));
+    }
+    EXPECT_LE(err, 1e-5 * mag) << what;
+    EXPECT_GT(mag, 0.0);
+    if (cuda::gemv_auto_grouped(R, E, max_rows)) {
+      y.fill_bytes(0xFF);
+      cuda::w4a4_gemm_grouped(xv, dtab.data(), c.w_row, N, E, deoff.data(), max_rows, y.data());
+      EXPECT_EQ(first_float_mismatch(y.download(), ref), -1) << what << ": Auto is not the GEMV";
+    }
+
+    // RAC: each expert's own blocks of W, compact residual of nb blocks, y with a row stride
+    const int64_t nb = 8, cols = nb * 16, ldy = N + 5;
+    std::vector<int32_t> blocks(size_t(E * nb));
+    std::mt19937 rng(5);
+    for (auto& b : blocks) b = static_cast<int32_t>(rng() % (K / 16));
+    DeviceArray<int32_t> dblk = dev(blocks);
+    cuda::DeviceArray<float> dr = dev(random_matrix(R, cols, 19));
+    cuda::DeviceQTensor rq = cuda::make_qtensor(R, cols, xc);
+    cuda::quantize(dr.data(), rq);
+    const cuda::Nvfp4View rv = cuda::nvfp4_view(rq, "residual");
+    const std::vector<float> y0 = random_matrix(R, ldy, 23);
+    DeviceArray<float> yg = dev(y0);
+    cuda::w4a4_gemm_grouped_gather(rv, dtab.data(), c.w_row, N, K, E, deoff.data(), max_rows, dblk.data(), yg.data(),
+                                   ldy, nullptr, 0, cuda::W4A4Tile::Gemv);
+    std::vector<float> want = y0;
+    for (int e = 0; e < E; ++e) {
+      if (sizes[e] == 0) continue;
+      DeviceArray<float> ye(int64_t(sizes[e]) * N);
+      ye.fill_bytes(0);
+      cuda::w4a4_gemm_gather(expert_x(rv, e, cols), cuda::nvfp4_view(wq[e], "w"), dblk.data() + e * nb, ye.data(),
+                             true, nullptr, opt);
+      const std::vector<float> he = ye.download();
+      for (int r = 0; r < sizes[e]; ++r)
+        for (int64_t n = 0; n < N; ++n) want[size_t((off[e] + r) * ldy + n)] += he[size_t(r * N + n)];
+    }
+    const std::vector<float> gg = yg.download();
+    EXPECT_EQ(first_float_mismatch(gg, want), -1) << what << " (gather)";
+    for (int64_t r = 0; r < R; ++r)  // columns past N are the caller's
+      for (int64_t n = N; n < ldy; ++n) ASSERT_EQ(gg[size_t(r * ldy + n)], y0[size_t(r * ldy + n)]);
+  }
+}
+
 // nvfp4+RAC on a model whose expert projections are all W4A4: the experts' RAC runs grouped (no
 // host sync, so decode steps become graphs) and agrees with the per-expert RAC path.
 TEST(CudaModelGpu, GroupedRacEqualsPerExpertRac) {
