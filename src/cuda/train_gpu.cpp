@@ -232,6 +232,7 @@ struct GpuTrainer::Impl {
   std::vector<LayerIdx> layers;
   int lm_head = -1;
   bool any_exact = false, any_fast = false;
+  int64_t bf16_fast_params = 0;  // weights of the linears whose fast-path operand is plain BF16
 
   cudaStream_t stream = nullptr;
   cublasHandle_t blas = nullptr;
@@ -336,6 +337,7 @@ struct GpuTrainer::Impl {
     attn_tc = !any_exact;
     if (const char* e = std::getenv("QUADS_GPU_TRAIN_ATTN"); e && *e) set_attention(e);
     if (const char* e = std::getenv("QUADS_GPU_TRAIN_LT"); e && *e) lt_on = std::string(e) != "0";
+    if (const char* e = std::getenv("QUADS_GPU_TRAIN_GRAPHS"); e && *e) requant_graphs = std::string(e) != "0";
     if (const char* e = std::getenv("QUADS_GPU_TRAIN_GROUPED"); e && *e) {
       const std::string v = e;
       set_expert_gemms(v == "0" ? "per-expert" : v == "1" ? "grouped" : v);
@@ -352,6 +354,8 @@ struct GpuTrainer::Impl {
     bad_d.fill_bytes(0);
   }
   ~Impl() {
+    for (cudaGraphExec_t e : requant_exec)
+      if (e) cudaGraphExecDestroy(e);
     for (cudaEvent_t e : ev) cudaEventDestroy(e);
     for (int i = 1; i < kLanes; ++i) {
       if (lane_blas[i]) cublasDestroy(lane_blas[i]);
@@ -385,6 +389,7 @@ struct GpuTrainer::Impl {
     L.path = choose_path(L.num);
     any_exact |= L.path == Path::Exact;
     any_fast |= L.path == Path::Fast;
+    if (L.path == Path::Fast && L.num.weight.kind == QuantKind::BF16) bf16_fast_params += out * in;
     lin.push_back(std::move(L));
     return static_cast<int>(lin.size()) - 1;
   }
@@ -425,7 +430,46 @@ struct GpuTrainer::Impl {
   // ---- weights
 
   // Every linear's effective weight from the masters (model::Model::sync).
-  void requantize() {
+  // bf16_done: the fast path's BF16 operands are already written (kern::adamw's bf16_out).
+  // The launches (a quantization and an operand conversion per NVFP4 linear: ~4700 small kernels
+  // per step for QAT on the peer model, 33 ms) are a CUDA graph after the first call; every
+  // pointer they use is fixed for the trainer's life. QUADS_GPU_TRAIN_GRAPHS=0 keeps them eager.
+  void requantize(bool bf16_done = false) {
+    cudaGraphExec_t& ex = requant_exec[bf16_done ? 1 : 0];
+    if (requant_graphs && !ex) {
+      cudaGraph_t graph = nullptr;
+      QUADS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      bool ok = true;
+      try {
+        requantize_launches(bf16_done);
+      } catch (const Error&) {
+        ok = false;
+      }
+      const cudaError_t end = cudaStreamEndCapture(stream, &graph);
+      ok = ok && end == cudaSuccess && graph && cudaGraphInstantiate(&ex, graph, 0) == cudaSuccess;
+      if (graph) cudaGraphDestroy(graph);
+      if (!ok) {  // stay eager from now on
+        (void)cudaGetLastError();
+        if (ex) cudaGraphExecDestroy(ex);
+        ex = nullptr;
+        requant_graphs = false;
+      }
+    }
+    if (ex)
+      QUADS_CUDA_CHECK(cudaGraphLaunch(ex, stream));
+    else
+      requantize_launches(bf16_done);
+    // The grouped expert GEMMs take their alphas from the host.
+    if (any_fast && expert_mode == ExpertGemms::Grouped) {
+      QUADS_CUDA_CHECK(cudaMemcpyAsync(halpha.data(), alphas.data(), sizeof(float) * lin.size(), cudaMemcpyDeviceToHost,
+                                       stream));
+      QUADS_CUDA_CHECK(cudaStreamSynchronize(stream));
+    }
+  }
+  bool requant_graphs = true;
+  cudaGraphExec_t requant_exec[2] = {};
+
+  void requantize_launches(bool bf16_done) {
     // BF16 operands of adjacent linears (a layer's experts lie one after another) convert in one
     // launch: one per linear was ~1600 small kernels per step on the peer model (15 ms).
     size_t run_off = 0;
@@ -439,6 +483,7 @@ struct GpuTrainer::Impl {
       const float* src = master.data() + L.offset;
       const int64_t n = L.out * L.in;
       if (L.path != Path::Exact && L.num.weight.kind == QuantKind::BF16) {
+        if (bf16_done) continue;
         if (run_n > 0 && run_off + size_t(run_n) == L.offset) {
           run_n += n;
         } else {
@@ -469,12 +514,6 @@ struct GpuTrainer::Impl {
       }
     }
     flush_bf16();
-    // The grouped expert GEMMs take their alphas from the host.
-    if (any_fast) {
-      QUADS_CUDA_CHECK(cudaMemcpyAsync(halpha.data(), alphas.data(), sizeof(float) * lin.size(), cudaMemcpyDeviceToHost,
-                                       stream));
-      QUADS_CUDA_CHECK(cudaStreamSynchronize(stream));
-    }
   }
 
   void check_layout(const model::Weights& w, const char* what) const {
@@ -500,7 +539,13 @@ struct GpuTrainer::Impl {
   }
   void set_expert_gemms(const std::string& v) {
     if (v == "per-expert") expert_mode = ExpertGemms::PerExpert;
-    else if (v == "grouped") expert_mode = ExpertGemms::Grouped;
+    else if (v == "grouped") {
+      expert_mode = ExpertGemms::Grouped;
+      if (any_fast && alphas.size() == lin.size()) {  // requantize() keeps halpha from now on
+        QUADS_CUDA_CHECK(cudaStreamSynchronize(stream));
+        QUADS_CUDA_CHECK(cudaMemcpy(halpha.data(), alphas.data(), sizeof(float) * lin.size(), cudaMemcpyDeviceToHost));
+      }
+    }
     else if (v == "streams") expert_mode = ExpertGemms::Streams;
     else fail("GpuTrainer: expert GEMMs '{}' (QUADS_GPU_TRAIN_GROUPED): expected per-expert (0), grouped (1) or streams", v);
   }
@@ -1345,9 +1390,10 @@ double GpuTrainer::adamw_step(const train::AdamWConfig& c, int64_t t, double lr_
   QUADS_CUDA_CHECK(cudaMemcpyAsync(&norm, m.norm_out.data(), sizeof(double), cudaMemcpyDeviceToHost, m.stream));
   QUADS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
   // train::AdamW::step, constant for constant.
+  float clip = 1.f;  // applied inside the AdamW pass (kern::scale's multiply)
   if (c.max_grad_norm > 0) {
     const double coef = c.max_grad_norm / (norm + 1e-6);
-    if (coef < 1.0) kern::scale(m.grads.data(), n, static_cast<float>(coef), m.stream);
+    if (coef < 1.0) clip = static_cast<float>(coef);
   }
   const double lr = lr_override > 0 ? lr_override : c.lr;
   const float b1 = static_cast<float>(c.beta1), b2 = static_cast<float>(c.beta2);
@@ -1355,10 +1401,13 @@ double GpuTrainer::adamw_step(const train::AdamWConfig& c, int64_t t, double lr_
   const float bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(c.beta2, double(t))));
   const float eps = static_cast<float>(c.eps);
   const float decay = static_cast<float>(1.0 - lr * c.weight_decay);
+  // Where BF16 operands are most of the weights (the bf16 preset) AdamW writes them for every
+  // parameter in its pass; requantize() then skips them.
+  const bool bf16_fused = 2 * m.bf16_fast_params > n;
   kern::adamw(m.master.data(), m.grads.data(), m.adam_m.data(), m.adam_v.data(), m.decay_mask.data(), n, b1, b2,
-              step_size, bc2_sqrt, eps, decay, m.stream);
+              step_size, bc2_sqrt, eps, decay, m.stream, clip, bf16_fused ? m.wb.data() : nullptr);
   m.tick(Impl::kOpt);
-  m.requantize();
+  m.requantize(bf16_fused);
   m.tick(Impl::kRequant);
   m.collect();
   return norm;

@@ -14,6 +14,7 @@
 
 #include "common/error.h"
 #include "cuda/check.h"
+#include "cuda/codecs.cuh"
 #include "cuda/kernel_util.cuh"
 #include "cuda/train_kernels.h"
 
@@ -946,12 +947,19 @@ __global__ void scale_kernel(float* __restrict__ x, int64_t n, float coef) {
 }
 
 // train::AdamW::step's element update, operation by operation.
-__global__ void adamw_kernel(float* __restrict__ params, const float* __restrict__ grads, float* __restrict__ m,
+// clip != 1: the gradient is first clipped (scale_kernel's multiply, written back); bf16_out: the
+// new parameter's BF16 bits as well (the trainer's BF16 GEMM operands).
+__global__ void adamw_kernel(float* __restrict__ params, float* __restrict__ grads, float* __restrict__ m,
                              float* __restrict__ v, const uint8_t* __restrict__ mask, int64_t n, float b1, float b2,
-                             float step_size, float bc2_sqrt, float eps, float decay) {
+                             float step_size, float bc2_sqrt, float eps, float decay, float clip,
+                             uint16_t* __restrict__ bf16_out) {
   const float c1 = __fsub_rn(1.f, b1), c2 = __fsub_rn(1.f, b2);
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const float g = grads[i];
+    float g = grads[i];
+    if (clip != 1.f) {
+      g = __fmul_rn(g, clip);
+      grads[i] = g;
+    }
     const float f = (mask == nullptr || mask[i]) ? decay : 1.f;
     const float p = __fmul_rn(params[i], f);
     const float mi = __fadd_rn(__fmul_rn(b1, m[i]), __fmul_rn(c1, g));
@@ -959,7 +967,9 @@ __global__ void adamw_kernel(float* __restrict__ params, const float* __restrict
     m[i] = mi;
     v[i] = vi;
     const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
-    params[i] = __fsub_rn(p, __fmul_rn(step_size, __fdiv_rn(mi, denom)));
+    const float pn = __fsub_rn(p, __fmul_rn(step_size, __fdiv_rn(mi, denom)));
+    params[i] = pn;
+    if (bf16_out) bf16_out[i] = static_cast<uint16_t>(dev::bf16_encode(pn));
   }
 }
 
@@ -1175,10 +1185,11 @@ void scale(float* x, int64_t n, float coef, cudaStream_t s) {
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
-void adamw(float* params, const float* grads, float* m, float* v, const uint8_t* mask, int64_t n, float b1, float b2,
-           float step_size, float bc2_sqrt, float eps, float decay, cudaStream_t s) {
+void adamw(float* params, float* grads, float* m, float* v, const uint8_t* mask, int64_t n, float b1, float b2,
+           float step_size, float bc2_sqrt, float eps, float decay, cudaStream_t s, float clip, uint16_t* bf16_out) {
   if (n == 0) return;
-  adamw_kernel<<<grid_for(n), kThreads, 0, s>>>(params, grads, m, v, mask, n, b1, b2, step_size, bc2_sqrt, eps, decay);
+  adamw_kernel<<<grid_for(n), kThreads, 0, s>>>(params, grads, m, v, mask, n, b1, b2, step_size, bc2_sqrt, eps, decay,
+                                                 clip, bf16_out);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 

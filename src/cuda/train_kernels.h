@@ -87,8 +87,11 @@ void global_norm(const float* g, int64_t n, double* scratch, double* out, cudaSt
 // grads *= coef (clipping).
 void scale(float* x, int64_t n, float coef, cudaStream_t s);
 // One AdamW step over n parameters with the float32 constants train::AdamW::step computes on the
-// host (decay = 1 - lr * wd where mask[i] != 0 or mask is null).
-void adamw(float* params, const float* grads, float* m, float* v, const uint8_t* mask, int64_t n, float b1, float b2,
-           float step_size, float bc2_sqrt, float eps, float decay, cudaStream_t s);
+// host (decay = 1 - lr * wd where mask[i] != 0 or mask is null). clip != 1 first clips the
+// gradients in place (scale()'s multiply, in the same pass); bf16_out (optional) receives the new
+// parameters' BF16 bits (one pass instead of AdamW, then a conversion).
+void adamw(float* params, float* grads, float* m, float* v, const uint8_t* mask, int64_t n, float b1, float b2,
+           float step_size, float bc2_sqrt, float eps, float decay, cudaStream_t s, float clip = 1.f,
+           uint16_t* bf16_out = nullptr);
 
 }  // namespace quads::cuda::kern

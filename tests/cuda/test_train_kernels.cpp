@@ -499,6 +499,34 @@ TEST(CudaTrainKernels, OptimizerMatchesCpu) {
     EXPECT_EQ(first_float_mismatch(gm.download(), opt.m), -1) << "m, step " << step;
     EXPECT_EQ(first_float_mismatch(gv.download(), opt.v), -1) << "v, step " << step;
   }
+  // Clipping and the BF16 copy inside the AdamW pass: the same bits as scale() then adamw(), and
+  // the BF16 operand of every new parameter.
+  {
+    train::AdamW ref(n, cfg, mask);
+    auto p0 = randn(n, 95);
+    std::vector<float> p1 = p0;
+    DeviceArray<float> fp = dev(p0), fm(n), fv(n);
+    fm.fill_bytes(0);
+    fv.fill_bytes(0);
+    DeviceArray<uint16_t> fb(n);
+    for (int step = 1; step <= 2; ++step) {
+      auto grads = randn(n, 96 + step, 0.1f);
+      DeviceArray<float> fg = dev(grads);
+      const double cpu_norm = ref.step(p1.data(), grads.data());
+      const double coef = cfg.max_grad_norm / (cpu_norm + 1e-6);
+      ASSERT_LT(coef, 1.0);  // the clipping path
+      const double lr = cfg.lr;
+      kern::adamw(fp.data(), fg.data(), fm.data(), fv.data(), gmask.data(), n, static_cast<float>(cfg.beta1),
+                  static_cast<float>(cfg.beta2), static_cast<float>(lr / (1.0 - std::pow(cfg.beta1, double(step)))),
+                  static_cast<float>(std::sqrt(1.0 - std::pow(cfg.beta2, double(step)))), static_cast<float>(cfg.eps),
+                  static_cast<float>(1.0 - lr * cfg.weight_decay), nullptr, static_cast<float>(coef), fb.data());
+      device_sync();
+      EXPECT_EQ(first_float_mismatch(fg.download(), grads), -1) << "fused clip, step " << step;
+      EXPECT_EQ(first_float_mismatch(fp.download(), p1), -1) << "fused params, step " << step;
+      const std::vector<uint16_t> hb = fb.download();
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hb[i], num::bf16_from_f32(p1[i])) << i;
+    }
+  }
   // No mask: everything decays.
   train::AdamW plain(n, cfg);
   auto p2 = randn(n, 90), g2 = randn(n, 91, 1e-4f);
