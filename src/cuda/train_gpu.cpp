@@ -246,7 +246,7 @@ struct GpuTrainer::Impl {
 
   DeviceArray<float> master, grads, weff;  // weights layout
   DeviceArray<uint16_t> wb;                 // fast path BF16 weight operands, weights layout
-  std::map<std::pair<int64_t, int64_t>, DeviceQTensor> qtmp;  // NVFP4 quantization scratch per shape
+  std::map<std::tuple<int64_t, int64_t, int>, DeviceQTensor> qtmp;  // NVFP4 quantization scratch per shape, lane
   DeviceArray<float> adam_m, adam_v;
   DeviceArray<uint8_t> decay_mask;
   DeviceArray<double> norm_scratch, norm_out;
@@ -436,7 +436,9 @@ struct GpuTrainer::Impl {
   // pointer they use is fixed for the trainer's life. QUADS_GPU_TRAIN_GRAPHS=0 keeps them eager.
   void requantize(bool bf16_done = false) {
     cudaGraphExec_t& ex = requant_exec[bf16_done ? 1 : 0];
-    if (requant_graphs && !ex) {
+    // The first call runs eagerly: it allocates the quantization scratch (no cudaMalloc while
+    // a stream is being captured).
+    if (requant_graphs && !ex && requant_calls++ > 0) {
       cudaGraph_t graph = nullptr;
       QUADS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
       bool ok = true;
@@ -467,9 +469,11 @@ struct GpuTrainer::Impl {
     }
   }
   bool requant_graphs = true;
+  int64_t requant_calls = 0;
   cudaGraphExec_t requant_exec[2] = {};
 
   void requantize_launches(bool bf16_done) {
+    int64_t nvfp4_count = 0;
     // BF16 operands of adjacent linears (a layer's experts lie one after another) convert in one
     // launch: one per linear was ~1600 small kernels per step on the peer model (15 ms).
     size_t run_off = 0;
@@ -504,16 +508,22 @@ struct GpuTrainer::Impl {
           case QuantKind::Quant: fake_quantize(src, dst, L.out, L.in, L.num.weight.cfg, stream); break;
         }
       } else {
-        auto key = std::make_pair(L.out, L.in);
+        // NVFP4 operands: a chain of small kernels each (amax, quantize, BF16 operand), round-robin
+        // over the lanes so that several chains fill the GPU; a scratch per shape and lane.
+        if (nvfp4_count++ == 0) fork_lanes();
+        const int lane = static_cast<int>(nvfp4_count % kLanes);
+        auto key = std::make_tuple(L.out, L.in, lane);
         auto it = qtmp.find(key);
         if (it == qtmp.end()) it = qtmp.emplace(key, make_qtensor(L.out, L.in, L.num.weight.cfg)).first;
         DeviceQTensor& q = it->second;
-        quantize(src, q, stream);
+        cudaStream_t ls = lane_stream[lane];
+        quantize(src, q, ls);
         kern::nvfp4_weight_bf16(q.codes.data(), q.scales.data(), q.amax.data(), L.out, L.in, wb.data() + L.offset,
-                                alphas.data() + i, stream);
+                                alphas.data() + i, ls);
       }
     }
     flush_bf16();
+    if (nvfp4_count > 0) join_lanes();
   }
 
   void check_layout(const model::Weights& w, const char* what) const {
@@ -659,7 +669,8 @@ struct GpuTrainer::Impl {
 
   // Each expert's GEMMs in order on stream lane % kLanes (the main stream is lane 0): the same
   // cuBLAS problems as the per-expert path on handles configured alike.
-  void run_streams() {
+  // The streams (and their cuBLAS handles) of lanes 1 .. kLanes-1.
+  void ensure_lanes() {
     if (!fork_ev) {
       QUADS_CUDA_CHECK(cudaEventCreateWithFlags(&fork_ev, cudaEventDisableTiming));
       lane_stream[0] = stream;
@@ -675,15 +686,27 @@ struct GpuTrainer::Impl {
         QUADS_CUBLAS_CHECK(cublasSetPointerMode(lane_blas[i], CUBLAS_POINTER_MODE_DEVICE));
       }
     }
+  }
+  // Lanes 1.. start after the work queued on the main stream so far; join_lanes makes the main
+  // stream wait for them.
+  void fork_lanes() {
+    ensure_lanes();
     QUADS_CUDA_CHECK(cudaEventRecord(fork_ev, stream));
     for (int i = 1; i < kLanes; ++i) QUADS_CUDA_CHECK(cudaStreamWaitEvent(lane_stream[i], fork_ev, 0));
-    for (int phase = 0; phase <= max_phase(); ++phase)
-      for (const GemmOp& g : batch)
-        if (g.phase == phase) exec_gemm(g.lane % kLanes, g);
+  }
+  void join_lanes() {
     for (int i = 1; i < kLanes; ++i) {
       QUADS_CUDA_CHECK(cudaEventRecord(join_ev[i], lane_stream[i]));
       QUADS_CUDA_CHECK(cudaStreamWaitEvent(stream, join_ev[i], 0));
     }
+  }
+
+  void run_streams() {
+    fork_lanes();
+    for (int phase = 0; phase <= max_phase(); ++phase)
+      for (const GemmOp& g : batch)
+        if (g.phase == phase) exec_gemm(g.lane % kLanes, g);
+    join_lanes();
   }
 
   void flush_experts() {
@@ -1431,8 +1454,9 @@ std::string GpuTrainer::profile_report() {
   m.collect();
   const std::string attn = fmt::format("attention ({})", m.attn_tc_fwd ? "tc" : "exact");
   const std::string gemm = fmt::format("GEMMs (experts {})", m.any_fast ? m.expert_gemms() : "per-expert");
+  const std::string requant = fmt::format("re-quantization ({})", m.requant_exec[0] || m.requant_exec[1] ? "graph" : "eager");
   const char* names[Impl::kNcat] = {gemm.c_str(), attn.c_str(), "MoE routing (+ host sync)", "losses",
-                                    "clip + AdamW", "re-quantization", "other"};
+                                    "clip + AdamW", requant.c_str(), "other"};
   std::string r;
   double total = 0;
   for (int c = 0; c < Impl::kNcat; ++c) total += m.prof_ms[c];

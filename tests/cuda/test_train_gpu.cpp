@@ -486,6 +486,8 @@ TEST(CudaTrain, RequantGraphEqualsEager) {
     gg.download(wa);
     ge.download(wb);
     EXPECT_EQ(first_float_mismatch(wa.data, wb.data), -1) << preset;
+    EXPECT_NE(gg.profile_report().find("re-quantization (graph)"), std::string::npos) << preset;
+    EXPECT_NE(ge.profile_report().find("re-quantization (eager)"), std::string::npos) << preset;
   }
 }
 
