@@ -318,7 +318,7 @@ void bench_training(const model::ModelConfig& cfg, double bw, bool quick) {
   std::printf("\n| training step (fwd + CE + bwd + AdamW + requant) | tokens | tok/s | transformers bf16 tok/s | x peer |\n"
               "|---|---|---|---|---|\n");
   std::fflush(stdout);
-  // The defaults (tensor-core attention, expert GEMMs on 4 streams) first, then one GEMM per
+  // The defaults (tensor-core attention, expert GEMMs on 8 streams) first, then one GEMM per
   // expert on the trainer's stream, and the exact FP32 attention.
   struct Row {
     const char* preset;

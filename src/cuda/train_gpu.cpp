@@ -87,7 +87,7 @@ struct GemmOp {
 
 // How the fast path runs the experts' GEMMs of a MoE layer.
 enum class ExpertGemms : uint8_t { PerExpert, Grouped, Streams };
-constexpr int kLanes = 4;  // streams of the Streams mode (the main stream is lane 0)
+constexpr int kLanes = 8;  // streams of the Streams mode and of the re-quantization (the main stream is lane 0)
 
 // Grow-only buffer (contents are not kept).
 template <typename T>

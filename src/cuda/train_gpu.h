@@ -39,7 +39,7 @@
 // QUADS_GPU_TRAIN_GROUPED=1 / set_expert_gemms("grouped") runs a layer's expert GEMMs of one kind
 // as one cublasGemmGroupedBatchedEx (a group per expert GEMM, the NVFP4 alpha per group); cuBLAS
 // 13.1 refuses BF16 inputs with FP32 output there (CUBLAS_STATUS_NOT_SUPPORTED on the H200), and
-// the trainer then stays per expert. Default ("streams"): the per-expert GEMMs spread over 4
+// the trainer then stays per expert. Default ("streams"): the per-expert GEMMs spread over 8
 // streams, each expert's GEMMs in order on one of them (the same cuBLASLt problems and algorithms
 // as "per-expert", so the same bits; 52.6 vs 70.7 ms of GEMMs per 8x1024 step of the peer model on
 // the H200 once the expert GEMMs stopped paying cuBLAS heuristics per shape).
