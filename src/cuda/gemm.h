@@ -102,8 +102,8 @@ void w4a4_gemm_grouped_gather(const Nvfp4View& xr, const Nvfp4Weight* w_table, b
 
 // Auto's choices, exposed for tests and benchmarks: the dense GEMV up to this many rows, and
 // whether a grouped call (x_rows rows over `groups` groups, at most max_rows in one) takes it.
-constexpr int64_t kGemvAutoMaxRows = 4;
-constexpr int64_t kGemvAutoGroupedMaxRows = 16;  // and at most kGemvAutoMaxRows rows per group on average
+constexpr int64_t kGemvAutoMaxRows = 8;
+constexpr int64_t kGemvAutoGroupedMaxRows = 16, kGemvAutoGroupedMeanRows = 4;  // max_rows, x_rows / min(groups, x_rows)
 bool gemv_auto_grouped(int64_t x_rows, int groups, int64_t max_rows);
 
 // out[m, 16 i + j] = x[m, 16 blocks[i] + j] for i < nsel, zeros up to out_cols (a multiple of 16):

@@ -410,7 +410,7 @@ __host__ __device__ constexpr int64_t gemv_kpad(int64_t k) { return (k + 1023) /
 __host__ __device__ constexpr int64_t gemv_smem(int R, int64_t k) { return R * (gemv_kpad(k) + k / 4); }
 
 template <int R, int NW, bool GATHER, bool GROUPED>
-__global__ void __launch_bounds__(32 * kGemvWarps) w4a4_gemv_kernel(const Params p) {
+__global__ void __launch_bounds__(32 * kGemvWarps, NW == 4 ? 2 : 3) w4a4_gemv_kernel(const Params p) {
   extern __shared__ __align__(16) uint8_t smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t K = p.K, nb = K / 16, kpad = gemv_kpad(K);
@@ -453,7 +453,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps) w4a4_gemv_kernel(const Params
   // Raw codes (gather: block 0 in x, y and block 1 in z, w) and the two scale bytes of step s.
   auto load = [&](int64_t s, uint4 (&c)[NW], uint32_t (&sc)[NW]) {
     const int64_t b0 = s * 64 + 2 * lane;
-    const bool act = b0 < nb;  // nb is a multiple of 4: block b0 + 1 exists too
+    const bool act = s < nsteps && b0 < nb;  // nb is a multiple of 4: block b0 + 1 exists too
     int64_t g0 = b0, g1 = b0 + 1;
     if constexpr (GATHER) {
       if (act) {
@@ -481,14 +481,22 @@ __global__ void __launch_bounds__(32 * kGemvWarps) w4a4_gemv_kernel(const Params
     }
   };
 
+  // Decode needs little data per SM, so the loads are issued early: PF steps of the warp's rows
+  // (PF * NW 16-byte loads per lane) before X is decoded, and each step's buffer is refilled with
+  // step s + PF as soon as it is used.
+  // Rows r0 .. r0 + R of them per pass: a dense call has one pass per CTA (grid z covers the rows),
+  // a grouped one loops over its group's rows (re-reading the weights, mostly from L1/L2).
+  constexpr int PF = 4 / NW;
   const float kInv = 1.f / 2688.f;
-  for (int64_t r0 = 0; r0 < rows; r0 += R) {
+  for (int64_t r0 = static_cast<int64_t>(blockIdx.z) * R; r0 < rows; r0 += static_cast<int64_t>(gridDim.z) * R) {
     const int nr = static_cast<int>(min(static_cast<int64_t>(R), rows - r0));
-    uint4 c[NW];
-    uint32_t sc[NW];
-    load(0, c, sc);  // in flight while X is decoded
-    if (r0 > 0) __syncthreads();  // the previous chunk's readers are done with shared memory
-    const int64_t nch = K / 32;   // 32-element chunks (2 blocks) per row
+    uint4 c[PF][NW];
+    uint32_t sc[PF][NW];
+#pragma unroll
+    for (int j = 0; j < PF; ++j) load(j, c[j], sc[j]);
+    if (r0 >= static_cast<int64_t>(gridDim.z) * R) __syncthreads();  // the last pass's readers are done
+
+    const int64_t nch = K / 32;  // 32-element chunks (2 blocks) per row
     for (int64_t q = threadIdx.x; q < nr * nch; q += blockDim.x) {
       const int r = static_cast<int>(q / nch);
       const int64_t ch = q % nch, b = 2 * ch, gr = row0 + r0 + r;
@@ -508,47 +516,35 @@ __global__ void __launch_bounds__(32 * kGemvWarps) w4a4_gemv_kernel(const Params
     for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int i = 0; i < NW; ++i) acc[r][i] = 0.f;
-    for (int64_t s = 0; s < nsteps; ++s) {
-      uint4 cn[NW];
-      uint32_t scn[NW];
-      if (s + 1 < nsteps) {
-        load(s + 1, cn, scn);
-      } else {
+    for (int64_t s0 = 0; s0 < nsteps; s0 += PF) {
 #pragma unroll
-        for (int i = 0; i < NW; ++i) {
-          cn[i] = make_uint4(0, 0, 0, 0);
-          scn[i] = 0;
-        }
-      }
-      const int64_t b0 = s * 64 + 2 * lane;
-      if (b0 < nb) {
-        uint4 wlo[NW], whi[NW];
-        float ws0[NW], ws1[NW];
-#pragma unroll
-        for (int i = 0; i < NW; ++i) {
-          e2m1x32_to_s8(c[i], wlo[i], whi[i]);
-          ws0[i] = dev::e4m3_decode(sc[i] & 0xFFu);
-          ws1[i] = dev::e4m3_decode((sc[i] >> 8) & 0xFFu);
-        }
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          if (r >= nr) break;
-          const uint8_t* xr = sx + r * kpad + s * 1024 + lane * 16;
-          const uint4 xlo = *reinterpret_cast<const uint4*>(xr);
-          const uint4 xhi = *reinterpret_cast<const uint4*>(xr + 512);
-          const float2 xs = *reinterpret_cast<const float2*>(sxs + r * nb + b0);
+      for (int j = 0; j < PF; ++j) {
+        const int64_t s = s0 + j, b0 = s * 64 + 2 * lane;
+        if (s < nsteps && b0 < nb) {
+          uint4 wlo[NW], whi[NW];
+          float ws0[NW], ws1[NW];
 #pragma unroll
           for (int i = 0; i < NW; ++i) {
-            // block terms are exact: |dot| <= 16 * 144 < 2^12 times a product of two E4M3 scales
-            acc[r][i] = __fmaf_rn(static_cast<float>(dot16(wlo[i], xlo)), __fmul_rn(xs.x, ws0[i]), acc[r][i]);
-            acc[r][i] = __fmaf_rn(static_cast<float>(dot16(whi[i], xhi)), __fmul_rn(xs.y, ws1[i]), acc[r][i]);
+            e2m1x32_to_s8(c[j][i], wlo[i], whi[i]);
+            ws0[i] = dev::e4m3_decode(sc[j][i] & 0xFFu);
+            ws1[i] = dev::e4m3_decode((sc[j][i] >> 8) & 0xFFu);
+          }
+          load(s + PF, c[j], sc[j]);
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            if (r >= nr) break;
+            const uint8_t* xr = sx + r * kpad + s * 1024 + lane * 16;
+            const uint4 xlo = *reinterpret_cast<const uint4*>(xr);
+            const uint4 xhi = *reinterpret_cast<const uint4*>(xr + 512);
+            const float2 xs = *reinterpret_cast<const float2*>(sxs + r * nb + b0);
+#pragma unroll
+            for (int i = 0; i < NW; ++i) {
+              // block terms are exact: |dot| <= 16 * 144 < 2^12 times a product of two E4M3 scales
+              acc[r][i] = __fmaf_rn(static_cast<float>(dot16(wlo[i], xlo)), __fmul_rn(xs.x, ws0[i]), acc[r][i]);
+              acc[r][i] = __fmaf_rn(static_cast<float>(dot16(whi[i], xhi)), __fmul_rn(xs.y, ws1[i]), acc[r][i]);
+            }
           }
         }
-      }
-#pragma unroll
-      for (int i = 0; i < NW; ++i) {
-        c[i] = cn[i];
-        sc[i] = scn[i];
       }
     }
 
@@ -689,22 +685,25 @@ void launch(Params p, int splits_req, cudaStream_t s, int groups = 1) {
   }
 }
 
-// GEMV launch plan: R rows of X per pass (shared memory R * (kpad + k/4) bytes, at most
-// kGemvSmemMax so that two CTAs fit an SM), NW weight rows per warp (fewer when the weight rows
-// with work are few, so that about 16 warps per SM stream).
+// GEMV launch plan: R rows of X per CTA (up to 4; more rows take more CTAs along grid z, which
+// read the same weights, mostly from L2), shared memory R * (kpad + k/4) bytes; NW weight rows per
+// warp so that a lane has about four 16-byte loads in flight (NW * min(steps, 4 / NW)), fewer
+// when the weight rows with work would leave SMs without 8 warps.
 constexpr int64_t kGemvSmemMax = 100 * 1024;
 struct GemvPlan {
   int R = 0, NW = 1;
   int64_t smem = 0;
 };
-GemvPlan gemv_plan(int64_t k, int64_t rows_per_pass, int64_t active_weight_rows) {
+GemvPlan gemv_plan(int64_t k, int64_t rows_per_weight, int64_t active_weight_rows) {
   GemvPlan g;
-  g.R = rows_per_pass <= 1 ? 1 : rows_per_pass <= 2 ? 2 : rows_per_pass <= 4 ? 4 : 8;
+  g.R = rows_per_weight <= 1 ? 1 : rows_per_weight <= 2 ? 2 : 4;
   while (g.R > 1 && gemv_smem(g.R, k) > kGemvSmemMax) g.R /= 2;
   if (gemv_smem(g.R, k) > kGemvSmemMax) g.R = 0;  // K too long for one row in shared memory
   g.smem = gemv_smem(std::max(g.R, 1), k);
-  const int64_t want = 16LL * sm_count();  // warps
-  g.NW = active_weight_rows >= 4 * want ? 4 : active_weight_rows >= 2 * want ? 2 : 1;
+  const int64_t steps = (k / 16 + 63) / 64;
+  g.NW = steps >= 4 ? 1 : steps >= 2 ? 2 : 4;
+  if (g.R >= 4) g.NW = std::min(g.NW, 2);  // registers: R * NW accumulators
+  while (g.NW > 1 && active_weight_rows / g.NW < 8LL * sm_count()) g.NW /= 2;
   return g;
 }
 
@@ -726,22 +725,24 @@ void launch_gemv_nw(const Params& p, const GemvPlan& g, dim3 grid, cudaStream_t 
     launch_gemv_k<R, 1, GATHER, GROUPED>(p, g.smem, grid, s);
   } else {
     if (g.NW == 1) launch_gemv_k<R, 1, GATHER, GROUPED>(p, g.smem, grid, s);
-    else if (g.NW == 2) launch_gemv_k<R, 2, GATHER, GROUPED>(p, g.smem, grid, s);
-    else launch_gemv_k<R, 4, GATHER, GROUPED>(p, g.smem, grid, s);
+    else if (g.NW == 2 || R >= 4) launch_gemv_k<R, 2, GATHER, GROUPED>(p, g.smem, grid, s);
+    else launch_gemv_k<R, (R >= 4 ? 2 : 4), GATHER, GROUPED>(p, g.smem, grid, s);
   }
 }
-// grid_y: 1 for a dense call, min(groups, rows) for a grouped one.
+// grid_y: 1 for a dense call, min(groups, rows) for a grouped one. Dense calls spread their rows
+// over grid z; grouped ones loop (a host bound on a group's rows would launch mostly idle CTAs).
 template <bool GATHER, bool GROUPED>
 void launch_gemv(Params p, GemvPlan g, int64_t grid_y, cudaStream_t s) {
   QUADS_CHECK(g.R > 0, "w4a4_gemm: K = {} is too long for the GEMV (a row of X must fit in shared memory)", p.K);
   if (GATHER) g.NW = 1;
-  const int64_t rows_per_cta = int64_t(kGemvWarps) * g.NW;
-  const dim3 grid(static_cast<unsigned>((p.N + rows_per_cta - 1) / rows_per_cta), static_cast<unsigned>(grid_y));
+  const int64_t rows_per_cta = int64_t(kGemvWarps) * g.NW, chunks = GROUPED ? 1 : (p.M + g.R - 1) / g.R;
+  QUADS_CHECK(chunks <= 65535, "w4a4_gemm: {} rows are too many for the GEMV", p.M);
+  const dim3 grid(static_cast<unsigned>((p.N + rows_per_cta - 1) / rows_per_cta), static_cast<unsigned>(grid_y),
+                  static_cast<unsigned>(chunks));
   switch (g.R) {
     case 1: launch_gemv_nw<1, GATHER, GROUPED>(p, g, grid, s); break;
     case 2: launch_gemv_nw<2, GATHER, GROUPED>(p, g, grid, s); break;
-    case 4: launch_gemv_nw<4, GATHER, GROUPED>(p, g, grid, s); break;
-    default: launch_gemv_nw<8, GATHER, GROUPED>(p, g, grid, s); break;
+    default: launch_gemv_nw<4, GATHER, GROUPED>(p, g, grid, s); break;
   }
 }
 
@@ -759,22 +760,20 @@ void dispatch(const Params& p, const W4A4Options& opt, cudaStream_t s) {
   }
 }
 
-// The GEMV plan of a grouped call: rows per pass from the mean rows of a non-empty group (a
-// larger group loops, re-reading its weight rows from L1/L2), warps from the weight rows of the
-// min(groups, rows) groups that can have rows.
-GemvPlan gemv_plan_grouped(int64_t k, int64_t rows, int groups, int64_t n) {
-  const int64_t active = std::min<int64_t>(groups, rows);
-  return gemv_plan(k, (rows + active - 1) / active, active * n);
+// The GEMV plan of a grouped call: rows per CTA from the bound on a group's rows (p.M), warps from
+// the weight rows of the min(groups, rows) groups that can have rows.
+GemvPlan gemv_plan_grouped(const Params& p, int groups) {
+  return gemv_plan(p.K, p.M, std::min<int64_t>(groups, p.Mtot) * p.N);
 }
 
 template <bool GATHER>
 void dispatch_grouped(Params p, int groups, int splits, W4A4Tile tile, cudaStream_t s) {
   p.groups = groups;
   if (tile == W4A4Tile::Auto && splits <= 0 && gemv_auto_grouped(p.Mtot, groups, p.M) &&
-      gemv_plan_grouped(p.K, p.Mtot, groups, p.N).R > 0)
+      gemv_plan_grouped(p, groups).R > 0)
     tile = W4A4Tile::Gemv;
   if (tile == W4A4Tile::Gemv) {
-    launch_gemv<GATHER, true>(p, gemv_plan_grouped(p.K, p.Mtot, groups, p.N), std::min<int64_t>(groups, p.Mtot), s);
+    launch_gemv<GATHER, true>(p, gemv_plan_grouped(p, groups), std::min<int64_t>(groups, p.Mtot), s);
     return;
   }
   // p.M is the largest group: decode has a few rows per expert, M16 tiles stream the weights.
@@ -812,7 +811,7 @@ Params make_params(const Nvfp4View& x, const Nvfp4View& w, float* y, bool accumu
 bool gemv_auto_grouped(int64_t x_rows, int groups, int64_t max_rows) {
   // decode: a few tokens' rows spread over the experts (max_rows is the token count)
   const int64_t active = std::min<int64_t>(groups, x_rows);
-  return active > 0 && max_rows <= kGemvAutoGroupedMaxRows && x_rows <= kGemvAutoMaxRows * active;
+  return active > 0 && max_rows <= kGemvAutoGroupedMaxRows && x_rows <= kGemvAutoGroupedMeanRows * active;
 }
 
 Nvfp4View nvfp4_view(const DeviceQTensor& q, const char* what) {
