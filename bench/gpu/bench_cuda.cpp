@@ -2,6 +2,7 @@
 // bandwidth, W4A4 GEMM (emulated) against cuBLAS BF16 and cuBLASLt FP8 at the peer model's shapes
 // (Qwen3-30B-A3B: hidden 2048, moe_intermediate 768), and the decode GEMV's weight-stream rate.
 // Times are CUDA-event medians over repeated batches after a warm-up; inputs are random.
+// `bench_cuda --gemv`: the copy bandwidth and the decode GEMV table (GEMV vs 16-row tile) alone.
 #include <cuda_runtime.h>
 
 #include <algorithm>

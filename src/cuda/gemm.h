@@ -86,6 +86,8 @@ struct Nvfp4Weight {
 // non-empty group in eoff) and loops over its group's rows; each output is bit for bit the
 // per-expert w4a4_gemm_emulated with tile Gemv. `splits` > 0 asks for the tile kernels (Auto then
 // never picks the GEMV). Every row of y must belong to a group (eoff[groups] == x.rows).
+// Auto with splits == 0 and the same max_rows gives w4a4_gemm_grouped and
+// w4a4_gemm_grouped_gather the same choice.
 void w4a4_gemm_grouped(const Nvfp4View& x, const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n, int groups,
                        const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t stream = nullptr, int splits = 0,
                        W4A4Tile tile = W4A4Tile::Auto);
@@ -100,11 +102,13 @@ void w4a4_gemm_grouped_gather(const Nvfp4View& xr, const Nvfp4Weight* w_table, b
                               float* y, int64_t ldy, cudaStream_t stream = nullptr, int splits = 0,
                               W4A4Tile tile = W4A4Tile::Auto);
 
-// Auto's choices, exposed for tests and benchmarks: the dense GEMV up to this many rows, and
-// whether a grouped call (x_rows rows over `groups` groups, at most max_rows in one) takes it.
-constexpr int64_t kGemvAutoMaxRows = 8;
-constexpr int64_t kGemvAutoGroupedMaxRows = 16, kGemvAutoGroupedMeanRows = 4;  // max_rows, x_rows / min(groups, x_rows)
-bool gemv_auto_grouped(int64_t x_rows, int groups, int64_t max_rows);
+// Auto's choices (measured on the H200, bench_cuda --gemv), exposed for tests and benchmarks: the
+// dense GEMV up to this many rows (at 8 it ties the 16-row tile), and whether a grouped call with
+// at most max_rows rows per group and K = k takes it: decode batch 1 always; up to 4 rows per
+// group for K >= 2048 (gate/up: 38 vs 52 us at batch 4, a tie at 16). Short K (down, 768) has too
+// little work per CTA: 37 vs 29 us at batch 4.
+constexpr int64_t kGemvAutoMaxRows = 4;
+bool gemv_auto_grouped(int64_t max_rows, int64_t k);
 
 // out[m, 16 i + j] = x[m, 16 blocks[i] + j] for i < nsel, zeros up to out_cols (a multiple of 16):
 // the compact input of w4a4_gemm_gather's quantizer.

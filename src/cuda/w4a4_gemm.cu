@@ -769,7 +769,7 @@ GemvPlan gemv_plan_grouped(const Params& p, int groups) {
 template <bool GATHER>
 void dispatch_grouped(Params p, int groups, int splits, W4A4Tile tile, cudaStream_t s) {
   p.groups = groups;
-  if (tile == W4A4Tile::Auto && splits <= 0 && gemv_auto_grouped(p.Mtot, groups, p.M) &&
+  if (tile == W4A4Tile::Auto && splits <= 0 && gemv_auto_grouped(p.M, p.K) &&
       gemv_plan_grouped(p, groups).R > 0)
     tile = W4A4Tile::Gemv;
   if (tile == W4A4Tile::Gemv) {
@@ -808,10 +808,9 @@ Params make_params(const Nvfp4View& x, const Nvfp4View& w, float* y, bool accumu
 
 }  // namespace
 
-bool gemv_auto_grouped(int64_t x_rows, int groups, int64_t max_rows) {
-  // decode: a few tokens' rows spread over the experts (max_rows is the token count)
-  const int64_t active = std::min<int64_t>(groups, x_rows);
-  return active > 0 && max_rows <= kGemvAutoGroupedMaxRows && x_rows <= kGemvAutoGroupedMeanRows * active;
+bool gemv_auto_grouped(int64_t max_rows, int64_t k) {
+  // max_rows is the decode batch (a group has at most one row per token)
+  return max_rows <= 1 || (max_rows <= 4 && k >= 2048);
 }
 
 Nvfp4View nvfp4_view(const DeviceQTensor& q, const char* what) {

@@ -506,14 +506,17 @@ TEST(CudaMoe, GroupedRacGemmEqualsPerExpert) {
 // RAC GEMV (gather, y with a row stride) equals the per-expert gather GEMV likewise.
 TEST(CudaMoe, GroupedGemvEqualsPerExpertGemv) {
   QUADS_REQUIRE_GPU();
+  EXPECT_TRUE(cuda::gemv_auto_grouped(1, 768)) << "decode batch 1 takes the GEMV (the last case checks Auto)";
   struct Case {
     std::vector<int> sizes;
     int64_t N, K;
     bool w_row;  // per-row weight amax
   };
-  std::vector<int> many(70, 0);  // decode-like: 16 rows over 5 of 70 experts
+  std::vector<int> many(70, 0), ones(70, 0);  // 16 rows over 5 of 70 experts; decode batch 1, top-8
   many[0] = 3, many[5] = 1, many[33] = 9, many[40] = 2, many[69] = 1;
-  for (const Case& c : {Case{many, 200, 256, false}, Case{{3, 0, 17, 1, 0, 40}, 77, 1152, true}}) {
+  for (int e : {1, 7, 31, 32, 33, 50, 64, 69}) ones[e] = 1;
+  for (const Case& c : {Case{many, 200, 256, false}, Case{{3, 0, 17, 1, 0, 40}, 77, 1152, true},
+                        Case{ones, 96, 512, false}}) {
     const std::vector<int>& sizes = c.sizes;
     const int64_t N = c.N, K = c.K;
     const int E = static_cast<int>(sizes.size());
@@ -575,7 +578,7 @@ TEST(CudaMoe, GroupedGemvEqualsPerExpertGemv) {
     }
     EXPECT_LE(err, 1e-5 * mag) << what;
     EXPECT_GT(mag, 0.0);
-    if (cuda::gemv_auto_grouped(R, E, max_rows)) {
+    if (cuda::gemv_auto_grouped(max_rows, K)) {
       y.fill_bytes(0xFF);
       cuda::w4a4_gemm_grouped(xv, dtab.data(), c.w_row, N, E, deoff.data(), max_rows, y.data());
       EXPECT_EQ(first_float_mismatch(y.download(), ref), -1) << what << ": Auto is not the GEMV";
