@@ -21,6 +21,7 @@
 #include "cuda/attention_tc.h"
 #include "cuda/check.h"
 #include "cuda/device.h"
+#include "cuda/fp8_gemm.h"
 #include "cuda/gemm.h"
 #include "cuda/model_kernels.h"
 #include "cuda/quant.h"
@@ -33,6 +34,7 @@ const char* gpu_linear_mode_name(GpuLinearMode m) {
   switch (m) {
     case GpuLinearMode::BF16: return "bf16";
     case GpuLinearMode::W4A4: return "w4a4";
+    case GpuLinearMode::FP8: return "fp8";
     case GpuLinearMode::Fake: break;
   }
   return "fake-quant fp32";
@@ -51,6 +53,10 @@ GpuLinearMode choose_mode(const model::LinearNumerics& n, int64_t in) {
   if (n.weight.kind == QuantKind::BF16 && n.act.kind == QuantKind::BF16) return GpuLinearMode::BF16;
   if (is_e2m1_nvfp4(n.weight) && is_e2m1_nvfp4(n.act) && n.act.cfg.block == num::Block::B1x16 && in % 64 == 0)
     return GpuLinearMode::W4A4;
+  // FP8 E4M3 weights with FP8 activations: codes + scales on the device, dequantized in the GEMV.
+  if (n.weight.kind == QuantKind::Quant && fp8_weight_supported(n.weight.cfg, in) && in % 16 == 0 &&
+      n.act.kind == QuantKind::Quant && n.act.cfg.scheme == num::Scheme::FP8)
+    return GpuLinearMode::FP8;
   return GpuLinearMode::Fake;
 }
 
@@ -62,8 +68,10 @@ struct DevLinear {
   model::LinearNumerics num;
   GpuLinearMode mode = GpuLinearMode::Fake;
   DeviceArray<uint16_t> wb;  // BF16 [out, in]
-  DeviceQTensor wq;          // W4A4: NVFP4 codes, scales, amax
+  DeviceQTensor wq;          // W4A4: NVFP4 codes, scales, amax; FP8: E4M3 codes, FP32 scales
   Nvfp4View wv;
+  Fp8Weight w8;              // FP8: wq's buffers and their layout
+  Fp8Layout g8;
   DeviceArray<float> wf;     // Fake: W_eff [out, in]
   // RAC: W's 16-blocks compensated (padded with block 0 to rac_cols / 16 entries), the residual's
   // format, and for Fake linears the gathered columns W_eff[:, S] [out, rac_cols].
@@ -84,6 +92,7 @@ struct DevLinear {
     switch (mode) {
       case GpuLinearMode::BF16: return double(out) * in * 2;
       case GpuLinearMode::W4A4: return double(out) * in / 2 + double(out) * in / 16 + double(wq.amax.bytes());
+      case GpuLinearMode::FP8: return double(out) * in + double(wq.fscales.bytes());
       case GpuLinearMode::Fake: break;
     }
     return double(out) * in * 4;
@@ -145,6 +154,15 @@ struct GpuModel::Impl {
   std::vector<Qkv> qkv;
   DeviceArray<float> qkvbuf;
   DeviceArray<float> master;  // float32 weights, Layout order
+  // FP8 linears: W_eff of one linear for SGEMMs (and RAC's gathered columns). Dense linears of
+  // up to fp8_gemv_rows rows run the GEMV on the codes instead (QUADS_GPU_FP8_GEMV_ROWS): it is
+  // one pass over the weights up to 8 rows; past that its CUDA-core math (product and sum rounded
+  // apart, no FMA) costs more than dequantizing W_eff for cuBLAS (at batch 64 on the H200 the
+  // GEMV for every dense linear made a decode step 1.8x slower). Experts always take the grouped
+  // GEMV below kF32GroupedMaxTokens (few rows per expert, no host sync).
+  size_t w8_scratch = 0;
+  DeviceArray<float> wdq;
+  int64_t fp8_gemv_rows = 8;
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;
   std::unique_ptr<Blas> blas;
@@ -194,6 +212,8 @@ struct GpuModel::Impl {
     DeviceArray<Nvfp4Weight> q;        // W4A4
     DeviceArray<const uint16_t*> b;    // BF16
     DeviceArray<const float*> f;       // fake-quant: W_eff
+    DeviceArray<Fp8Weight> w8;         // FP8: codes and scales
+    Fp8Layout g8;
   };
   // RAC of one projection of all experts, grouped: each expert's blocks (a row of `blocks`,
   // [E, cols / 16], padded with block 0) and their count; one residual format for all.
@@ -205,7 +225,7 @@ struct GpuModel::Impl {
   };
   struct Grouped {
     bool ok = false;      // the layer's experts run as grouped GEMMs
-    bool f32 = false;     // some projection uses the FP32 GEMV-style kernel (CUDA cores)
+    bool f32 = false;     // some projection uses an FP32 GEMV-style kernel (CUDA cores; fake-quant or FP8)
     bool bf16 = false;    // some projection uses the BF16 streaming tensor-core kernel
     GroupedProj gu, g, u, d;  // gu: the fused [2I, H] gate/up weights where the layer fuses them
     double expert_bytes = 0;  // weight bytes of one expert (gate + up + down), RAC's included
@@ -250,6 +270,7 @@ struct GpuModel::Impl {
     graphs_on = !env_is("QUADS_GPU_GRAPHS", "0");
     rac_grouped_on = !env_is("QUADS_GPU_RAC_GROUPED", "0");
     if (const char* a = std::getenv("QUADS_GPU_ATTN_TOKENS")) attn_tokens = std::max(1, std::atoi(a));
+    if (const char* a = std::getenv("QUADS_GPU_FP8_GEMV_ROWS")) fp8_gemv_rows = std::max(0, std::atoi(a));
     attn_tiled = env_is("QUADS_GPU_ATTN", "tiled");
     attn_tiled_decode = env_is("QUADS_GPU_ATTN_DECODE", "tiled");
     attn_split_decode = !attn_tiled_decode && !env_is("QUADS_GPU_ATTN_DECODE", "warp");
@@ -305,6 +326,7 @@ struct GpuModel::Impl {
           const DevLinear& a = lin[li.mlp + 3 * e + j];
           ok &= a.mode == b.mode && a.out == b.out && a.in == b.in;
           if (b.mode == GpuLinearMode::W4A4) ok &= a.wv.amax_per_row == b.wv.amax_per_row;
+          if (b.mode == GpuLinearMode::FP8) ok &= a.num.weight == b.num.weight;  // one layout for the table
         }
       }
       if (!ok) continue;
@@ -321,20 +343,24 @@ struct GpuModel::Impl {
         const DevLinear& b = lin[li.mlp + j];
         P.mode = b.mode;
         P.amax_row = b.mode == GpuLinearMode::W4A4 && b.wv.amax_per_row;
-        G.f32 |= b.mode == GpuLinearMode::Fake;
+        G.f32 |= b.mode == GpuLinearMode::Fake || b.mode == GpuLinearMode::FP8;
+        P.g8 = b.g8;
         G.bf16 |= b.mode == GpuLinearMode::BF16;
         std::vector<Nvfp4Weight> q;
         std::vector<const uint16_t*> bb;
         std::vector<const float*> f;
+        std::vector<Fp8Weight> w8;
         for (int e = 0; e < li.nexperts; ++e) {
           const DevLinear& a = lin[li.mlp + 3 * e + j];
           if (b.mode == GpuLinearMode::W4A4) q.push_back(ent(a.wv));
           if (b.mode == GpuLinearMode::BF16) bb.push_back(a.wb.data());
           if (b.mode == GpuLinearMode::Fake) f.push_back(a.wf.data());
+          if (b.mode == GpuLinearMode::FP8) w8.push_back(a.w8);
         }
         if (!q.empty()) P.q.upload(q);
         if (!bb.empty()) P.b.upload(bb);
         if (!f.empty()) P.f.upload(f);
+        if (!w8.empty()) P.w8.upload(w8);
       };
       table(G.g, 0);
       table(G.u, 1);
@@ -454,6 +480,11 @@ struct GpuModel::Impl {
         case GpuLinearMode::W4A4: w4a4_gemm_grouped(op.v, P.q.data(), P.amax_row, N, E, eo, T, out, stream); break;
         case GpuLinearMode::BF16: kern::gemm_bf16_grouped(op.b, P.b.data(), N, Kd, E, eo, out, stream); break;
         case GpuLinearMode::Fake: kern::gemm_f32_grouped(op.f, P.f.data(), N, Kd, E, eo, out, stream); break;
+        case GpuLinearMode::FP8:
+          QUADS_CHECK(P.g8.n == N && P.g8.k == Kd, "GpuModel: FP8 expert table of layer {} is [{}, {}], not [{}, {}]", l,
+                      P.g8.n, P.g8.k, N, Kd);
+          fp8_gemv_grouped(op.f, P.w8.data(), P.g8, E, eo, T, out, stream);
+          break;
       }
       stats.expert_gemms += 1;
     };
@@ -511,6 +542,12 @@ struct GpuModel::Impl {
         L.wv = nvfp4_view(L.wq, name.c_str());
         break;
       case GpuLinearMode::Fake: L.wf.resize(size_t(out) * in); break;
+      case GpuLinearMode::FP8:
+        L.wq = make_qtensor(out, in, L.num.weight.cfg);
+        L.w8 = fp8_weight(L.wq, name.c_str());
+        L.g8 = fp8_layout(L.num.weight.cfg, out, in, name.c_str());
+        w8_scratch = std::max(w8_scratch, size_t(out) * in);
+        break;
     }
     lin.push_back(std::move(L));
     return static_cast<int>(lin.size()) - 1;
@@ -535,6 +572,9 @@ struct GpuModel::Impl {
     }
     lm_head = t.lm_head;
     setup_fused_qkv();
+    // Prefill's W_eff scratch of FP8 linears, allocated once: a grow inside a step could free a
+    // buffer that queued SGEMMs still read.
+    if (w8_scratch) wdq.resize(w8_scratch);
   }
 
   // q, k and v read the same operand; where their weights are BF16, or W4A4 with per-tensor
@@ -655,7 +695,8 @@ struct GpuModel::Impl {
       const int64_t n = L.out * L.in;
       switch (L.mode) {
         case GpuLinearMode::BF16: kern::to_bf16(src, L.wb.data(), n, stream); break;
-        case GpuLinearMode::W4A4: quantize(src, L.wq, stream); break;
+        case GpuLinearMode::W4A4:
+        case GpuLinearMode::FP8: quantize(src, L.wq, stream); break;
         case GpuLinearMode::Fake:
           switch (L.num.weight.kind) {
             case QuantKind::None:
@@ -683,9 +724,14 @@ struct GpuModel::Impl {
   // ---- RAC
 
   void refresh_rac_weights(DevLinear& L) {
-    if (L.rac_nsel == 0 || L.mode != GpuLinearMode::Fake) return;
+    if (L.rac_nsel == 0 || (L.mode != GpuLinearMode::Fake && L.mode != GpuLinearMode::FP8)) return;
     L.rac_w.resize(size_t(L.out) * L.rac_cols);
-    gather_blocks(L.wf.data(), L.out, L.in, L.rac_blocks.data(), L.rac_nsel, L.rac_w.data(), L.rac_cols, stream);
+    const float* weff = L.wf.data();
+    if (L.mode == GpuLinearMode::FP8) {  // W_eff from the codes, into the prefill scratch
+      fp8_dequantize(L.w8, L.g8, wdq.data(), stream);
+      weff = wdq.data();
+    }
+    gather_blocks(weff, L.out, L.in, L.rac_blocks.data(), L.rac_nsel, L.rac_w.data(), L.rac_cols, stream);
   }
 
   void set_rac(DevLinear& L, const std::vector<int32_t>& channels, const model::OperandQuant& q) {
@@ -802,6 +848,7 @@ struct GpuModel::Impl {
         break;
       }
       case GpuLinearMode::Fake:
+      case GpuLinearMode::FP8:
         switch (L.num.act.kind) {
           case QuantKind::None: op.f = X; break;
           case QuantKind::BF16:
@@ -842,6 +889,16 @@ struct GpuModel::Impl {
       w4a4_gemm_emulated(rows_of(op.v, r0, n), G.gu_v, Y, false, stream);
   }
 
+  // Y [n, out] = X [n, in] . W [out, in]^T in FP32 (cuBLAS, no TF32).
+  void sgemm(const float* W, const float* X, int64_t n, int64_t out, int64_t in, float* Y) {
+    const float alpha = 1.f, beta = 0.f;
+    QUADS_CUBLAS_CHECK(cublasSetStream(cublas, stream));
+    QUADS_CUBLAS_CHECK(cublasSetWorkspace(cublas, cublas_ws.data(), cublas_ws.bytes()));  // reset by SetStream
+    QUADS_CUBLAS_CHECK(cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out), static_cast<int>(n),
+                                 static_cast<int>(in), &alpha, W, static_cast<int>(in), X, static_cast<int>(in), &beta,
+                                 Y, static_cast<int>(out)));
+  }
+
   // Y [n, out] = rows r0 .. r0+n of the operand times W^T.
   void gemm(const DevLinear& L, const Operand& op, int64_t r0, int64_t n, float* Y) {
     QUADS_CHECK(op.mode == L.mode && op.k == L.in && r0 + n <= op.rows, "GpuModel: operand mismatch at {}", L.name);
@@ -850,15 +907,15 @@ struct GpuModel::Impl {
     switch (L.mode) {
       case GpuLinearMode::BF16: gemm_bf16(*blas, op.b + r0 * L.in, L.wb.data(), Y, n, L.out, L.in, stream); break;
       case GpuLinearMode::W4A4: w4a4_gemm_emulated(rows_of(op.v, r0, n), L.wv, Y, false, stream); break;
-      case GpuLinearMode::Fake: {
-        const float alpha = 1.f, beta = 0.f;
-        QUADS_CUBLAS_CHECK(cublasSetStream(cublas, stream));
-        QUADS_CUBLAS_CHECK(cublasSetWorkspace(cublas, cublas_ws.data(), cublas_ws.bytes()));  // reset by SetStream
-        QUADS_CUBLAS_CHECK(cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(L.out), static_cast<int>(n),
-                                     static_cast<int>(L.in), &alpha, L.wf.data(), static_cast<int>(L.in),
-                                     op.f + r0 * L.in, static_cast<int>(L.in), &beta, Y, static_cast<int>(L.out)));
+      case GpuLinearMode::Fake: sgemm(L.wf.data(), op.f + r0 * L.in, n, L.out, L.in, Y); break;
+      case GpuLinearMode::FP8:
+        if (n <= fp8_gemv_rows) {
+          fp8_gemv(op.f + r0 * L.in, n, L.w8, L.g8, Y, stream);
+        } else {
+          fp8_dequantize(L.w8, L.g8, wdq.data(), stream);
+          sgemm(wdq.data(), op.f + r0 * L.in, n, L.out, L.in, Y);
+        }
         break;
-      }
     }
     if (L.rac_nsel > 0) rac(L, op.x + r0 * L.in, n, Y);
   }

@@ -10,14 +10,19 @@
 // are bf16), packed NVFP4 codes + E4M3 block scales + global amax (W4A4 linears: weight and
 // activation NVFP4 with E2M1 elements and K % 64 == 0), quantized on the GPU by cuda::quantize,
 // which is bit-identical to num::quantize, so the GPU holds exactly the CPU engine's quantized
-// weights; everything else (fp32, fp8, mxfp4, w4a16, NVFP4 with K % 64 != 0) keeps the effective
+// weights; FP8 (E4M3 weights in any FP8 block layout, FP8 activations, K % 16 == 0) keeps the E4M3
+// codes and FP32 scales (1 byte per weight) and dequantizes them inside its GEMV (cuda/fp8_gemm.h);
+// everything else (fp32, mxfp4, w4a16, NVFP4 with K % 64 != 0) keeps the effective
 // weight W_eff = dequantize(quantize(W)) in float32 and fake-quantizes the activations, then runs
 // an FP32 cuBLAS GEMM (exact emulation, as the CPU). The float32 master weights stay on the
 // device too (embedding, norms; re-quantization at sync).
 // GEMMs per linear:  bf16: X rounded to BF16, cuBLAS BF16 x BF16 -> FP32 accumulation;
 //                    W4A4: X quantized per token by cuda::quantize with the linear's activation
 //                          QConfig, then the emulated W4A4 GEMM (cuda/gemm.h);
-//                    fake: cuBLAS SGEMM on the fake-quantized operands.
+//                    fake: cuBLAS SGEMM on the fake-quantized operands;
+//                    fp8:  X fake-quantized, then the FP8 GEMV on the codes (up to
+//                          QUADS_GPU_FP8_GEMV_ROWS rows, default 8), else W_eff dequantized
+//                          into a scratch and cuBLAS SGEMM (prefill).
 // Activations, norms, RoPE, attention, router softmax and the residual stream are float32, as
 // on the CPU. The KV cache is float32: [layers][slots, max_len, n_kv, head_dim] for K and V.
 // MoE: router softmax + top-k on the device; the [T, k] expert ids are copied to the host, where
@@ -41,7 +46,7 @@
 namespace quads::cuda {
 
 // How one linear runs on the GPU.
-enum class GpuLinearMode : uint8_t { Fake, BF16, W4A4 };
+enum class GpuLinearMode : uint8_t { Fake, BF16, W4A4, FP8 };
 const char* gpu_linear_mode_name(GpuLinearMode m);
 
 struct GpuModelStats {

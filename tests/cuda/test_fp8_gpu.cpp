@@ -1,0 +1,279 @@
+// FP8 weights on the GPU (cuda/fp8_gemm.h, GpuLinearMode::FP8): the device dequantization against
+// num::dequantize bit for bit, the GEMV (dense and grouped) against a float64 GEMM of the CPU's
+// W_eff and X_eff, and the fp8 presets of GpuModel against the CPU model (logits, greedy
+// generation). Every test skips itself without a GPU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cuda/check.h"
+#include "cuda/fp8_gemm.h"
+#include "cuda/model_gpu.h"
+#include "cuda/quant.h"
+#include "cuda_test_util.h"
+#include "model/model.h"
+#include "numerics/quantize.h"
+#include "rollout/engine.h"
+
+using namespace quads;
+using quads::cuda::DeviceArray;
+using namespace quads::cuda::testing;
+
+namespace {
+
+const std::vector<num::Block> kWeightBlocks = {num::Block::PerTensor, num::Block::PerRow, num::Block::B1x128,
+                                               num::Block::B128x128};
+
+const char* block_str(num::Block b) {
+  switch (b) {
+    case num::Block::PerTensor: return "per-tensor";
+    case num::Block::PerRow: return "per-row";
+    case num::Block::B1x128: return "1x128";
+    case num::Block::B128x128: return "128x128";
+    default: return "?";
+  }
+}
+
+// The CPU side of one FP8 linear: the quantized weight, W_eff and X_eff.
+struct CpuFp8 {
+  num::QTensor wq;
+  std::vector<float> weff, xeff;
+};
+CpuFp8 cpu_fp8(int64_t m, int64_t n, int64_t k, num::Block wb, uint64_t seed) {
+  CpuFp8 c;
+  const std::vector<float> w = random_matrix(n, k, seed);
+  c.wq = num::quantize(w.data(), n, k, num::QConfig::fp8(wb));
+  c.weff.resize(size_t(n * k));
+  num::dequantize(c.wq, c.weff.data());
+  c.xeff = random_matrix(std::max<int64_t>(m, 1), k, seed + 1);
+  c.xeff.resize(size_t(m * k));
+  if (m > 0) num::fake_quantize(c.xeff.data(), c.xeff.data(), m, k, num::QConfig::fp8(num::Block::B1x128));
+  return c;
+}
+
+// Row r of y [*, n] against float64 sums over X_eff[xr] . W_eff^T; the bound is the worst case of
+// FP32 rounding of this summation (each partial sum of at most k/256*8 + 5 terms in sequence).
+void expect_rows_match(const std::vector<float>& y, int64_t yr, const std::vector<float>& xeff, int64_t xr,
+                       const std::vector<float>& weff, int64_t n, int64_t k, const std::string& what) {
+  const double u = std::ldexp(1.0, -24);
+  const double depth = double((k + 255) / 256 * 8 + 6);
+  for (int64_t j = 0; j < n; ++j) {
+    double s = 0, a = 0;
+    for (int64_t c = 0; c < k; ++c) {
+      const double p = double(xeff[size_t(xr * k + c)]) * double(weff[size_t(j * k + c)]);
+      s += p;
+      a += std::fabs(p);
+    }
+    const double got = y[size_t(yr * n + j)];
+    ASSERT_LE(std::fabs(got - s), depth * u * a + 1e-37) << what << " row " << xr << " col " << j << " ref " << s;
+  }
+}
+
+std::vector<float> gpu_logits(cuda::GpuModel& g, const std::vector<int32_t>& ids, int64_t chunk) {
+  g.reset_cache(1, static_cast<int64_t>(ids.size()) + 4);
+  std::vector<float> out;
+  for (size_t p = 0; p < ids.size(); p += chunk) {
+    model::StepItem it;
+    it.tokens.assign(ids.begin() + p, ids.begin() + std::min(ids.size(), p + chunk));
+    it.all_logits = true;
+    const std::vector<float> lg = g.step({it});
+    out.insert(out.end(), lg.begin(), lg.end());
+  }
+  return out;
+}
+
+std::vector<float> cpu_logits(const model::PrecisionConfig& p, const std::vector<int32_t>& ids) {
+  model::Weights w = fixture_weights();
+  model::Model m(w, p);
+  model::KVCache cache(w.cfg, 1);
+  model::StepItem it;
+  it.tokens = ids;
+  it.all_logits = true;
+  return m.step(cache, {it});
+}
+
+// A GpuModel built with environment variables set (they are read by the constructor).
+std::unique_ptr<cuda::GpuModel> model_with_env(const model::PrecisionConfig& p,
+                                               const std::vector<std::pair<const char*, const char*>>& env) {
+  for (const auto& [k, v] : env) setenv(k, v, 1);
+  auto g = std::make_unique<cuda::GpuModel>(fixture_weights(), p);
+  for (const auto& [k, v] : env) unsetenv(k);
+  return g;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Kernels
+
+TEST(CudaFp8Kernels, DequantizeMatchesCpuBitForBit) {
+  QUADS_REQUIRE_GPU();
+  for (num::Block wb : kWeightBlocks)
+    for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{200, 272}, {130, 384}, {1, 16}, {257, 136}}) {
+      const CpuFp8 c = cpu_fp8(0, n, k, wb, 11 + n + k);
+      const cuda::DeviceQTensor dq = cuda::to_device(c.wq);
+      const cuda::Fp8Layout g = cuda::fp8_layout(c.wq.cfg, n, k);
+      DeviceArray<float> out(size_t(n * k));
+      cuda::fp8_dequantize(cuda::fp8_weight(dq), g, out.data());
+      QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+      const int64_t bad = first_float_mismatch(out.download(), c.weff);
+      EXPECT_EQ(bad, -1) << block_str(wb) << " [" << n << ", " << k << "]";
+    }
+}
+
+TEST(CudaFp8Kernels, LayoutRejectsWhatTheKernelsCannotRead) {
+  QUADS_REQUIRE_GPU();
+  EXPECT_THROW(cuda::fp8_layout(num::QConfig::fp8(num::Block::B128x128), 64, 20), Error);  // k % 8
+  num::QConfig e5 = num::QConfig::fp8(num::Block::PerTensor);
+  e5.element = num::Format::E5M2;
+  EXPECT_THROW(cuda::fp8_layout(e5, 64, 64), Error);
+  EXPECT_THROW(cuda::fp8_layout(num::QConfig::parse("nvfp4"), 64, 64), Error);
+}
+
+TEST(CudaFp8Kernels, GemvMatchesFloat64Gemm) {
+  QUADS_REQUIRE_GPU();
+  const std::vector<int64_t> ms = {1, 2, 7, 8, 9, 16, 20};
+  for (num::Block wb : kWeightBlocks)
+    for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{200, 272}, {33, 384}, {130, 16}, {5, 400}})
+      for (int64_t m : ms) {
+        const CpuFp8 c = cpu_fp8(m, n, k, wb, 100 * m + n + k);
+        const cuda::DeviceQTensor dq = cuda::to_device(c.wq);
+        DeviceArray<float> x, y(size_t(m * n));
+        x.upload(c.xeff);
+        y.fill_bytes(0xFF);  // NaN: every output must be written
+        cuda::fp8_gemv(x.data(), m, cuda::fp8_weight(dq), cuda::fp8_layout(c.wq.cfg, n, k), y.data());
+        QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+        const std::vector<float> got = y.download();
+        const std::string what = std::string(block_str(wb)) + " m=" + std::to_string(m) + " n=" + std::to_string(n) +
+                                 " k=" + std::to_string(k);
+        for (int64_t r = 0; r < m; ++r) {
+          expect_rows_match(got, r, c.xeff, r, c.weff, n, k, what);
+          if (::testing::Test::HasFatalFailure()) return;
+        }
+      }
+}
+
+// Five experts with 3, 0, 7, 1 and 9 rows (one empty, one over the 8-row pass), each its own
+// weight; the rows of each group against that expert's float64 GEMM.
+TEST(CudaFp8Kernels, GroupedGemvMatchesPerExpertFloat64Gemm) {
+  QUADS_REQUIRE_GPU();
+  const std::vector<int32_t> eoff = {0, 3, 3, 10, 11, 20};
+  const int E = 5;
+  const int64_t M = eoff.back();
+  for (num::Block wb : {num::Block::B128x128, num::Block::PerRow})
+    for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{72, 400}, {200, 144}})
+    for (int64_t max_rows : {int64_t(0), M}) {  // no bound (8-row passes) / the bound the model passes
+      std::vector<CpuFp8> cs;
+      std::vector<cuda::DeviceQTensor> dqs;
+      std::vector<cuda::Fp8Weight> table;
+      std::vector<float> x(size_t(M * k));
+      for (int e = 0; e < E; ++e) {
+        const int64_t rows = eoff[e + 1] - eoff[e];
+        cs.push_back(cpu_fp8(rows, n, k, wb, 7000 + 31 * e + n));
+        std::copy(cs.back().xeff.begin(), cs.back().xeff.end(), x.begin() + eoff[e] * k);
+        dqs.push_back(cuda::to_device(cs.back().wq));
+      }
+      for (int e = 0; e < E; ++e) table.push_back(cuda::fp8_weight(dqs[e]));
+      DeviceArray<float> xd, y(size_t(M * n));
+      DeviceArray<int32_t> eoffd;
+      DeviceArray<cuda::Fp8Weight> tabd;
+      xd.upload(x);
+      eoffd.upload(eoff);
+      tabd.upload(table);
+      y.fill_bytes(0xFF);
+      cuda::fp8_gemv_grouped(xd.data(), tabd.data(), cuda::fp8_layout(cs[0].wq.cfg, n, k), E, eoffd.data(), max_rows,
+                             y.data());
+      QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+      const std::vector<float> got = y.download();
+      for (int e = 0; e < E; ++e)
+        for (int32_t r = eoff[e]; r < eoff[e + 1]; ++r) {
+          expect_rows_match(got, r, cs[e].xeff, r - eoff[e], cs[e].weff, n, k,
+                            std::string(block_str(wb)) + " expert " + std::to_string(e));
+          if (::testing::Test::HasFatalFailure()) return;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The model on the fixture
+
+// fp8 (128x128 / 1x128) and fp8-tensor: the GPU holds the CPU's codes and scales, so W_eff is the
+// same; activations are fake-quantized from FP32 inputs that differ in the last bits (a code can
+// flip at a rounding boundary), the rest is summation order. Three routes (fp8-tensor: two): the GEMVs (decode and
+// this 24-token prefill: grouped experts), and W_eff dequantized for SGEMMs with per-expert GEMMs
+// (QUADS_GPU_FP8_GEMV_ROWS=0, QUADS_GPU_MOE=legacy).
+TEST(CudaFp8Model, LogitsMatchCpu) {
+  QUADS_REQUIRE_GPU();
+  const auto ids = input_ids();
+  for (const std::string preset : {"fp8", "fp8-tensor"}) {
+    const auto prec = model::PrecisionConfig::preset(preset);
+    const auto cpu = cpu_logits(prec, ids);
+    cuda::GpuModel g(fixture_weights(), prec);
+    EXPECT_EQ(g.linear_mode("model.layers.0.self_attn.q_proj"), cuda::GpuLinearMode::FP8) << preset;
+    EXPECT_EQ(g.linear_mode("model.layers.1.mlp.experts.3.down_proj"), cuda::GpuLinearMode::FP8) << preset;
+    EXPECT_EQ(g.linear_mode("lm_head"), cuda::GpuLinearMode::BF16) << preset;
+    const auto whole = gpu_logits(g, ids, 1000);
+    // fp8-tensor scales activations per step (the whole batch): one token at a time is another input.
+    const auto by_token = preset == "fp8" ? gpu_logits(g, ids, 1) : whole;
+    auto sg = model_with_env(prec, {{"QUADS_GPU_FP8_GEMV_ROWS", "0"}, {"QUADS_GPU_MOE", "legacy"}});
+    const auto sgemm = gpu_logits(*sg, ids, 1000);
+    const double e1 = rel_l2(whole, cpu), e2 = rel_l2(by_token, cpu), e3 = rel_l2(sgemm, cpu);
+    std::printf("%s: rel L2 vs the CPU model: prefill %.3g, decode %.3g, SGEMM/per-expert %.3g\n", preset.c_str(), e1,
+                e2, e3);
+    EXPECT_LT(e1, 1e-3) << preset;
+    EXPECT_LT(e2, 1e-3) << preset;
+    EXPECT_LT(e3, 1e-3) << preset;
+    EXPECT_EQ(gpu_logits(g, ids, 1000), whole) << preset << ": not repeatable";
+  }
+  // What is read per use: codes (1 byte) and scales, not a float32 W_eff.
+  cuda::GpuModel g8(fixture_weights(), model::PrecisionConfig::preset("fp8"));
+  cuda::GpuModel g32(fixture_weights(), model::PrecisionConfig::preset("fp32"));
+  const model::ModelConfig& c = fixture_weights().cfg;
+  const double experts = double(c.num_hidden_layers) * c.num_experts * 3 * c.moe_intermediate_size * c.hidden_size;
+  EXPECT_LT(double(g8.weight_bytes()), double(g32.weight_bytes()) - 2.9 * experts);
+}
+
+// Greedy generation through the rollout engine with the GPU backend equals the CPU engine's up to
+// the first step where the CPU's top-2 logit margin is below 0.02 (as CudaModelGpu's test does for
+// bf16 / nvfp4).
+TEST(CudaFp8Model, GreedyGenerationMatchesCpu) {
+  QUADS_REQUIRE_GPU();
+  const auto j = read_json(fixture("greedy.json"));
+  rollout::Request r;
+  r.prompt = j["prompt"].get<std::vector<int32_t>>();
+  r.max_new_tokens = static_cast<int>(j["greedy"].size() - r.prompt.size());
+  r.sampling.greedy = true;
+  const auto prec = model::PrecisionConfig::preset("fp8");
+  rollout::RolloutEngine cpu(fixture_weights(), prec);
+  const auto ref = cpu.generate({r})[0];
+  model::Weights w = fixture_weights();
+  model::Model m(w, prec);
+  const auto ids = ref.ids();
+  model::KVCache cache(w.cfg, 1);
+  model::StepItem it;
+  it.tokens = ids;
+  it.all_logits = true;
+  const auto lg = m.step(cache, {it});
+  const int64_t V = w.cfg.vocab_size;
+  size_t sure = 0;
+  for (size_t t = r.prompt.size() - 1; t + 1 < ids.size(); ++t, ++sure) {
+    std::vector<float> row(lg.begin() + t * V, lg.begin() + (t + 1) * V);
+    std::partial_sort(row.begin(), row.begin() + 2, row.end(), std::greater<float>());
+    if (row[0] - row[1] < 0.02f) break;
+  }
+  rollout::RolloutEngine eng(fixture_weights(), prec);
+  eng.set_backend(cuda::make_gpu_backend(fixture_weights(), prec));
+  const auto got = eng.generate({r, r})[0];  // two copies: prefill shared, slots copied, batch-2 decode
+  std::printf("fp8: GPU greedy = CPU greedy for the first %zu tokens required (%zu generated)\n", sure,
+              ref.tokens.size());
+  EXPECT_GE(sure, size_t(8));
+  for (size_t i = 0; i < sure; ++i) ASSERT_EQ(got.tokens[i], ref.tokens[i]) << "token " << i;
+  for (size_t i = 0; i < sure; ++i) EXPECT_NEAR(got.logprobs[i], ref.logprobs[i], 1e-2) << "token " << i;
+}
