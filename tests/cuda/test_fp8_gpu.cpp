@@ -1,14 +1,13 @@
 // FP8 weights on the GPU (cuda/fp8_gemm.h, GpuLinearMode::FP8): the device dequantization against
 // num::dequantize bit for bit, the GEMV (dense and grouped) against a float64 GEMM of the CPU's
-// W_eff and X_eff, and the fp8 presets of GpuModel against the CPU model (logits, greedy
-// generation). Every test skips itself without a GPU.
+// W_eff and X_eff, and the fp8 presets of GpuModel against the CPU model (logits; greedy
+// generation is CudaModelGpu.GreedyGenerationMatches). Every test skips itself without a GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -20,7 +19,6 @@
 #include "cuda_test_util.h"
 #include "model/model.h"
 #include "numerics/quantize.h"
-#include "rollout/engine.h"
 
 using namespace quads;
 using quads::cuda::DeviceArray;
@@ -240,40 +238,3 @@ TEST(CudaFp8Model, LogitsMatchCpu) {
   EXPECT_LT(double(g8.weight_bytes()), double(g32.weight_bytes()) - 2.9 * experts);
 }
 
-// Greedy generation through the rollout engine with the GPU backend equals the CPU engine's up to
-// the first step where the CPU's top-2 logit margin is below 0.02 (as CudaModelGpu's test does for
-// bf16 / nvfp4).
-TEST(CudaFp8Model, GreedyGenerationMatchesCpu) {
-  QUADS_REQUIRE_GPU();
-  const auto j = read_json(fixture("greedy.json"));
-  rollout::Request r;
-  r.prompt = j["prompt"].get<std::vector<int32_t>>();
-  r.max_new_tokens = static_cast<int>(j["greedy"].size() - r.prompt.size());
-  r.sampling.greedy = true;
-  const auto prec = model::PrecisionConfig::preset("fp8");
-  rollout::RolloutEngine cpu(fixture_weights(), prec);
-  const auto ref = cpu.generate({r})[0];
-  model::Weights w = fixture_weights();
-  model::Model m(w, prec);
-  const auto ids = ref.ids();
-  model::KVCache cache(w.cfg, 1);
-  model::StepItem it;
-  it.tokens = ids;
-  it.all_logits = true;
-  const auto lg = m.step(cache, {it});
-  const int64_t V = w.cfg.vocab_size;
-  size_t sure = 0;
-  for (size_t t = r.prompt.size() - 1; t + 1 < ids.size(); ++t, ++sure) {
-    std::vector<float> row(lg.begin() + t * V, lg.begin() + (t + 1) * V);
-    std::partial_sort(row.begin(), row.begin() + 2, row.end(), std::greater<float>());
-    if (row[0] - row[1] < 0.02f) break;
-  }
-  rollout::RolloutEngine eng(fixture_weights(), prec);
-  eng.set_backend(cuda::make_gpu_backend(fixture_weights(), prec));
-  const auto got = eng.generate({r, r})[0];  // two copies: prefill shared, slots copied, batch-2 decode
-  std::printf("fp8: GPU greedy = CPU greedy for the first %zu tokens required (%zu generated)\n", sure,
-              ref.tokens.size());
-  EXPECT_GE(sure, size_t(8));
-  for (size_t i = 0; i < sure; ++i) ASSERT_EQ(got.tokens[i], ref.tokens[i]) << "token " << i;
-  for (size_t i = 0; i < sure; ++i) EXPECT_NEAR(got.logprobs[i], ref.logprobs[i], 1e-2) << "token " << i;
-}

@@ -564,7 +564,7 @@ TEST(CudaModelGpu, GreedyGenerationMatches) {
     const auto out = eng.generate({r, r, r});  // three copies: prefill shared, slots copied
     for (const auto& o : out) EXPECT_EQ(o.ids(), want);
   }
-  for (const std::string preset : {"bf16", "nvfp4"}) {
+  for (const std::string preset : {"bf16", "nvfp4", "fp8"}) {
     const auto prec = model::PrecisionConfig::preset(preset);
     rollout::RolloutEngine cpu(fixture_weights(), prec);
     const auto ref = cpu.generate({r})[0];
