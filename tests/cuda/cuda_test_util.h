@@ -17,6 +17,7 @@
 #include "cpu/ops.h"
 #include "cuda/check.h"
 #include "cuda/device.h"
+#include "cuda/model_gpu.h"
 #include "model/weights.h"
 
 // Every GPU test starts with this: CI has no GPU and runs the binary as a no-op.
@@ -162,6 +163,21 @@ inline double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 // The fixture tiny_qwen3moe_a (../shared/fixtures, or QUADS_FIXTURES).
+// All-position logits of one sequence through GpuModel, fed `chunk` tokens per step (prefill,
+// chunked prefill, or token by token).
+inline std::vector<float> gpu_logits(GpuModel& g, const std::vector<int32_t>& ids, int64_t chunk) {
+  g.reset_cache(1, static_cast<int64_t>(ids.size()) + 4);
+  std::vector<float> out;
+  for (size_t p = 0; p < ids.size(); p += chunk) {
+    model::StepItem it;
+    it.tokens.assign(ids.begin() + p, ids.begin() + std::min(ids.size(), p + size_t(chunk)));
+    it.all_logits = true;
+    const std::vector<float> lg = g.step({it});
+    out.insert(out.end(), lg.begin(), lg.end());
+  }
+  return out;
+}
+
 inline std::string fixture(const std::string& f) { return fixtures_dir() + "/tiny_qwen3moe_a/" + f; }
 inline const model::Weights& fixture_weights() {
   static const model::Weights w = model::Weights::load(fixtures_dir() + "/tiny_qwen3moe_a");

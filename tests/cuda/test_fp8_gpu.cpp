@@ -74,19 +74,6 @@ void expect_rows_match(const std::vector<float>& y, int64_t yr, const std::vecto
   }
 }
 
-std::vector<float> gpu_logits(cuda::GpuModel& g, const std::vector<int32_t>& ids, int64_t chunk) {
-  g.reset_cache(1, static_cast<int64_t>(ids.size()) + 4);
-  std::vector<float> out;
-  for (size_t p = 0; p < ids.size(); p += chunk) {
-    model::StepItem it;
-    it.tokens.assign(ids.begin() + p, ids.begin() + std::min(ids.size(), p + chunk));
-    it.all_logits = true;
-    const std::vector<float> lg = g.step({it});
-    out.insert(out.end(), lg.begin(), lg.end());
-  }
-  return out;
-}
-
 std::vector<float> cpu_logits(const model::PrecisionConfig& p, const std::vector<int32_t>& ids) {
   model::Weights w = fixture_weights();
   model::Model m(w, p);
