@@ -27,7 +27,8 @@ h, rows = rows[0], rows[1:]
 iname, ival = h.index("Kernel Name"), h.index("Metric Value")
 by = collections.defaultdict(lambda: [0.0, 0])
 for r in rows:
-    k = r[iname].split("(")[0].split("<")[0].replace("void ", "").strip()
+    k = r[iname].replace("(anonymous namespace)::", "").replace("<unnamed>::", "")
+    k = k.split("(")[0].split("<")[0].replace("void ", "").strip()
     by[k][0] += float(r[ival].replace(",", "")) / 1e3; by[k][1] += 1
 tot = sum(v[0] for v in by.values())
 print(f"\n{sys.argv[2]}: {len(rows)} kernels, {tot/1e3:.2f} ms of GPU time (sum of kernel durations)")
