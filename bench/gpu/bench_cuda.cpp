@@ -3,6 +3,7 @@
 // (Qwen3-30B-A3B: hidden 2048, moe_intermediate 768), and the decode GEMV's weight-stream rate.
 // Times are CUDA-event medians over repeated batches after a warm-up; inputs are random.
 // `bench_cuda --gemv`: the copy bandwidth and the decode GEMV table (GEMV vs 16-row tile) alone.
+// `bench_cuda --decode-kernels`: the decode step's small kernels, old vs new (decode_kernels_bench.h).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include "cuda/device.h"
 #include "cuda/gemm.h"
 #include "cuda/quant.h"
+#include "decode_kernels_bench.h"
 
 using namespace quads;
 using namespace quads::cuda;
@@ -234,6 +236,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (argc > 1 && std::string(argv[1]) == "--profile") return profile();
+  if (argc > 1 && std::string(argv[1]) == "--decode-kernels") return decode_bench::run();  // decode_kernels_bench.h
   cudaDeviceProp prop{};
   QUADS_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs, L2 %d MB\n\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);

@@ -2,8 +2,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "cuda/check.h"
 #include "cuda/codecs.cuh"
@@ -561,6 +564,323 @@ __global__ void fill_normal_kernel(float* __restrict__ x, int64_t n, uint64_t se
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Decode-step variants (kern::legacy_decode_kernels() == false). Each one's per-element arithmetic
+// is the kernel's above (rmsnorm, qk-norm/RoPE, router: the same bits); what changes is how the
+// work is spread and how the loads are issued, which is what a decode step's few rows pay for.
+
+// cp.async (sm_80+): a 16-byte global -> shared copy that does not hold a register or stall the
+// thread; src_bytes = 0 zero-fills. Older targets copy synchronously.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#define QUADS_DEC_CP_ASYNC 1
+#endif
+__device__ __forceinline__ void dec_cp16(float* smem, const float* gmem, bool ok) {
+#ifdef QUADS_DEC_CP_ASYNC
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(ok ? 16 : 0));
+#else
+  *reinterpret_cast<float4*>(smem) = ok ? *reinterpret_cast<const float4*>(gmem) : make_float4(0.f, 0.f, 0.f, 0.f);
+#endif
+}
+__device__ __forceinline__ void dec_cp_commit() {
+#ifdef QUADS_DEC_CP_ASYNC
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
+__device__ __forceinline__ void dec_cp_wait() {
+#ifdef QUADS_DEC_CP_ASYNC
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
+// rmsnorm with the row in registers: thread i holds elements i, i + 256, ... (the old kernel's
+// strided partials, summed in the same order), w is fetched before the reduction, and every warp
+// finishes the cross-warp tree itself (the same butterfly warp 0 ran), so one barrier, one read of x.
+template <int PER>
+__global__ void __launch_bounds__(kThreads) rmsnorm_reg_kernel(const float* __restrict__ x, const float* __restrict__ w,
+                                                              int64_t D, float eps, float* __restrict__ y) {
+  __shared__ double red[kThreads / 32];
+  const int64_t r = blockIdx.x;
+  const float* xr = x + r * D;
+  float xv[PER], wv[PER];
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int64_t c = threadIdx.x + int64_t(i) * kThreads;
+    xv[i] = c < D ? xr[c] : 0.f;
+    wv[i] = c < D ? w[c] : 0.f;
+  }
+  double ss = 0;
+#pragma unroll
+  for (int i = 0; i < PER; ++i)
+    if (threadIdx.x + int64_t(i) * kThreads < D) ss += double(xv[i]) * double(xv[i]);
+  ss = warp_sum(ss);
+  const int lane = threadIdx.x & 31;
+  if (lane == 0) red[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  double v = lane < kThreads / 32 ? red[lane] : 0.0;
+  v = warp_sum(v);
+  const float inv = static_cast<float>(1.0 / sqrt(v / double(D) + double(eps)));
+  float* yr = y + r * D;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int64_t c = threadIdx.x + int64_t(i) * kThreads;
+    if (c < D) yr[c] = __fmul_rn(wv[i], __fmul_rn(xv[i], inv));
+  }
+}
+
+// norm_rope_row with the row in registers (HD = hd known, HD % 64 == 0): lane holds elements
+// lane + 32 j, summed in that order as norm_rope_row does, and the RoPE pairs (i, i + HD/2) are
+// its registers (j, j + HD/64). Same operations, same bits.
+template <int HD>
+__device__ __forceinline__ void norm_rope_row_reg(const float* src, float* dst, const float* __restrict__ wn,
+                                                  float eps, const float* __restrict__ c,
+                                                  const float* __restrict__ sn, const float* __restrict__ f,
+                                                  bool div) {
+  constexpr int NJ = HD / 32, HJ = NJ / 2;
+  const int lane = threadIdx.x & 31;
+  float v[NJ], wv[NJ], cv[HJ], sv[HJ];
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    v[j] = src[lane + 32 * j];
+    wv[j] = wn[lane + 32 * j];
+  }
+#pragma unroll
+  for (int j = 0; j < HJ; ++j) {
+    cv[j] = c[lane + 32 * j];
+    sv[j] = sn[lane + 32 * j];
+  }
+  double ss = 0;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) ss += double(v[j]) * double(v[j]);
+  ss = warp_sum(ss);
+  const float inv = static_cast<float>(1.0 / sqrt(ss / double(HD) + double(eps)));
+#pragma unroll
+  for (int j = 0; j < HJ; ++j) {
+    const int i = lane + 32 * j;
+    float a = __fmul_rn(wv[j], __fmul_rn(v[j], inv));
+    float b = __fmul_rn(wv[j + HJ], __fmul_rn(v[j + HJ], inv));
+    if (f) {
+      a = div ? __fdiv_rn(a, f[i]) : __fmul_rn(a, f[i]);
+      b = div ? __fdiv_rn(b, f[i + HD / 2]) : __fmul_rn(b, f[i + HD / 2]);
+    }
+    dst[i] = __fadd_rn(__fmul_rn(a, cv[j]), __fmul_rn(-b, sv[j]));
+    dst[i + HD / 2] = __fadd_rn(__fmul_rn(b, cv[j]), __fmul_rn(a, sv[j]));
+  }
+}
+
+// One warp per head row: grid (ceil(rows / warps), T), so a token's nh + 2 nkv rows run on many SMs
+// at once instead of one CTA walking them. HD = 0: any even hd (norm_rope_row).
+constexpr int kQkWarps = 4;
+template <int HD>
+__global__ void __launch_bounds__(32 * kQkWarps)
+qk_norm_rope_store_wide_kernel(float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                               const float* __restrict__ qn, const float* __restrict__ kn, float eps,
+                               const float* __restrict__ cos, const float* __restrict__ sin,
+                               const int32_t* __restrict__ slot, const int32_t* __restrict__ pos, int nh, int nkv,
+                               int hd, float* __restrict__ kcache, float* __restrict__ vcache, int64_t max_len,
+                               const float* __restrict__ prescale) {
+  const int64_t t = blockIdx.y;
+  const int r = blockIdx.x * kQkWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (r >= nh + 2 * nkv) return;  // whole warps; no block barrier
+  const float* c = cos + t * (hd / 2);
+  const float* sn = sin + t * (hd / 2);
+  const int64_t kvd = int64_t(nkv) * hd;
+  const int64_t cpos = (int64_t(slot[t]) * max_len + pos[t]) * kvd;
+  const float* src;
+  float* dst;
+  const float* f = nullptr;
+  bool div = false;
+  const float* wn = qn;
+  if (r < nh) {
+    src = dst = q + (t * nh + r) * hd;
+    if (prescale) f = prescale + int64_t(r / (nh / nkv)) * hd;
+  } else if (r < nh + nkv) {
+    const int g = r - nh;
+    src = k + (t * nkv + g) * hd;
+    dst = kcache + cpos + int64_t(g) * hd;
+    wn = kn;
+    if (prescale) f = prescale + int64_t(g) * hd;
+    div = true;
+  } else {
+    const int g = r - nh - nkv;
+    const float* s = v + (t * nkv + g) * hd;
+    float* d = vcache + cpos + int64_t(g) * hd;
+    for (int i = lane; i < hd; i += 32) d[i] = s[i];
+    return;
+  }
+  if constexpr (HD > 0) norm_rope_row_reg<HD>(src, dst, wn, eps, c, sn, f, div);
+  else norm_rope_row(src, dst, wn, eps, c, sn, hd, f, div);
+}
+
+// Decode attention split over keys, pipelined (attention_decode_split's new path). CTA (split, kv
+// head g, token t) has G / HPW warps; warp w owns query heads w*HPW .. w*HPW + HPW - 1 of the group,
+// so each K row and V row read from shared memory serves HPW heads. Keys pass kDecTile at a time
+// through a two-stage cp.async ring: the next tile's copy is in flight while this one is scored.
+// Scores: lane j dots key j of the tile with each head's q (four interleaved partial sums, added in
+// a fixed order). Online softmax per head (running max over the warp; each lane keeps its own
+// partial sum of exp, summed over the warp at the end). P.V: the tile's probabilities go through
+// shared memory; lane l owns dimensions l*ND .. l*ND + ND - 1. Fixed order everywhere: the same
+// bits for the same inputs whatever the scheduling.
+template <int ND, int HPW>
+__global__ void __launch_bounds__(512)
+attention_decode_pipe_kernel(const float* __restrict__ q, const float* __restrict__ kcache,
+                             const float* __restrict__ vcache, const int32_t* __restrict__ slot,
+                             const int32_t* __restrict__ pos, int nh, int nkv, float scale, int64_t max_len,
+                             int64_t chunk, float* __restrict__ part_o, float* __restrict__ part_ml,
+                             float* __restrict__ out) {
+  constexpr int HD = ND * 32, H4 = HD / 4, KS = HD + 4, TILE = 32;
+  extern __shared__ float4 dec_smem4[];
+  float* smem = reinterpret_cast<float*>(dec_smem4);
+  const int nw = blockDim.x >> 5, G = nw * HPW, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int split = blockIdx.x, nsplit = gridDim.x, g = blockIdx.y;
+  const int64_t t = blockIdx.z;
+  const int64_t L = int64_t(pos[t]) + 1;
+  const int64_t j0 = int64_t(split) * chunk, j1 = min(L, j0 + chunk);
+  const int ntiles = j1 > j0 ? static_cast<int>((j1 - j0 + TILE - 1) / TILE) : 0;
+  float* qs = smem;                  // [G][HD]
+  float* ps = qs + G * HD;           // [G][TILE]
+  float* kt = ps + G * TILE;         // [2][TILE][KS]
+  float* vt = kt + 2 * TILE * KS;    // [2][TILE][HD]
+  const int64_t kvd = int64_t(nkv) * HD;
+  const float* kb = kcache + int64_t(slot[t]) * max_len * kvd + int64_t(g) * HD;
+  const float* vb = vcache + int64_t(slot[t]) * max_len * kvd + int64_t(g) * HD;
+  {
+    const float4* q4 = reinterpret_cast<const float4*>(q + (t * nh + int64_t(g) * G) * HD);
+    for (int i = threadIdx.x; i < G * H4; i += blockDim.x) reinterpret_cast<float4*>(qs)[i] = q4[i];
+  }
+  auto load = [&](int stage, int64_t jt) {
+    const int64_t n = min(int64_t(TILE), j1 - jt);
+    float* ks = kt + stage * TILE * KS;
+    float* vs = vt + stage * TILE * HD;
+    for (int i = threadIdx.x; i < TILE * H4; i += blockDim.x) {
+      const int r = i / H4, c = i - r * H4;
+      const bool ok = r < n;
+      const int64_t off = (ok ? (jt + r) * kvd : 0) + 4 * c;
+      dec_cp16(ks + r * KS + 4 * c, kb + off, ok);
+      dec_cp16(vs + r * HD + 4 * c, vb + off, ok);
+    }
+    dec_cp_commit();
+  };
+  float m[HPW], lsum[HPW], acc[HPW][ND];
+#pragma unroll
+  for (int u = 0; u < HPW; ++u) {
+    m[u] = -INFINITY;
+    lsum[u] = 0.f;
+#pragma unroll
+    for (int i = 0; i < ND; ++i) acc[u][i] = 0.f;
+  }
+  if (ntiles > 0) load(0, j0);
+  for (int it = 0; it < ntiles; ++it) {
+    const int64_t jt = j0 + int64_t(it) * TILE;
+    const int n = static_cast<int>(min(int64_t(TILE), j1 - jt));
+    if (it + 1 < ntiles) {
+      load((it + 1) & 1, jt + TILE);
+      dec_cp_wait<1>();
+    } else {
+      dec_cp_wait<0>();
+    }
+    __syncthreads();  // tile `it` (and q) visible to every thread
+    const float* ks = kt + (it & 1) * TILE * KS;
+    const float* vs = vt + (it & 1) * TILE * HD;
+    float sj[HPW];
+    {
+      float a[HPW][4];
+#pragma unroll
+      for (int u = 0; u < HPW; ++u) a[u][0] = a[u][1] = a[u][2] = a[u][3] = 0.f;
+      const float4* kr = reinterpret_cast<const float4*>(ks + lane * KS);
+#pragma unroll 8
+      for (int d = 0; d < H4; ++d) {
+        const float4 kv = kr[d];
+#pragma unroll
+        for (int u = 0; u < HPW; ++u) {
+          const float4 qv = reinterpret_cast<const float4*>(qs + (warp * HPW + u) * HD)[d];
+          a[u][0] = __fmaf_rn(qv.x, kv.x, a[u][0]);
+          a[u][1] = __fmaf_rn(qv.y, kv.y, a[u][1]);
+          a[u][2] = __fmaf_rn(qv.z, kv.z, a[u][2]);
+          a[u][3] = __fmaf_rn(qv.w, kv.w, a[u][3]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < HPW; ++u)
+        sj[u] = lane < n ? __fmul_rn(__fadd_rn(__fadd_rn(a[u][0], a[u][1]), __fadd_rn(a[u][2], a[u][3])), scale)
+                         : -INFINITY;
+    }
+#pragma unroll
+    for (int u = 0; u < HPW; ++u) {
+      const float mnew = fmaxf(m[u], warp_max(sj[u]));
+      const float corr = m[u] == -INFINITY ? 0.f : expf(m[u] - mnew);
+      const float p = lane < n ? expf(sj[u] - mnew) : 0.f;
+      lsum[u] = __fmaf_rn(lsum[u], corr, p);
+      ps[(warp * HPW + u) * TILE + lane] = p;
+#pragma unroll
+      for (int i = 0; i < ND; ++i) acc[u][i] = __fmul_rn(acc[u][i], corr);
+      m[u] = mnew;
+    }
+    __syncwarp();
+    // Rows past n are zero-filled and their p is 0: the loop runs the whole tile unrolled.
+#pragma unroll 4
+    for (int r4 = 0; r4 < TILE / 4; ++r4) {
+      float pr[HPW][4];
+#pragma unroll
+      for (int u = 0; u < HPW; ++u) {
+        const float4 p4 = reinterpret_cast<const float4*>(ps + (warp * HPW + u) * TILE)[r4];
+        pr[u][0] = p4.x;
+        pr[u][1] = p4.y;
+        pr[u][2] = p4.z;
+        pr[u][3] = p4.w;
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float* vr = vs + (4 * r4 + e) * HD + lane * ND;
+        float vv[ND];
+        if constexpr (ND % 4 == 0) {
+#pragma unroll
+          for (int i = 0; i < ND; i += 4) {
+            const float4 x4 = *reinterpret_cast<const float4*>(vr + i);
+            vv[i] = x4.x;
+            vv[i + 1] = x4.y;
+            vv[i + 2] = x4.z;
+            vv[i + 3] = x4.w;
+          }
+        } else if constexpr (ND % 2 == 0) {
+#pragma unroll
+          for (int i = 0; i < ND; i += 2) {
+            const float2 x2 = *reinterpret_cast<const float2*>(vr + i);
+            vv[i] = x2.x;
+            vv[i + 1] = x2.y;
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < ND; ++i) vv[i] = vr[i];
+        }
+#pragma unroll
+        for (int u = 0; u < HPW; ++u)
+#pragma unroll
+          for (int i = 0; i < ND; ++i) acc[u][i] = __fmaf_rn(pr[u][e], vv[i], acc[u][i]);
+      }
+    }
+    __syncthreads();  // stage it & 1 and ps are free for the next tile's copy and scores
+  }
+#pragma unroll
+  for (int u = 0; u < HPW; ++u) {
+    const float l = warp_sum(lsum[u]);
+    const int64_t th = t * nh + int64_t(g) * G + warp * HPW + u;
+    if (nsplit == 1) {  // j0 = 0 < L: at least one key, l > 0
+      const float inv = 1.f / l;
+#pragma unroll
+      for (int i = 0; i < ND; ++i) out[th * HD + lane * ND + i] = __fmul_rn(acc[u][i], inv);
+    } else {
+#pragma unroll
+      for (int i = 0; i < ND; ++i) part_o[(th * nsplit + split) * HD + lane * ND + i] = acc[u][i];
+      if (lane == 0) {
+        part_ml[2 * (th * nsplit + split)] = m[u];  // -inf for a split past the context
+        part_ml[2 * (th * nsplit + split) + 1] = l;
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void embedding(const float* table, const int32_t* tokens, int64_t T, int64_t H, float* out, cudaStream_t s) {
@@ -572,7 +892,14 @@ void embedding(const float* table, const int32_t* tokens, int64_t T, int64_t H, 
 void rmsnorm(const float* x, const float* w, int64_t rows, int64_t D, float eps, float* y, cudaStream_t s) {
   if (rows == 0) return;
   QUADS_CHECK(rows < (int64_t(1) << 31), "cuda rmsnorm: {} rows is too many", rows);
-  rmsnorm_kernel<<<static_cast<unsigned>(rows), kThreads, 0, s>>>(x, w, D, eps, y);
+  const unsigned grid = static_cast<unsigned>(rows);
+  const int64_t per = (D + kThreads - 1) / kThreads;
+  if (legacy_decode_kernels() || per > 16) rmsnorm_kernel<<<grid, kThreads, 0, s>>>(x, w, D, eps, y);
+  else if (per <= 1) rmsnorm_reg_kernel<1><<<grid, kThreads, 0, s>>>(x, w, D, eps, y);
+  else if (per <= 2) rmsnorm_reg_kernel<2><<<grid, kThreads, 0, s>>>(x, w, D, eps, y);
+  else if (per <= 4) rmsnorm_reg_kernel<4><<<grid, kThreads, 0, s>>>(x, w, D, eps, y);
+  else if (per <= 8) rmsnorm_reg_kernel<8><<<grid, kThreads, 0, s>>>(x, w, D, eps, y);
+  else rmsnorm_reg_kernel<16><<<grid, kThreads, 0, s>>>(x, w, D, eps, y);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
@@ -589,8 +916,20 @@ void qk_norm_rope_store(float* q, const float* k, const float* v, const float* q
                         const float* prescale) {
   if (T == 0) return;
   QUADS_CHECK(hd % 2 == 0, "cuda qk_norm_rope: head_dim {} must be even", hd);
-  qk_norm_rope_store_kernel<<<static_cast<unsigned>(T), 256, 0, s>>>(q, k, v, qn, kn, eps, cos, sin, slot, pos, nh, nkv,
-                                                                     hd, kcache, vcache, max_len, prescale);
+  if (legacy_decode_kernels() || T >= 65536) {
+    qk_norm_rope_store_kernel<<<static_cast<unsigned>(T), 256, 0, s>>>(q, k, v, qn, kn, eps, cos, sin, slot, pos, nh,
+                                                                       nkv, hd, kcache, vcache, max_len, prescale);
+  } else {
+    const dim3 grid(static_cast<unsigned>((nh + 2 * nkv + kQkWarps - 1) / kQkWarps), static_cast<unsigned>(T));
+#define QUADS_QK_WIDE(HD)                                                                                      \
+  qk_norm_rope_store_wide_kernel<HD><<<grid, 32 * kQkWarps, 0, s>>>(q, k, v, qn, kn, eps, cos, sin, slot, pos, nh, \
+                                                                    nkv, hd, kcache, vcache, max_len, prescale)
+    if (hd == 64) QUADS_QK_WIDE(64);
+    else if (hd == 128) QUADS_QK_WIDE(128);
+    else if (hd == 256) QUADS_QK_WIDE(256);
+    else QUADS_QK_WIDE(0);
+#undef QUADS_QK_WIDE
+  }
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
@@ -644,41 +983,121 @@ bool attention_decode_split_supported(int nh, int nkv, int hd) {
   return hd % 32 == 0 && hd <= 256 && nkv > 0 && nh % nkv == 0 && nh / nkv <= 32;
 }
 
-void attention_decode_split(const float* q, const float* kcache, const float* vcache, const int32_t* slot,
-                            const int32_t* pos, int64_t T, int nh, int nkv, int hd, float scale, int64_t max_len,
-                            int64_t max_ctx, float* out, cudaStream_t s) {
-  if (T == 0) return;
-  QUADS_CHECK(attention_decode_split_supported(nh, nkv, hd),
-              "cuda attention_decode_split: heads {}/{} and head_dim {} unsupported (hd % 32, hd <= 256, group <= 32)",
-              nh, nkv, hd);
-  QUADS_CHECK(T < 65536 && max_ctx > 0, "cuda attention_decode_split: {} tokens, context {}", T, max_ctx);
+namespace {
+
+// The pipelined kernel's instance for (ND, HPW), or nullptr where only the old kernel serves.
+using DecodePipeFn = void (*)(const float*, const float*, const float*, const int32_t*, const int32_t*, int, int, float,
+                              int64_t, int64_t, float*, float*, float*);
+template <int HPW>
+DecodePipeFn decode_pipe_fn(int nd) {
+  switch (nd) {
+    case 1: return attention_decode_pipe_kernel<1, HPW>;
+    case 2: return attention_decode_pipe_kernel<2, HPW>;
+    case 4: return attention_decode_pipe_kernel<4, HPW>;
+    case 8: return attention_decode_pipe_kernel<8, HPW>;
+    default: return nullptr;
+  }
+}
+
+std::atomic<bool>& legacy_decode_flag() {
+  static std::atomic<bool> flag{[] {
+    const char* e = std::getenv("QUADS_DECODE_KERNELS");
+    return e != nullptr && std::strcmp(e, "old") == 0;
+  }()};
+  return flag;
+}
+
+int device_sms() {
   static int sms = 0;
   if (sms == 0) {
     int dev = 0;
     QUADS_CUDA_CHECK(cudaGetDevice(&dev));
     QUADS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   }
-  // About two CTAs per SM, at least one 32-key tile per split.
+  return sms;
+}
+
+}  // namespace
+
+void set_legacy_decode_kernels(bool on) { legacy_decode_flag().store(on); }
+bool legacy_decode_kernels() { return legacy_decode_flag().load(); }
+
+void attention_decode_split(const float* q, const float* kcache, const float* vcache, const int32_t* slot,
+                            const int32_t* pos, int64_t T, int nh, int nkv, int hd, float scale, int64_t max_len,
+                            int64_t max_ctx, float* out, cudaStream_t s) {
+  attention_decode_split_n(q, kcache, vcache, slot, pos, T, nh, nkv, hd, scale, max_len, max_ctx, out, s, 0);
+}
+
+int attention_decode_split_n(const float* q, const float* kcache, const float* vcache, const int32_t* slot,
+                             const int32_t* pos, int64_t T, int nh, int nkv, int hd, float scale, int64_t max_len,
+                             int64_t max_ctx, float* out, cudaStream_t s, int splits) {
+  if (T == 0) return 0;
+  QUADS_CHECK(attention_decode_split_supported(nh, nkv, hd),
+              "cuda attention_decode_split: heads {}/{} and head_dim {} unsupported (hd % 32, hd <= 256, group <= 32)",
+              nh, nkv, hd);
+  QUADS_CHECK(T < 65536 && max_ctx > 0, "cuda attention_decode_split: {} tokens, context {}", T, max_ctx);
+  const int sms = device_sms();
+  const int G = nh / nkv, nd = hd / 32;
   const int64_t base = T * nkv, tiles = (max_ctx + kDecTile - 1) / kDecTile;
-  int64_t nsplit = std::clamp<int64_t>((2 * sms + base - 1) / base, 1, tiles);
+
+  // The pipelined kernel where it has an instance: two heads per warp for even groups, at most 16
+  // warps, its shared memory within the device's limit.
+  const int hpw = G % 2 == 0 ? 2 : 1;
+  DecodePipeFn pipe = legacy_decode_kernels() ? nullptr : hpw == 2 ? decode_pipe_fn<2>(nd) : decode_pipe_fn<1>(nd);
+  const int pthreads = 32 * G / hpw;
+  const size_t psmem = sizeof(float) * (size_t(G) * (hd + kDecTile) + 2 * size_t(kDecTile) * (2 * hd + 4));
+  int occ = 0;
+  if (pipe && pthreads <= 512) {
+    // Per instance and group size: the opt-in shared memory and the resident CTAs per SM.
+    static int occ_cache[2][9][33] = {};
+    int& oc = occ_cache[hpw - 1][nd][G];
+    if (oc == 0) {
+      int dev = 0, max_smem = 0;
+      QUADS_CUDA_CHECK(cudaGetDevice(&dev));
+      QUADS_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+      oc = -1;
+      if (psmem <= size_t(max_smem)) {
+        QUADS_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(pipe),
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(psmem)));
+        int blocks = 0;
+        QUADS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, reinterpret_cast<const void*>(pipe),
+                                                                       pthreads, psmem));
+        oc = blocks > 0 ? blocks : -1;
+      }
+    }
+    occ = oc;
+  }
+  const bool use_pipe = occ > 0;
+
+  // Splits: the old kernel aims at about two CTAs per SM; the pipelined one at one full wave of
+  // resident CTAs (each split at least one 32-key tile either way).
+  int64_t nsplit = use_pipe ? (int64_t(occ) * sms + base - 1) / base : (2 * sms + base - 1) / base;
+  if (splits > 0) nsplit = splits;
+  nsplit = std::clamp<int64_t>(nsplit, 1, tiles);
   const int64_t chunk = (tiles + nsplit - 1) / nsplit * kDecTile;
   nsplit = (max_ctx + chunk - 1) / chunk;
-  const int G = nh / nkv;
-  const size_t smem = sizeof(float) * (size_t(G) * hd + size_t(kDecTile) * (hd + 4) + size_t(kDecTile) * hd);
-  static size_t smem_set = 48 * 1024;
-  if (smem > smem_set) {
-    QUADS_CUDA_CHECK(cudaFuncSetAttribute(attention_decode_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem)));
-    smem_set = smem;
-  }
+  QUADS_CHECK(nsplit < 65536, "cuda attention_decode_split: {} splits", nsplit);
+
   float *part_o = nullptr, *part_ml = nullptr;
   if (nsplit > 1) {
     QUADS_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&part_o), sizeof(float) * T * nh * nsplit * hd, s));
     QUADS_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&part_ml), sizeof(float) * 2 * T * nh * nsplit, s));
   }
   const dim3 grid(static_cast<unsigned>(nsplit), static_cast<unsigned>(nkv), static_cast<unsigned>(T));
-  attention_decode_split_kernel<<<grid, 32 * G, smem, s>>>(q, kcache, vcache, slot, pos, nh, nkv, hd, scale, max_len,
-                                                           chunk, part_o, part_ml, out);
+  if (use_pipe) {
+    pipe<<<grid, pthreads, psmem, s>>>(q, kcache, vcache, slot, pos, nh, nkv, scale, max_len, chunk, part_o, part_ml,
+                                       out);
+  } else {
+    const size_t smem = sizeof(float) * (size_t(G) * hd + size_t(kDecTile) * (hd + 4) + size_t(kDecTile) * hd);
+    static size_t smem_set = 48 * 1024;
+    if (smem > smem_set) {
+      QUADS_CUDA_CHECK(cudaFuncSetAttribute(attention_decode_split_kernel,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      smem_set = smem;
+    }
+    attention_decode_split_kernel<<<grid, 32 * G, smem, s>>>(q, kcache, vcache, slot, pos, nh, nkv, hd, scale,
+                                                             max_len, chunk, part_o, part_ml, out);
+  }
   QUADS_CUDA_LAUNCH_CHECK();
   if (nsplit > 1) {
     attention_decode_merge_kernel<<<static_cast<unsigned>(T * nh), 32, 0, s>>>(part_o, part_ml,
@@ -687,6 +1106,7 @@ void attention_decode_split(const float* q, const float* kcache, const float* vc
     QUADS_CUDA_CHECK(cudaFreeAsync(part_o, s));
     QUADS_CUDA_CHECK(cudaFreeAsync(part_ml, s));
   }
+  return static_cast<int>(nsplit);
 }
 
 bool attention_tiled_supported(int nh, int nkv, int hd) { return hd % 32 == 0 && hd <= 256 && nh % nkv == 0; }

@@ -14,6 +14,14 @@ namespace quads::cuda::kern {
 // out[t] = table[tokens[t]] (cpu::embedding_forward). Token ids must be in range (checked on the host).
 void embedding(const float* table, const int32_t* tokens, int64_t T, int64_t H, float* out, cudaStream_t s);
 
+// The decode step's kernels come in two versions: the current ones (default) and the previous ones
+// (legacy: the benchmark's "old" column and the tests' bitwise references). rmsnorm,
+// qk_norm_rope_store and router_topk_fwd (train_kernels.h) give the same bits either way;
+// attention_decode_split the same within rounding. The initial value is QUADS_DECODE_KERNELS=old in
+// the environment; the switch is read at each launch (a captured CUDA graph keeps what it captured).
+void set_legacy_decode_kernels(bool on);
+bool legacy_decode_kernels();
+
 // y = w * (x * inv_rms) per row of D (cpu::rmsnorm_forward; sum of squares in double).
 void rmsnorm(const float* x, const float* w, int64_t rows, int64_t D, float eps, float* y, cudaStream_t s);
 
@@ -59,6 +67,14 @@ bool attention_decode_split_supported(int nh, int nkv, int hd);
 void attention_decode_split(const float* q, const float* kcache, const float* vcache, const int32_t* slot,
                             const int32_t* pos, int64_t T, int nh, int nkv, int hd, float scale, int64_t max_len,
                             int64_t max_ctx, float* out, cudaStream_t s);
+// The same with the split count forced (splits > 0; clamped to the 32-key tiles of max_ctx) or
+// chosen as above (0); returns the split count used. Where hd / 32 is 1, 2, 4 or 8 and the group
+// fits 16 warps (two heads per warp for even groups), a pipelined kernel runs: two K/V tiles in
+// flight through cp.async, splits sized to one wave of resident CTAs. Otherwise, and with
+// legacy_decode_kernels(), the kernel described above.
+int attention_decode_split_n(const float* q, const float* kcache, const float* vcache, const int32_t* slot,
+                             const int32_t* pos, int64_t T, int nh, int nkv, int hd, float scale, int64_t max_len,
+                             int64_t max_ctx, float* out, cudaStream_t s, int splits);
 
 // Prefill attention with K/V staged through shared memory (QUADS_GPU_ATTN=tiled): the same bits as
 // attention(). blocks [nblocks, 2] = (first token, count): runs of consecutive tokens of ONE slot,

@@ -16,6 +16,7 @@
 #include "cuda/check.h"
 #include "cuda/codecs.cuh"
 #include "cuda/kernel_util.cuh"
+#include "cuda/model_kernels.h"
 #include "cuda/train_kernels.h"
 
 namespace quads::cuda::kern {
@@ -700,6 +701,103 @@ __global__ void router_topk_fwd_kernel(const float* __restrict__ logits, int64_t
   }
 }
 
+// router_topk_fwd_kernel with a lane's logits and probabilities in registers (experts lane + 32 j,
+// EPL of them): a chosen expert is marked by its owner lane instead of every lane scanning the
+// chosen list for each candidate; lane 0's winner is broadcast by a shuffle. The softmax (max, exp
+// from double, lane 0's sum in expert order), the arg-max butterfly and the final weights are the
+// old kernel's operations: the same bits.
+template <int EPL>
+__global__ void router_topk_fwd_reg_kernel(const float* __restrict__ logits, int64_t T, int E, int k, bool norm_topk,
+                                           float* __restrict__ probs, int32_t* __restrict__ idx,
+                                           float* __restrict__ w, const int32_t* __restrict__ forced) {
+  extern __shared__ float topk_smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t t = int64_t(blockIdx.x) * kTopkWarps + warp;
+  if (t >= T) return;  // whole warps; only warp-level sync below
+  float* ps = topk_smem + int64_t(warp) * (E + k);
+  int32_t* sel = reinterpret_cast<int32_t*>(ps + E);
+  const float* x = logits + t * E;
+  float pv[EPL];
+  float m = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) {
+    const int e = lane + 32 * j;
+    pv[j] = e < E ? x[e] : -INFINITY;
+    m = fmaxf(m, pv[j]);
+  }
+  m = warp_max(m);
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) {
+    const int e = lane + 32 * j;
+    if (e < E) {
+      pv[j] = static_cast<float>(exp(double(__fsub_rn(pv[j], m))));
+      ps[e] = pv[j];
+    }
+  }
+  __syncwarp();
+  double sum = 0;
+  if (lane == 0)
+    for (int e = 0; e < E; ++e) sum = __dadd_rn(sum, double(ps[e]));
+  sum = __shfl_sync(0xffffffffu, sum, 0);
+  const float inv = static_cast<float>(1.0 / sum);
+  float* p = probs + t * E;
+  __syncwarp();
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) {
+    const int e = lane + 32 * j;
+    if (e < E) {
+      pv[j] = __fmul_rn(pv[j], inv);
+      ps[e] = pv[j];
+      p[e] = pv[j];
+    }
+  }
+  if (forced) {
+    for (int s = lane; s < k; s += 32) sel[s] = forced[t * k + s];
+  } else {
+    bool taken[EPL];
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) taken[j] = false;
+    for (int s = 0; s < k; ++s) {
+      int best = -1;
+      float bp = 0.f;
+#pragma unroll
+      for (int j = 0; j < EPL; ++j) {
+        const int e = lane + 32 * j;
+        if (e >= E || taken[j]) continue;
+        if (best < 0 || pv[j] > bp) {
+          best = e;
+          bp = pv[j];
+        }
+      }
+      for (int o = 16; o > 0; o >>= 1) {
+        const int ob = __shfl_xor_sync(0xffffffffu, best, o);
+        const float op = __shfl_xor_sync(0xffffffffu, bp, o);
+        if (ob >= 0 && (best < 0 || op > bp || (!(bp > op) && ob < best))) {
+          best = ob;
+          bp = op;
+        }
+      }
+      best = __shfl_sync(0xffffffffu, best, 0);
+      if (lane == 0) sel[s] = best;
+#pragma unroll
+      for (int j = 0; j < EPL; ++j) taken[j] = taken[j] || best == lane + 32 * j;
+    }
+  }
+  __syncwarp();
+  if (lane == 0) {
+    float tot = 0;
+    for (int s = 0; s < k; ++s) {
+      const int e = sel[s];
+      const float pe = e >= 0 && e < E ? ps[e] : NAN;
+      idx[t * k + s] = e;
+      w[t * k + s] = pe;
+      tot = __fadd_rn(tot, pe);
+    }
+    if (norm_topk)
+      for (int s = 0; s < k; ++s) w[t * k + s] = __fdiv_rn(w[t * k + s], tot);
+  }
+}
+
 // One warp per token; dp [E] (double) in shared memory. Lane 0 forms the sums in the CPU's order
 // (selected experts, then experts 0..E-1), so the result is cpu::router_topk_backward's.
 constexpr int kRouterWarps = 4;
@@ -1062,8 +1160,17 @@ void router_topk_fwd(const float* logits, int64_t T, int E, int k, bool norm_top
   QUADS_CHECK(E > 0 && k > 0 && k <= E, "cuda router_topk_fwd: top-{} of {} experts", k, E);
   const size_t smem = sizeof(float) * size_t(kTopkWarps) * size_t(E + k);
   QUADS_CHECK(smem <= 48 * 1024, "cuda router_topk_fwd: {} experts (top-{}) is too many", E, k);
-  router_topk_fwd_kernel<<<static_cast<unsigned>((T + kTopkWarps - 1) / kTopkWarps), 32 * kTopkWarps, smem, s>>>(
-      logits, T, E, k, norm_topk, probs, idx, w, forced);
+  const unsigned grid = static_cast<unsigned>((T + kTopkWarps - 1) / kTopkWarps);
+  if (legacy_decode_kernels() || E > 256)
+    router_topk_fwd_kernel<<<grid, 32 * kTopkWarps, smem, s>>>(logits, T, E, k, norm_topk, probs, idx, w, forced);
+  else if (E <= 32)
+    router_topk_fwd_reg_kernel<1><<<grid, 32 * kTopkWarps, smem, s>>>(logits, T, E, k, norm_topk, probs, idx, w, forced);
+  else if (E <= 64)
+    router_topk_fwd_reg_kernel<2><<<grid, 32 * kTopkWarps, smem, s>>>(logits, T, E, k, norm_topk, probs, idx, w, forced);
+  else if (E <= 128)
+    router_topk_fwd_reg_kernel<4><<<grid, 32 * kTopkWarps, smem, s>>>(logits, T, E, k, norm_topk, probs, idx, w, forced);
+  else
+    router_topk_fwd_reg_kernel<8><<<grid, 32 * kTopkWarps, smem, s>>>(logits, T, E, k, norm_topk, probs, idx, w, forced);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
