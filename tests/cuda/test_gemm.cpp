@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
@@ -89,7 +90,8 @@ TEST(CudaGemm, W4A4MatchesDequantizedCpuGemm) {
         ref_gemm(dequant_cpu(xq), dequant_cpu(wq), s.m, s.n, s.k, ref, absref);
         DeviceQTensor dxq = to_device(xq), dwq = to_device(wq);
         DeviceArray<float> y(s.m * s.n);
-        for (W4A4Tile tile : {W4A4Tile::M16, W4A4Tile::M64, W4A4Tile::M128, W4A4Tile::Gemv})
+        for (W4A4Tile tile : {W4A4Tile::M16, W4A4Tile::M16W4, W4A4Tile::M16N64, W4A4Tile::M64, W4A4Tile::M128,
+                              W4A4Tile::Gemv})
           for (int splits : {1, 0, 3}) {
             if (tile == W4A4Tile::Gemv && splits != 1) continue;  // the GEMV does not split K
             const std::string what = "M=" + std::to_string(s.m) + " N=" + std::to_string(s.n) + " K=" +
@@ -104,6 +106,33 @@ TEST(CudaGemm, W4A4MatchesDequantizedCpuGemm) {
             expect_close(y.download(), ref, absref, 1e-5, 1e-4, what);
           }
       }
+  }
+}
+
+// The 16-row tile variants differ only in how the CTA's columns are split over warps and CTAs:
+// every output is the same MMA chain over K, so the bits must agree (Auto may pick any of them).
+TEST(CudaGemm, W4A4M16VariantsAgreeBitwise) {
+  QUADS_REQUIRE_GPU();
+  const int64_t M = 20, N = 200, K = 1024;
+  const std::vector<float> x = random_matrix(M, K, 31), w = random_matrix(N, K, 32);
+  QConfig xc = QConfig::nvfp4_act();
+  xc.global = Global::PerRow;
+  const num::QTensor xq = num::quantize(x.data(), M, K, xc), wq = num::quantize(w.data(), N, K, QConfig::nvfp4_weight(false));
+  DeviceQTensor dxq = to_device(xq), dwq = to_device(wq);
+  for (int splits : {1, 3}) {
+    std::vector<std::vector<float>> out;
+    for (W4A4Tile tile : {W4A4Tile::M16, W4A4Tile::M16W4, W4A4Tile::M16N64}) {
+      DeviceArray<float> y(M * N);
+      y.fill_bytes(0xFF);
+      W4A4Options opt;
+      opt.tile = tile;
+      opt.splits = splits;
+      w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), y.data(), false, nullptr, opt);
+      out.push_back(y.download());
+    }
+    for (size_t v = 1; v < out.size(); ++v)
+      ASSERT_EQ(0, std::memcmp(out[0].data(), out[v].data(), out[0].size() * sizeof(float)))
+          << "variant " << v << " splits " << splits;
   }
 }
 
