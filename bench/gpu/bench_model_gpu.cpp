@@ -5,6 +5,7 @@
 // bound (GEMM weight bytes read per decode step, counted by the model, over the measured copy
 // bandwidth) and the transformers 5.17 numbers of issue 6 (same H200 model, bf16).
 //   bench_model_gpu [--quick] [--precisions bf16,nvfp4,nvfp4+rac] [--train-only | --rollout-only]
+//   bench_model_gpu --ncu P | --ncu-decode P | --ncu-train P   (regions for ncu, see below)
 // Training rows (cuda::GpuTrainer, cuda/train_gpu.h): tokens/s of one optimizer step on 8 x 1024
 // random tokens (forward + CE on the device + backward + clipping + AdamW + re-quantization; best
 // of 3 after a warm-up step) for the `bf16` and `qat` presets, beside the transformers bf16 number
@@ -260,6 +261,10 @@ bool bench_precision(const model::ModelConfig& cfg, const std::string& p, double
   }
 }
 
+// --ncu-train P: the second step (the first after the warm-up) of P's 8 x 1024 training row runs
+// between cudaProfilerStart / Stop (scripts/gpu/profile.sh with QUADS_NCU_WHAT=train).
+bool g_ncu_train = false;
+
 // Seconds of one training step (best of `reps` after a warm-up), or < 0 after printing the error.
 // attn / experts: "" for the trainer's defaults, else GpuTrainer::set_attention / set_expert_gemms.
 // *what receives the attention and expert GEMMs that ran.
@@ -282,6 +287,7 @@ double train_step_seconds(const model::ModelConfig& cfg, const std::string& pres
     double best = 1e30;
     for (int r = 0; r <= reps; ++r) {
       QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+      if (g_ncu_train && r == 1) cudaProfilerStart();
       const double a = now();
       g.zero_grad();
       g.forward(b, nullptr, true);
@@ -291,6 +297,7 @@ double train_step_seconds(const model::ModelConfig& cfg, const std::string& pres
       g.adamw_step(ac, r + 1);
       QUADS_CUDA_CHECK(cudaDeviceSynchronize());
       const double dt = now() - a;
+      if (g_ncu_train && r == 1) cudaProfilerStop();
       std::fprintf(stderr, "train %s step %d: %.3f s (forward %.3f, CE + backward %.3f, AdamW + requant %.3f), loss %.4f\n",
                    preset.c_str(), r, dt, fwd, bwd, dt - fwd - bwd, loss);
       if (r > 0) best = std::min(best, dt);  // step 0 is the warm-up (allocations, cuBLAS heuristics)
@@ -388,6 +395,12 @@ int main(int argc, char** argv) {
       if (!std::strcmp(argv[i], "--quick")) quick = true;
       else if (!std::strcmp(argv[i], "--train-only")) train_only = true;
       else if (!std::strcmp(argv[i], "--rollout-only")) rollout_only = true;
+      else if (!std::strcmp(argv[i], "--ncu-train") && i + 1 < argc) {
+        g_ncu_train = true;
+        std::string what;
+        train_step_seconds(peer_config(), argv[i + 1], "", "", 8, 1024, 1, &what);
+        return 0;
+      }
       else if ((!std::strcmp(argv[i], "--ncu") || !std::strcmp(argv[i], "--ncu-decode")) && i + 1 < argc) {
         ncu_regions(peer_config(), argv[i + 1], !std::strcmp(argv[i], "--ncu-decode"));
         return 0;

@@ -4,7 +4,8 @@
 # summed by kernel name. Builds bench_model_gpu first (scripts/gpu/env.sh).
 #   bash scripts/gpu/profile.sh [PRECISION ...]      # default: nvfp4 bf16
 # QUADS_NCU_DECODE_BATCH=N profiles the decode step at batch N; QUADS_NCU_WHAT="decode" skips the
-# prefill.
+# prefill; QUADS_NCU_WHAT=train profiles one 8 x 1024 training step of each precision (bf16, qat):
+# our kernels only.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 gpu_build bench_model_gpu || exit 1
@@ -14,9 +15,12 @@ precisions=("$@")
 [ ${#precisions[@]} -gt 0 ] || precisions=(nvfp4 bf16)
 for p in "${precisions[@]}"; do
   for what in ${QUADS_NCU_WHAT:-prefill decode}; do
-    flag=--ncu; [ $what = decode ] && flag=--ncu-decode
+    flag=--ncu; [ $what = decode ] && flag=--ncu-decode; [ $what = train ] && flag=--ncu-train
     csv=$logdir/ncu_${p//+/_}_$what${QUADS_NCU_DECODE_BATCH:+_b$QUADS_NCU_DECODE_BATCH}.csv
-    timeout 300 "$ncu" --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
+    # train: ~10k kernels, most of them cuBLAS GEMMs that the trainer's own profile already times;
+    # only ours (and cuBLASLt's split-K reductions) are profiled, to keep ncu's replay short.
+    filt=(); [ $what = train ] && filt=(--kernel-name regex:_kernel)
+    timeout 300 "$ncu" --profile-from-start off --clock-control none "${filt[@]}" --metrics gpu__time_duration.sum --csv \
       --print-units base "$build/bench_model_gpu" $flag "$p" >"$csv" 2>"$logdir/ncu_${p//+/_}_$what.err" \
       || { echo "ncu failed for $p $what"; tail -5 "$logdir/ncu_${p//+/_}_$what.err"; }
     python3 - "$csv" "$p $what" <<'PY'
