@@ -4,6 +4,7 @@
 // Times are CUDA-event medians over repeated batches after a warm-up; inputs are random.
 // `bench_cuda --gemv`: the copy bandwidth and the decode GEMV table (GEMV vs 16-row tile) alone.
 // `bench_cuda --decode-kernels`: the decode step's small kernels, old vs new (decode_kernels_bench.h).
+// `bench_cuda --fp8`: the copy bandwidth and the FP8 table (GEMV vs W8A8 tiles vs SGEMM) alone.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -14,7 +15,11 @@
 #include <string>
 #include <vector>
 
+#include <cublas_v2.h>
+
+#include "cuda/check.h"
 #include "cuda/device.h"
+#include "cuda/fp8_gemm.h"
 #include "cuda/gemm.h"
 #include "cuda/quant.h"
 #include "decode_kernels_bench.h"
@@ -85,6 +90,8 @@ const char* tile_name(W4A4Tile t) {
     case W4A4Tile::M64: return "64x128";
     case W4A4Tile::M128: return "128x128";
     case W4A4Tile::Gemv: return "gemv";
+    case W4A4Tile::M16W4: return "16x128/4w";
+    case W4A4Tile::M16N64: return "16x64";
     default: return "auto";
   }
 }
@@ -137,12 +144,15 @@ void gemv_table(double copy_gbs) {
       wq.push_back(make_qtensor(d.n, d.k, num::QConfig::nvfp4_weight(true)));
       quantize(w.data(), wq.back());
     }
-    for (int64_t M : {1, 4, 8, 16}) {
+    for (int64_t M : {1, 4, 8, 16, 32, 64}) {
       DeviceArray<float> x(M * d.k), y(M * d.n);
       fill_device(x, randn(M * d.k, 12));
       DeviceQTensor xq = make_qtensor(M, d.k, xc);
       quantize(x.data(), xq);
-      for (W4A4Tile t : {W4A4Tile::M16, W4A4Tile::Gemv, W4A4Tile::Auto}) {
+      std::vector<W4A4Tile> tiles = {W4A4Tile::M16, W4A4Tile::M16W4, W4A4Tile::M16N64, W4A4Tile::Auto};
+      if (M <= 16) tiles.insert(tiles.begin() + 3, W4A4Tile::Gemv);
+      if (M > 16) tiles.insert(tiles.begin() + 3, W4A4Tile::M64);
+      for (W4A4Tile t : tiles) {
         W4A4Options o;
         o.tile = t;
         int i = 0;
@@ -184,7 +194,9 @@ void gemv_table(double copy_gbs) {
       DeviceQTensor xq = make_qtensor(rows, g.k, xc);
       quantize(x.data(), xq);
       const int ns = static_cast<int>(sets.size());
-      for (W4A4Tile t : {W4A4Tile::M16, W4A4Tile::Gemv, W4A4Tile::Auto}) {
+      std::vector<W4A4Tile> tiles = {W4A4Tile::M16, W4A4Tile::M16W4, W4A4Tile::M16N64, W4A4Tile::Auto};
+      if (max_rows <= 16) tiles.insert(tiles.begin() + 3, W4A4Tile::Gemv);
+      for (W4A4Tile t : tiles) {
         int i = 0;
         const double us = time_us([&] {
           const int c = i++;
@@ -204,7 +216,7 @@ void gemv_table(double copy_gbs) {
       run(g.name, active * M, M, sets, M, active);
     }
     std::mt19937 rng(7);
-    for (int64_t T : {4, 16}) {  // decode batches: rows per expert from a random top-8 routing
+    for (int64_t T : {4, 16, 64}) {  // decode batches: rows per expert from a random top-8 routing
       std::vector<std::vector<int32_t>> sets;
       double experts = 0;
       for (int s = 0; s < 8; ++s) {
@@ -226,6 +238,138 @@ void gemv_table(double copy_gbs) {
       run(what.c_str(), active * T, T, sets, T, static_cast<int>(experts + 0.5));
     }
   }
+}
+
+// FP8 (E4M3, the `fp8` preset: 128x128 weight blocks, 1x128 activation blocks) at the peer
+// model's shapes: the CUDA-core GEMV on X_eff against the W8A8 tensor-core tiles on codes, and
+// (dense) W_eff dequantized + cuBLAS SGEMM, the old prefill path. Experts: 64, top-8 routed at
+// random, one grouped call per projection; calls rotate over weights worth more than 150 MB so
+// that they are read from HBM. GB/s counts weight codes + scales.
+void fp8_table(double copy_gbs) {
+  const double kRotateBytes = 150e6;
+  const num::QConfig wc = num::QConfig::fp8(num::Block::B128x128), xc = num::QConfig::fp8(num::Block::B1x128);
+  std::printf("\n| FP8 W8A8 | weight N x K | rows (tokens) | kernel | us | weight GB/s | %% of copy | TFLOP/s |\n");
+  std::printf("|---|---|---|---|---|---|---|---|\n");
+  auto print = [&](const char* what, int64_t n, int64_t k, int64_t m, const char* kern, double us, double bytes,
+                   double flop) {
+    const double gbs = bytes / us / 1e3;
+    std::printf("| %s | %lldx%lld | %lld | %s | %.1f | %.0f | %.0f | %.1f |\n", what, static_cast<long long>(n),
+                static_cast<long long>(k), static_cast<long long>(m), kern, us, gbs, 100.0 * gbs / copy_gbs,
+                flop / us / 1e6);
+  };
+  cublasHandle_t cublas = nullptr;
+  QUADS_CUBLAS_CHECK(cublasCreate(&cublas));
+  QUADS_CUBLAS_CHECK(cublasSetMathMode(cublas, CUBLAS_DEFAULT_MATH));  // FP32, no TF32 (as the model)
+  struct S {
+    const char* name;
+    int64_t n, k;
+  };
+  for (const S& d : {S{"dense q_proj", 4096, 2048}, S{"dense o_proj", 2048, 4096}}) {
+    const double wbytes = double(d.n) * d.k;
+    const int copies = static_cast<int>(kRotateBytes / wbytes) + 1;
+    DeviceArray<float> w(d.n * d.k), wdq(d.n * d.k);
+    fill_device(w, randn(std::min<int64_t>(d.n * d.k, 1 << 22), 21, 0.02f));
+    std::vector<DeviceQTensor> wq;
+    for (int c = 0; c < copies; ++c) {
+      wq.push_back(make_qtensor(d.n, d.k, wc));
+      quantize(w.data(), wq.back());
+    }
+    const Fp8Layout g = fp8_layout(wc, d.n, d.k);
+    for (int64_t M : {1, 8, 16, 64, 1024, 8192}) {
+      DeviceArray<float> x(M * d.k), y(M * d.n);
+      fill_device(x, randn(std::min<int64_t>(M * d.k, 1 << 22), 22));
+      DeviceQTensor xq = make_qtensor(M, d.k, xc);
+      quantize(x.data(), xq);
+      dequantize(xq, x.data());
+      const Fp8Act a = fp8_act(xq);
+      const double flop = 2.0 * M * d.n * d.k;
+      int i = 0;
+      if (M <= 16) {
+        const double us = time_us([&] { fp8_gemv(x.data(), M, fp8_weight(wq[i++ % copies]), g, y.data()); });
+        print(d.name, d.n, d.k, M, "gemv", us, wbytes, flop);
+      }
+      const double ut = time_us([&] { fp8_gemm(a, fp8_weight(wq[i++ % copies]), g, y.data()); });
+      print(d.name, d.n, d.k, M, "tiles", ut, wbytes, flop);
+      if (M >= 16) {
+        const double us = time_us([&] {
+          fp8_dequantize(fp8_weight(wq[i++ % copies]), g, wdq.data());
+          const float alpha = 1.f, beta = 0.f;
+          QUADS_CUBLAS_CHECK(cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(d.n),
+                                         static_cast<int>(M), static_cast<int>(d.k), &alpha, wdq.data(),
+                                         static_cast<int>(d.k), x.data(), static_cast<int>(d.k), &beta, y.data(),
+                                         static_cast<int>(d.n)));
+        });
+        print(d.name, d.n, d.k, M, "dequant+SGEMM", us, wbytes, flop);
+      }
+    }
+  }
+  for (const S& g : {S{"experts gate", 768, 2048}, S{"experts down", 2048, 768}}) {
+    const int E = 64, active = 8;
+    const double ebytes = double(g.n) * g.k;
+    const int layers = static_cast<int>(kRotateBytes / (E * ebytes)) + 1;
+    DeviceArray<float> w(g.n * g.k);
+    fill_device(w, randn(std::min<int64_t>(g.n * g.k, 1 << 22), 23, 0.02f));
+    std::vector<DeviceQTensor> wq;
+    std::vector<DeviceArray<Fp8Weight>> tabs;
+    for (int l = 0; l < layers; ++l) {
+      std::vector<Fp8Weight> tab;
+      for (int e = 0; e < E; ++e) {
+        wq.push_back(make_qtensor(g.n, g.k, wc));
+        quantize(w.data(), wq.back());
+        tab.push_back(fp8_weight(wq.back()));
+      }
+      tabs.emplace_back();
+      tabs.back().upload(tab);
+    }
+    const Fp8Layout lay = fp8_layout(wc, g.n, g.k);
+    std::mt19937 rng(9);
+    for (int64_t T : {1, 2, 4, 8, 16, 32, 64, 1024, 16384}) {  // random top-8 routing of T tokens
+      std::vector<std::vector<int32_t>> sets;
+      double experts = 0;
+      const int nsets = T >= 1024 ? 1 : 8;
+      for (int s = 0; s < nsets; ++s) {
+        std::vector<int32_t> cnt(E, 0);
+        std::vector<int> perm(E);
+        for (int64_t t = 0; t < T; ++t) {
+          for (int e = 0; e < E; ++e) perm[e] = e;
+          std::shuffle(perm.begin(), perm.end(), rng);
+          for (int j = 0; j < active; ++j) ++cnt[perm[j]];
+        }
+        std::vector<int32_t> off(E + 1, 0);
+        for (int e = 0; e < E; ++e) {
+          off[e + 1] = off[e] + cnt[e];
+          experts += cnt[e] > 0 ? 1.0 / nsets : 0.0;
+        }
+        sets.push_back(off);
+      }
+      std::vector<DeviceArray<int32_t>> deoff(sets.size());
+      for (size_t s = 0; s < sets.size(); ++s) deoff[s].upload(sets[s]);
+      const int64_t rows = active * T;
+      DeviceArray<float> x(rows * g.k), y(rows * g.n);
+      fill_device(x, randn(std::min<int64_t>(rows * g.k, 1 << 22), 24));
+      DeviceQTensor xq = make_qtensor(rows, g.k, xc);
+      quantize(x.data(), xq);
+      dequantize(xq, x.data());
+      const Fp8Act a = fp8_act(xq);
+      const int ns = static_cast<int>(sets.size());
+      const double flop = 2.0 * rows * g.n * g.k, bytes = experts * ebytes;
+      const std::string what = std::string(g.name) + ", routed";
+      int i = 0;
+      if (T <= 64) {
+        const double us = time_us([&] {
+          const int c = i++;
+          fp8_gemv_grouped(x.data(), tabs[c % layers].data(), lay, E, deoff[(c / layers) % ns].data(), T, y.data());
+        });
+        print(what.c_str(), g.n, g.k, T, "grouped gemv", us, bytes, flop);
+      }
+      const double ut = time_us([&] {
+        const int c = i++;
+        fp8_gemm_grouped(a, tabs[c % layers].data(), lay, E, deoff[(c / layers) % ns].data(), T, y.data());
+      });
+      print(what.c_str(), g.n, g.k, T, "grouped tiles", ut, bytes, flop);
+    }
+  }
+  cublasDestroy(cublas);
 }
 
 }  // namespace
@@ -254,6 +398,12 @@ int main(int argc, char** argv) {
     src.reset();
     dst.reset();
     gemv_table(copy_gbs);
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "--fp8") {  // the FP8 GEMV / tile table alone
+    src.reset();
+    dst.reset();
+    fp8_table(copy_gbs);
     return 0;
   }
 
@@ -408,5 +558,6 @@ int main(int argc, char** argv) {
     }
   }
   gemv_table(copy_gbs);
+  fp8_table(copy_gbs);
   return 0;
 }

@@ -1,6 +1,9 @@
-// FP8 (E4M3) weight GEMV and dequantization of the GPU rollout engine (see fp8_gemm.h).
+// FP8 (E4M3) weight GEMV, W8A8 tensor-core GEMM and dequantization of the GPU rollout engine
+// (see fp8_gemm.h).
 #include "cuda/fp8_gemm.h"
 
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -135,8 +138,6 @@ __global__ void fp8_dequant_kernel(Fp8Weight w, Fp8Layout g, float* __restrict__
   }
 }
 
-int64_t fp8_scale_count(const Fp8Layout& g) { return ((g.n + g.bh - 1) / g.bh) * g.ncb; }
-
 // max_rows: a bound on the rows of every group (<= 0: none known).
 void launch_gemv(const float* x, int64_t m, const Fp8Weight& w, const Fp8Weight* table, const int32_t* eoff,
                  int groups, int64_t max_rows, const Fp8Layout& g, float* y, cudaStream_t s) {
@@ -148,6 +149,366 @@ void launch_gemv(const float* x, int64_t m, const Fp8Weight& w, const Fp8Weight*
   else if (max_rows > 0 && max_rows <= 4) fp8_gemv_kernel<4><<<grid, th, 0, s>>>(x, m, w, table, eoff, g, y);
   else fp8_gemv_kernel<8><<<grid, th, 0, s>>>(x, m, w, table, eoff, g, y);
   QUADS_CUDA_LAUNCH_CHECK();
+}
+
+// ---- W8A8 tiles on the tensor cores ----
+// A CTA computes BM x BN outputs (warps WM x WN each); K advances one 128-wide scale block per
+// pipeline stage, copied global -> shared with cp.async, STAGES deep: codes [BM | BN rows, 128]
+// (16-byte chunks XOR-swizzled by row & 7, so that a quarter warp's 16-byte reads hit 8 distinct
+// chunks) and the block's scales of those rows (act) and columns (weight). Thread (g, t) of a warp
+// reads chunk 2t + hh (hh = 0, 1) of its rows; word j of a chunk fills K slots (2t, 2t+1) with its
+// low two codes and (2t+8, 2t+9) with its high two, for A and B alike (the sum over K does not
+// care which K a slot holds as long as both operands agree), so no thread needs another's data.
+constexpr int kBK = 128;
+
+// sm_80+ code (cp.async, mma.sync); older targets compile the kernel as a trap and the host
+// refuses to launch it.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#define QUADS_FP8_SM80 1
+#endif
+
+struct TileParams {
+  const uint8_t* xq = nullptr;
+  const float* xs = nullptr;
+  Fp8Layout xa;                  // activation scale layout (xa.n: rows)
+  const uint8_t* wq = nullptr;   // dense weight
+  const float* ws = nullptr;
+  Fp8Layout g;                   // weight layout (n = N, k = K)
+  int64_t M = 0;                 // dense: rows; grouped: the bound on a group's rows (grid)
+  int64_t Mtot = 0;              // rows of x and y
+  float* y = nullptr;
+  float* partial = nullptr;      // split K: [splits, Mtot, N]
+  int kb_per_split = 1;
+  int gsplits = 1;               // grouped: blockIdx.z = expert * gsplits + split
+  const int32_t* eoff = nullptr;
+  const Fp8Weight* wtab = nullptr;
+};
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+#ifdef QUADS_FP8_SM80
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+#endif
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, int src_bytes) {
+#ifdef QUADS_FP8_SM80
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef QUADS_FP8_SM80
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#ifdef QUADS_FP8_SM80
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#ifdef QUADS_FP8_SM80
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+// Two E4M3 codes (low byte -> low half) as FP16x2, exact.
+__device__ __forceinline__ uint32_t e4m3x2_f16x2(uint32_t two) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xFFFFu), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
+template <int BM, int BN, int STAGES>
+struct TileSmem {
+  static constexpr int A = BM * kBK, B = BN * kBK, AS = BM * 4, BS = BN * 4;
+  static constexpr int STAGE = A + B + AS + BS;
+  static constexpr int BYTES = STAGE * STAGES;
+};
+
+template <int BM, int BN, int WM, int WN, int STAGES, bool GROUPED>
+__global__ void __launch_bounds__(32 * (BM / WM) * (BN / WN)) fp8_tile_kernel(const TileParams p) {
+  constexpr int NWN = BN / WN;
+  constexpr int NT = 32 * (BM / WM) * NWN;
+  constexpr int MT = WM / 16, NTL = WN / 8;
+  constexpr int SC = (BM + BN + NT - 1) / NT;  // scale entries each thread copies per stage
+  using SM = TileSmem<BM, BN, STAGES>;
+  extern __shared__ __align__(16) uint8_t smem[];
+#ifndef QUADS_FP8_SM80
+  __trap();
+#endif
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wm = warp / NWN, wn = warp % NWN;
+  const int64_t N = p.g.n, K = p.g.k;
+  int64_t m0 = static_cast<int64_t>(blockIdx.y) * BM, mend = p.M;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * BN;
+  int64_t split = blockIdx.z;
+  const uint8_t* wq = p.wq;
+  const float* ws = p.ws;
+  if constexpr (GROUPED) {
+    // The grid covers the largest possible group; tiles past this expert's rows leave at once
+    // (uniformly for the whole CTA, before any barrier).
+    const int e = static_cast<int>(blockIdx.z) / p.gsplits;
+    split = blockIdx.z % p.gsplits;
+    const int64_t mb = p.eoff[e];
+    mend = p.eoff[e + 1];
+    m0 += mb;
+    if (m0 >= mend) return;
+    wq = p.wtab[e].codes;
+    ws = p.wtab[e].fscales;
+  }
+  const int64_t kb_total = (K + kBK - 1) / kBK;
+  const int64_t kb0 = split * p.kb_per_split;
+  const int64_t kb1 = min(kb_total, kb0 + p.kb_per_split);
+  const int nkb = kb1 > kb0 ? static_cast<int>(kb1 - kb0) : 0;
+
+  // The scale rows this thread copies each stage: entry c < BM is act row m0 + c, else weight
+  // row (output column) n0 + c - BM; the block index kb is added per stage where scales have one.
+  int64_t soff[SC];
+  bool sok[SC];
+#pragma unroll
+  for (int i = 0; i < SC; ++i) {
+    const int c = tid + i * NT;
+    soff[i] = 0;
+    sok[i] = false;
+    if (c < BM) {
+      const int64_t r = m0 + c;
+      sok[i] = r < mend;
+      if (sok[i]) soff[i] = (r / p.xa.bh) * p.xa.ncb;
+    } else if (c < BM + BN) {
+      const int64_t r = n0 + c - BM;
+      sok[i] = r < N;
+      if (sok[i]) soff[i] = (r / p.g.bh) * p.g.ncb;
+    }
+  }
+
+  auto load_stage = [&](int slot, int64_t kb) {
+    uint8_t* sa = smem + slot * SM::STAGE;
+    uint8_t* sb = sa + SM::A;
+    float* ss = reinterpret_cast<float*>(sb + SM::B);
+    const int64_t k0 = kb * kBK;
+    for (int c = tid; c < BM * 8; c += NT) {
+      const int r = c >> 3, ch = c & 7;
+      const int64_t gr = m0 + r, kc = k0 + ch * 16;
+      const bool ok = gr < mend && kc < K;
+      cp_async16(sa + r * kBK + ((ch ^ (r & 7)) << 4), p.xq + (ok ? gr * K + kc : 0), ok ? 16 : 0);
+    }
+    for (int c = tid; c < BN * 8; c += NT) {
+      const int r = c >> 3, ch = c & 7;
+      const int64_t gn = n0 + r, kc = k0 + ch * 16;
+      const bool ok = gn < N && kc < K;
+      cp_async16(sb + r * kBK + ((ch ^ (r & 7)) << 4), wq + (ok ? gn * K + kc : 0), ok ? 16 : 0);
+    }
+#pragma unroll
+    for (int i = 0; i < SC; ++i) {
+      const int c = tid + i * NT;
+      if (c >= BM + BN) continue;
+      const bool act = c < BM;
+      const float* base = act ? p.xs : ws;
+      const int64_t off = soff[i] + ((act ? p.xa.col_blocks : p.g.col_blocks) ? kb : 0);
+      cp_async4(ss + c, base + (sok[i] ? off : 0), sok[i] ? 4 : 0);
+    }
+  };
+
+  float acc[MT][NTL][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NTL; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < nkb) load_stage(s, kb0 + s);
+    cp_async_commit();
+  }
+
+  for (int it = 0; it < nkb; ++it) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    {
+      const int nx = it + STAGES - 1;
+      if (nx < nkb) load_stage(nx % STAGES, kb0 + nx);
+      cp_async_commit();
+    }
+    const uint8_t* sa = smem + (it % STAGES) * SM::STAGE;
+    const uint8_t* sb = sa + SM::A;
+    const float* ss = reinterpret_cast<const float*>(sb + SM::B);
+
+    float blk[MT][NTL][4];  // this K block's sums of code products
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int j = 0; j < NTL; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) blk[i][j][q] = 0.f;
+
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      uint4 av[MT][2], bv[NTL];
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = wm * WM + i * 16 + g + 8 * h;
+          av[i][h] = *reinterpret_cast<const uint4*>(sa + r * kBK + (((2 * t + hh) ^ (r & 7)) << 4));
+        }
+#pragma unroll
+      for (int j = 0; j < NTL; ++j) {
+        const int r = wn * WN + j * 8 + g;
+        bv[j] = *reinterpret_cast<const uint4*>(sb + r * kBK + (((2 * t + hh) ^ (r & 7)) << 4));
+      }
+#pragma unroll
+      for (int wd = 0; wd < 4; ++wd) {
+        uint32_t af[MT][4];
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          const uint32_t w0 = wd == 0 ? av[i][0].x : wd == 1 ? av[i][0].y : wd == 2 ? av[i][0].z : av[i][0].w;
+          const uint32_t w1 = wd == 0 ? av[i][1].x : wd == 1 ? av[i][1].y : wd == 2 ? av[i][1].z : av[i][1].w;
+          af[i][0] = e4m3x2_f16x2(w0);
+          af[i][1] = e4m3x2_f16x2(w1);
+          af[i][2] = e4m3x2_f16x2(w0 >> 16);
+          af[i][3] = e4m3x2_f16x2(w1 >> 16);
+        }
+#pragma unroll
+        for (int j = 0; j < NTL; ++j) {
+          const uint32_t wb = wd == 0 ? bv[j].x : wd == 1 ? bv[j].y : wd == 2 ? bv[j].z : bv[j].w;
+          const uint32_t b0 = e4m3x2_f16x2(wb), b1 = e4m3x2_f16x2(wb >> 16);
+#pragma unroll
+          for (int i = 0; i < MT; ++i) mma16816(blk[i][j], af[i], b0, b1);
+        }
+      }
+    }
+
+    // promotion: acc += block sum * sa[row] * sw[col]
+    float sar[MT][2], swc[NTL][2];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) sar[i][h] = ss[wm * WM + i * 16 + g + 8 * h];
+#pragma unroll
+    for (int j = 0; j < NTL; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) swc[j][c] = ss[BM + wn * WN + j * 8 + 2 * t + c];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int j = 0; j < NTL; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          acc[i][j][q] = __fmaf_rn(blk[i][j][q], __fmul_rn(sar[i][q >> 1], swc[j][q & 1]), acc[i][j][q]);
+  }
+  cp_async_wait<0>();
+
+  const int64_t prows = GROUPED ? p.Mtot : p.M;
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = m0 + wm * WM + i * 16 + g + 8 * h;
+      if (row >= mend) continue;
+      float* dst = p.partial ? p.partial + (split * prows + row) * N : p.y + row * N;
+#pragma unroll
+      for (int j = 0; j < NTL; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int64_t col = n0 + wn * WN + j * 8 + 2 * t + c;
+          if (col < N) dst[col] = acc[i][j][2 * h + c];
+        }
+    }
+}
+
+// y = the split partials [splits, n] summed in split order.
+__global__ void fp8_splitk_reduce_kernel(const float* __restrict__ partial, int splits, int64_t n,
+                                         float* __restrict__ y) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float s = partial[i];
+    for (int z = 1; z < splits; ++z) s = __fadd_rn(s, partial[z * n + i]);
+    y[i] = s;
+  }
+}
+
+int sm_count() {
+  static int n = 0;
+  if (n == 0) {
+    int dev = 0;
+    QUADS_CUDA_CHECK(cudaGetDevice(&dev));
+    QUADS_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  }
+  return n;
+}
+
+// groups == 0: dense. splits_req <= 0: picked here (dense: about two waves of CTAs; grouped:
+// about four CTAs per SM over the row tiles that can have work), at least 2 stages per split.
+template <int BM, int BN, int WM, int WN, int STAGES, bool GROUPED>
+void launch_tiles(TileParams p, int splits_req, int groups, cudaStream_t s) {
+  constexpr int threads = 32 * (BM / WM) * (BN / WN);
+  constexpr int smem = TileSmem<BM, BN, STAGES>::BYTES;
+  auto kern = fp8_tile_kernel<BM, BN, WM, WN, STAGES, GROUPED>;
+  static bool checked = false;  // per instantiation
+  if (!checked) {
+    cudaFuncAttributes fa{};
+    QUADS_CUDA_CHECK(cudaFuncGetAttributes(&fa, kern));
+    QUADS_CHECK(fa.binaryVersion >= 80 && fa.ptxVersion >= 80,
+                "fp8_gemm: quads_cuda holds code for sm_{} only; the FP8 tile kernels need sm_80 or newer "
+                "(configure with -DCMAKE_CUDA_ARCHITECTURES=90)", fa.ptxVersion);
+    QUADS_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    checked = true;
+  }
+  const int64_t N = p.g.n, K = p.g.k;
+  const int64_t tiles_n = (N + BN - 1) / BN, tiles_m = (p.M + BM - 1) / BM;
+  const int64_t kb_total = (K + kBK - 1) / kBK;
+  QUADS_CHECK(tiles_n <= 0x7FFFFFFF && tiles_m <= 65535, "fp8_gemm: [{}, {}] x [{}, {}] has too many tiles", p.M, K,
+              N, K);
+  int splits = splits_req;
+  if (splits <= 0) {
+    const int64_t busy = GROUPED ? std::max<int64_t>(std::min<int64_t>(groups, p.Mtot), (p.Mtot + BM - 1) / BM) * tiles_n
+                                 : tiles_n * tiles_m;
+    const int64_t want = (GROUPED ? 4LL : 2LL) * sm_count();
+    splits = busy >= want ? 1 : static_cast<int>(std::min<int64_t>((want + busy - 1) / busy, kb_total / 2));
+  }
+  splits = static_cast<int>(std::min<int64_t>(std::max(splits, 1), std::max<int64_t>(kb_total, 1)));
+  p.kb_per_split = static_cast<int>((kb_total + splits - 1) / splits);
+  splits = static_cast<int>(std::max<int64_t>(1, (kb_total + p.kb_per_split - 1) / p.kb_per_split));
+  const int64_t zdim = GROUPED ? int64_t(groups) * splits : splits;
+  QUADS_CHECK(zdim <= 65535, "fp8_gemm: {} groups x {} splits", std::max(groups, 1), splits);
+  p.gsplits = splits;
+  float* partial = nullptr;
+  const int64_t n_out = p.Mtot * N;
+  if (splits > 1) {
+    QUADS_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&partial), sizeof(float) * splits * n_out, s));
+    p.partial = partial;
+  }
+  const dim3 grid(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_m), static_cast<unsigned>(zdim));
+  kern<<<grid, threads, smem, s>>>(p);
+  QUADS_CUDA_LAUNCH_CHECK();
+  if (splits > 1) {
+    const int blocks = static_cast<int>(std::min<int64_t>((n_out + 255) / 256, 16LL * sm_count()));
+    fp8_splitk_reduce_kernel<<<blocks, 256, 0, s>>>(partial, splits, n_out, p.y);
+    QUADS_CUDA_LAUNCH_CHECK();
+    QUADS_CUDA_CHECK(cudaFreeAsync(partial, s));
+  }
+}
+
+template <bool GROUPED>
+void dispatch_tiles(const TileParams& p, int splits, int groups, Fp8Tile tile, cudaStream_t s) {
+  if (tile == Fp8Tile::Auto) {
+    // grouped: p.M bounds a group's rows (decode: a few rows per expert; 16-row tiles stream the
+    // weights); dense: the rows themselves
+    if (GROUPED) tile = p.M <= 64 ? Fp8Tile::M16 : p.M <= 256 ? Fp8Tile::M64 : Fp8Tile::M128;
+    else tile = p.M <= 32 ? Fp8Tile::M16 : p.M <= 64 ? Fp8Tile::M64 : Fp8Tile::M128;
+  }
+  switch (tile) {
+    case Fp8Tile::M16: launch_tiles<16, 128, 16, 32, 4, GROUPED>(p, splits, groups, s); break;
+    case Fp8Tile::M64: launch_tiles<64, 128, 32, 64, 4, GROUPED>(p, splits, groups, s); break;
+    default: launch_tiles<128, 128, 32, 64, 3, GROUPED>(p, splits, groups, s); break;
+  }
 }
 
 }  // namespace
@@ -209,6 +570,70 @@ void fp8_gemv_grouped(const float* x, const Fp8Weight* w_table, const Fp8Layout&
   if (groups == 0 || g.n == 0) return;
   QUADS_CHECK(groups <= 65535, "fp8_gemv_grouped: {} groups (at most 65535)", groups);
   launch_gemv(x, 0, Fp8Weight{}, w_table, eoff, groups, max_rows, g, y, stream);
+}
+
+int64_t fp8_scale_count(const Fp8Layout& g) { return ((g.n + g.bh - 1) / g.bh) * g.ncb; }
+
+Fp8Act fp8_act(const DeviceQTensor& q, const char* what) {
+  Fp8Act a;
+  a.g = fp8_layout(q.cfg, std::max<int64_t>(q.rows, 1), q.cols, what);
+  a.g.n = q.rows;
+  QUADS_CHECK(q.codes.size() >= size_t(q.rows * q.cols) && q.fscales.size() >= size_t(fp8_scale_count(a.g)),
+              "fp8 GEMM: {} [{}, {}] holds {} codes and {} scales (needs {} and {})", what, q.rows, q.cols,
+              q.codes.size(), q.fscales.size(), q.rows * q.cols, fp8_scale_count(a.g));
+  a.codes = q.codes.data();
+  a.fscales = q.fscales.data();
+  return a;
+}
+
+Fp8Act fp8_act_rows(const Fp8Act& x, int64_t r0, int64_t n) {
+  QUADS_CHECK(r0 >= 0 && n >= 0 && r0 + n <= x.g.n, "fp8 GEMM: rows {} .. {} of an operand of {} rows", r0, r0 + n,
+              x.g.n);
+  QUADS_CHECK(r0 % x.g.bh == 0 || x.g.bh >= x.g.n,
+              "fp8 GEMM: rows from {} of an operand with {}-row scale blocks", r0, x.g.bh);
+  Fp8Act a = x;
+  a.codes += r0 * x.g.k;
+  if (x.g.bh < x.g.n) a.fscales += (r0 / x.g.bh) * x.g.ncb;  // per-tensor: fscales[0] for every row
+  a.g.n = n;
+  if (x.g.bh >= x.g.n) a.g.bh = std::max<int64_t>(n, 1);
+  return a;
+}
+
+namespace {
+TileParams tile_params(const Fp8Act& x, const Fp8Layout& g, float* y, const char* what) {
+  QUADS_CHECK(x.g.k == g.k, "{}: X is [{}, {}] but W is [{}, {}]: inner dimensions differ", what, x.g.n, x.g.k, g.n,
+              g.k);
+  QUADS_CHECK(g.k % 16 == 0, "{}: K = {} must be a multiple of 16", what, g.k);
+  TileParams p;
+  p.xq = x.codes;
+  p.xs = x.fscales;
+  p.xa = x.g;
+  p.g = g;
+  p.M = p.Mtot = x.g.n;
+  p.y = y;
+  return p;
+}
+}  // namespace
+
+void fp8_gemm(const Fp8Act& x, const Fp8Weight& w, const Fp8Layout& g, float* y, cudaStream_t stream, int splits,
+              Fp8Tile tile) {
+  TileParams p = tile_params(x, g, y, "fp8_gemm");
+  if (x.g.n == 0 || g.n == 0) return;
+  p.wq = w.codes;
+  p.ws = w.fscales;
+  dispatch_tiles<false>(p, splits, 0, tile, stream);
+}
+
+void fp8_gemm_grouped(const Fp8Act& x, const Fp8Weight* w_table, const Fp8Layout& g, int groups,
+                      const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t stream, int splits, Fp8Tile tile) {
+  TileParams p = tile_params(x, g, y, "fp8_gemm_grouped");
+  QUADS_CHECK(groups > 0 && groups <= 65535, "fp8_gemm_grouped: {} groups (1..65535)", groups);
+  QUADS_CHECK(max_rows > 0, "fp8_gemm_grouped: needs a bound on a group's rows (got {})", max_rows);
+  if (x.g.n == 0 || g.n == 0) return;
+  p.M = std::min(max_rows, x.g.n);
+  p.eoff = eoff;
+  p.wtab = w_table;
+  dispatch_tiles<true>(p, splits, groups, tile, stream);
 }
 
 }  // namespace quads::cuda

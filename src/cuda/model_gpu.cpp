@@ -110,7 +110,16 @@ struct Operand {
   const float* f = nullptr;     // Fake
   const uint16_t* b = nullptr;  // BF16
   Nvfp4View v;                  // W4A4
+  Fp8Act a8;                    // FP8 with E4M3 activations: codes + scales for the tile GEMMs
 };
+
+// FP8 activations the tile GEMMs read as codes: E4M3, deterministic, a block layout of Fp8Layout.
+bool fp8_act_codes(const model::OperandQuant& a, int64_t k) {
+  if (a.kind != QuantKind::Quant || !fp8_weight_supported(a.cfg, k) || k % 16 != 0) return false;
+  const num::Block b = a.cfg.block;
+  return b == num::Block::PerTensor || b == num::Block::PerRow || b == num::Block::B1x128 ||
+         b == num::Block::B128x128;
+}
 
 // Bumped whenever a scratch buffer moves: a captured CUDA graph holds raw pointers and is only
 // replayed while this is unchanged.
@@ -154,15 +163,19 @@ struct GpuModel::Impl {
   std::vector<Qkv> qkv;
   DeviceArray<float> qkvbuf;
   DeviceArray<float> master;  // float32 weights, Layout order
-  // FP8 linears: W_eff of one linear for SGEMMs (and RAC's gathered columns). Dense linears of
-  // up to fp8_gemv_rows rows run the GEMV on the codes instead (QUADS_GPU_FP8_GEMV_ROWS): it is
-  // one pass over the weights up to 8 rows; past that its CUDA-core math (product and sum rounded
-  // apart, no FMA) costs more than dequantizing W_eff for cuBLAS (at batch 64 on the H200 the
-  // GEMV for every dense linear made a decode step 1.8x slower). Experts always take the grouped
-  // GEMV below kF32GroupedMaxTokens (few rows per expert, no host sync).
+  // FP8 linears. Dense linears of up to fp8_gemv_rows rows run the GEMV on the codes
+  // (QUADS_GPU_FP8_GEMV_ROWS): one pass over the weights up to 8 rows; past that its CUDA-core
+  // math (product and sum rounded apart, no FMA) is the bottleneck. More rows run the W8A8 tile
+  // GEMM on the tensor cores (activation codes from prepare(); QUADS_GPU_FP8_TILES=0 keeps the
+  // old path: W_eff dequantized into wdq for cuBLAS SGEMMs). Experts: the grouped GEMV up to
+  // fp8_grouped_gemv_tokens tokens per step (QUADS_GPU_FP8_GROUPED_GEMV_TOKENS), grouped tiles
+  // past that, prefill included (no host sync). wdq also holds W_eff for RAC's gathered columns.
   size_t w8_scratch = 0;
   DeviceArray<float> wdq;
   int64_t fp8_gemv_rows = 8;
+  bool fp8_tiles = true;
+  int64_t fp8_grouped_gemv_tokens = 4;
+  DeviceQTensor xq8;  // FP8 activation codes and scales (rows set per use)
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;
   std::unique_ptr<Blas> blas;
@@ -271,6 +284,9 @@ struct GpuModel::Impl {
     rac_grouped_on = !env_is("QUADS_GPU_RAC_GROUPED", "0");
     if (const char* a = std::getenv("QUADS_GPU_ATTN_TOKENS")) attn_tokens = std::max(1, std::atoi(a));
     if (const char* a = std::getenv("QUADS_GPU_FP8_GEMV_ROWS")) fp8_gemv_rows = std::max(0, std::atoi(a));
+    fp8_tiles = !env_is("QUADS_GPU_FP8_TILES", "0");
+    if (const char* a = std::getenv("QUADS_GPU_FP8_GROUPED_GEMV_TOKENS"))
+      fp8_grouped_gemv_tokens = std::max(0, std::atoi(a));
     attn_tiled = env_is("QUADS_GPU_ATTN", "tiled");
     attn_tiled_decode = env_is("QUADS_GPU_ATTN_DECODE", "tiled");
     attn_split_decode = !attn_tiled_decode && !env_is("QUADS_GPU_ATTN_DECODE", "warp");
@@ -343,7 +359,9 @@ struct GpuModel::Impl {
         const DevLinear& b = lin[li.mlp + j];
         P.mode = b.mode;
         P.amax_row = b.mode == GpuLinearMode::W4A4 && b.wv.amax_per_row;
-        G.f32 |= b.mode == GpuLinearMode::Fake || b.mode == GpuLinearMode::FP8;
+        // FP8 experts past the GEMV run tiles when their activations come as codes
+        G.f32 |= b.mode == GpuLinearMode::Fake ||
+                 (b.mode == GpuLinearMode::FP8 && !(fp8_tiles && fp8_act_codes(b.num.act, b.in)));
         P.g8 = b.g8;
         G.bf16 |= b.mode == GpuLinearMode::BF16;
         std::vector<Nvfp4Weight> q;
@@ -483,12 +501,16 @@ struct GpuModel::Impl {
         case GpuLinearMode::FP8:
           QUADS_CHECK(P.g8.n == N && P.g8.k == Kd, "GpuModel: FP8 expert table of layer {} is [{}, {}], not [{}, {}]", l,
                       P.g8.n, P.g8.k, N, Kd);
-          fp8_gemv_grouped(op.f, P.w8.data(), P.g8, E, eo, T, out, stream);
+          if (op.a8.codes && (T > fp8_grouped_gemv_tokens || !op.f))
+            fp8_gemm_grouped(op.a8, P.w8.data(), P.g8, E, eo, T, out, stream);
+          else
+            fp8_gemv_grouped(op.f, P.w8.data(), P.g8, E, eo, T, out, stream);
           break;
       }
       stats.expert_gemms += 1;
     };
-    const Operand all = prepare(lin[li.mlp], X, R);
+    const int need_f = T <= fp8_grouped_gemv_tokens ? 1 : 0;  // FP8: X_eff for the grouped GEMV
+    const Operand all = prepare(lin[li.mlp], X, R, need_f);
     if (li.fused_gu) {
       run(Gt.gu, all, 2 * I, H, gp);
       const float* res = grouped_rac(l, 0, X, R, T, gp, 2 * I);
@@ -501,7 +523,7 @@ struct GpuModel::Impl {
       grouped_rac(l, 1, X, R, T, up, I, res);
       kern::swiglu(gp, up, I, R, I, hp, stream);
     }
-    const Operand od = prepare(lin[li.mlp + 2], hp, R);
+    const Operand od = prepare(lin[li.mlp + 2], hp, R, need_f);
     run(Gt.d, od, H, I, Y);
     grouped_rac(l, 2, hp, R, T, Y, H);
   }
@@ -820,7 +842,8 @@ struct GpuModel::Impl {
     return a.mode == b.mode && a.in == b.in && a.num.act == b.num.act;
   }
 
-  Operand prepare(const DevLinear& L, const float* X, int64_t M) {
+  // need_f (FP8 with activation codes): also X_eff in FP32 for the GEMVs (-1: when M is a GEMV's).
+  Operand prepare(const DevLinear& L, const float* X, int64_t M, int need_f = -1) {
     Operand op;
     op.mode = L.mode;
     op.rows = M;
@@ -849,6 +872,25 @@ struct GpuModel::Impl {
       }
       case GpuLinearMode::Fake:
       case GpuLinearMode::FP8:
+        if (L.mode == GpuLinearMode::FP8 && fp8_tiles && fp8_act_codes(L.num.act, L.in)) {
+          // codes + scales for the tiles; X_eff = dequantize(codes), bit-identical to fake_quantize
+          const num::QConfig& c = L.act_cfg();
+          xq8.cfg = c;
+          xq8.rows = M;
+          xq8.cols = L.in;
+          xq8.layout = ScaleLayout::RowMajor;
+          Fp8Layout ag = fp8_layout(c, std::max<int64_t>(M, 1), L.in, L.name.c_str());
+          ag.n = M;
+          grow(xq8.codes, size_t(n));
+          grow(xq8.fscales, size_t(std::max<int64_t>(fp8_scale_count(ag), 1)));
+          quantize(X, xq8, stream);
+          op.a8 = fp8_act(xq8, L.name.c_str());
+          if (need_f < 0 ? M <= fp8_gemv_rows : need_f > 0) {
+            op.f = grow(fop, n);
+            dequantize(xq8, fop.data(), stream);
+          }
+          break;
+        }
         switch (L.num.act.kind) {
           case QuantKind::None: op.f = X; break;
           case QuantKind::BF16:
@@ -909,7 +951,9 @@ struct GpuModel::Impl {
       case GpuLinearMode::W4A4: w4a4_gemm_emulated(rows_of(op.v, r0, n), L.wv, Y, false, stream); break;
       case GpuLinearMode::Fake: sgemm(L.wf.data(), op.f + r0 * L.in, n, L.out, L.in, Y); break;
       case GpuLinearMode::FP8:
-        if (n <= fp8_gemv_rows) {
+        if (op.a8.codes && (n > fp8_gemv_rows || !op.f)) {
+          fp8_gemm(fp8_act_rows(op.a8, r0, n), L.w8, L.g8, Y, stream);
+        } else if (n <= fp8_gemv_rows) {
           fp8_gemv(op.f + r0 * L.in, n, L.w8, L.g8, Y, stream);
         } else {
           fp8_dequantize(L.w8, L.g8, wdq.data(), stream);
