@@ -121,7 +121,7 @@ inline int run() {
       }, s, bytes);
     }
   }
-  // The pipelined kernel's split count at batch 64 (the automatic choice is the first column).
+  // The pipelined kernel's split count at batch 64 (the first row is the automatic choice).
   std::vector<int32_t> pl(Tmax, 511);
   pos.upload(pl);
   std::printf("\nattention_decode_split (new), T 64, ctx 512: us by forced split count\n| splits | us | GB/s |\n|---|---|---|\n");

@@ -70,7 +70,7 @@ void attention_decode_split(const float* q, const float* kcache, const float* vc
 // The same with the split count forced (splits > 0; clamped to the 32-key tiles of max_ctx) or
 // chosen as above (0); returns the split count used. Where hd / 32 is 1, 2, 4 or 8 and the group
 // fits 16 warps (two heads per warp for even groups), a pipelined kernel runs: two K/V tiles in
-// flight through cp.async, splits sized to one wave of resident CTAs. Otherwise, and with
+// flight through cp.async, at most one wave of resident CTAs. Otherwise, and with
 // legacy_decode_kernels(), the kernel described above.
 int attention_decode_split_n(const float* q, const float* kcache, const float* vcache, const int32_t* slot,
                              const int32_t* pos, int64_t T, int nh, int nkv, int hd, float scale, int64_t max_len,
