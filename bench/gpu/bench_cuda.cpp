@@ -275,7 +275,7 @@ void fp8_table(double copy_gbs) {
       quantize(w.data(), wq.back());
     }
     const Fp8Layout g = fp8_layout(wc, d.n, d.k);
-    for (int64_t M : {1, 8, 16, 64, 1024, 8192}) {
+    for (int64_t M : {1, 2, 4, 8, 16, 64, 1024, 8192}) {
       DeviceArray<float> x(M * d.k), y(M * d.n);
       fill_device(x, randn(std::min<int64_t>(M * d.k, 1 << 22), 22));
       DeviceQTensor xq = make_qtensor(M, d.k, xc);

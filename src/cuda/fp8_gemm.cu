@@ -18,12 +18,17 @@ namespace quads::cuda {
 
 namespace {
 
-constexpr int kWarps = 8;        // warps per CTA
+// Warps per CTA: 4, so that decode's few weight rows (one expert's 768 at batch 1) still spread
+// over most SMs.
+constexpr int kWarps = 4;
 constexpr int kRowsPerWarp = 4;  // weight rows per warp: each activation load feeds 4 rows
 // Activation rows per pass over the weight rows: the kernel's template MR (1, 2, 4 or 8), the
 // smallest that holds a group's rows when the host knows a bound (decode at batch 1: 1; fewer
 // accumulators leave room for more warps in flight).
 constexpr int kChunk = 8;        // codes per lane and step (one 8-byte load)
+// Steps whose weight loads a lane issues before using them: a warp then has 4 rows x 4 steps x
+// 256 bytes in flight (one step at a time left the H200 at a fifth of its copy bandwidth).
+constexpr int kUnroll = 4;
 
 // Two E4M3 codes (low byte first) to float. On sm_89+ the hardware converts them to FP16 (every
 // E4M3 value, subnormals included, is exact in FP16) and FP16 to float is exact: the same values
@@ -92,23 +97,39 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int i = 0; i < kRowsPerWarp; ++i)
 #pragma unroll
       for (int r = 0; r < kActRows; ++r) acc[i][r] = 0.f;
-    for (int64_t k = int64_t(lane) * kChunk; k < K; k += 32 * kChunk) {
-      const int64_t cb = g.col_blocks ? (k >> 7) : 0;
-      float wv[kRowsPerWarp][kChunk];
+    for (int64_t k0 = int64_t(lane) * kChunk; k0 < K; k0 += kUnroll * 32 * kChunk) {
+      uint2 codes[kUnroll][kRowsPerWarp];
+      float scales[kUnroll][kRowsPerWarp];
 #pragma unroll
-      for (int i = 0; i < kRowsPerWarp; ++i)
-        dequant8(__ldg(reinterpret_cast<const uint2*>(wr[i] + k)), __ldg(sr[i] + cb), wv[i]);
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t k = k0 + int64_t(u) * 32 * kChunk;
+        const int64_t cb = g.col_blocks ? (k >> 7) : 0;
 #pragma unroll
-      for (int r = 0; r < kActRows; ++r) {
-        if (r < rows) {
-          float xv[kChunk];
-          load8(x + (r0 + r) * K + k, xv);
+        for (int i = 0; i < kRowsPerWarp; ++i) {
+          codes[u][i] = k < K ? __ldg(reinterpret_cast<const uint2*>(wr[i] + k)) : make_uint2(0, 0);
+          scales[u][i] = k < K ? __ldg(sr[i] + cb) : 0.f;
+        }
+      }
+      // the steps in increasing k, as one step at a time would (same sums, same bits)
 #pragma unroll
-          for (int i = 0; i < kRowsPerWarp; ++i) {
-            float s = acc[i][r];
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t k = k0 + int64_t(u) * 32 * kChunk;
+        if (k >= K) break;
+        float wv[kRowsPerWarp][kChunk];
 #pragma unroll
-            for (int j = 0; j < kChunk; ++j) s = __fadd_rn(s, __fmul_rn(xv[j], wv[i][j]));
-            acc[i][r] = s;
+        for (int i = 0; i < kRowsPerWarp; ++i) dequant8(codes[u][i], scales[u][i], wv[i]);
+#pragma unroll
+        for (int r = 0; r < kActRows; ++r) {
+          if (r < rows) {
+            float xv[kChunk];
+            load8(x + (r0 + r) * K + k, xv);
+#pragma unroll
+            for (int i = 0; i < kRowsPerWarp; ++i) {
+              float s = acc[i][r];
+#pragma unroll
+              for (int j = 0; j < kChunk; ++j) s = __fadd_rn(s, __fmul_rn(xv[j], wv[i][j]));
+              acc[i][r] = s;
+            }
           }
         }
       }
@@ -179,7 +200,7 @@ struct TileParams {
   float* y = nullptr;
   float* partial = nullptr;      // split K: [splits, Mtot, N]
   int kb_per_split = 1;
-  int gsplits = 1;               // grouped: blockIdx.z = expert * gsplits + split
+  int groups = 0;                // grouped: entries of wtab (eoff has groups + 1)
   const int32_t* eoff = nullptr;
   const Fp8Weight* wtab = nullptr;
 };
@@ -250,14 +271,34 @@ __global__ void __launch_bounds__(32 * (BM / WM) * (BN / WN)) fp8_tile_kernel(co
   const uint8_t* wq = p.wq;
   const float* ws = p.ws;
   if constexpr (GROUPED) {
-    // The grid covers the largest possible group; tiles past this expert's rows leave at once
-    // (uniformly for the whole CTA, before any barrier).
-    const int e = static_cast<int>(blockIdx.z) / p.gsplits;
-    split = blockIdx.z % p.gsplits;
-    const int64_t mb = p.eoff[e];
+    // blockIdx.y counts the row tiles of all groups in order (ceil(rows / BM) each): every warp
+    // finds the group of its CTA's tile by a prefix sum over 32 groups at a time, so the exit of
+    // CTAs past the last tile is uniform for the CTA, before any barrier. (The grid holds
+    // ceil(Mtot / BM) + groups tiles, not groups x the largest group's.)
+    long long tile = blockIdx.y, base = 0;
+    int e = -1;
+    for (int c0 = 0; c0 < p.groups && e < 0; c0 += 32) {
+      const int i = c0 + lane;
+      long long nt = 0;
+      if (i < p.groups) nt = (static_cast<long long>(p.eoff[i + 1]) - p.eoff[i] + BM - 1) / BM;
+      long long incl = nt;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const long long v = __shfl_up_sync(0xFFFFFFFFu, incl, o);
+        if (lane >= o) incl += v;
+      }
+      const unsigned hit = __ballot_sync(0xFFFFFFFFu, tile < base + incl);
+      if (hit) {
+        const int l = __ffs(hit) - 1;
+        e = c0 + l;
+        tile -= base + __shfl_sync(0xFFFFFFFFu, incl - nt, l);
+      } else {
+        base += __shfl_sync(0xFFFFFFFFu, incl, 31);
+      }
+    }
+    if (e < 0) return;
+    m0 = p.eoff[e] + tile * BM;
     mend = p.eoff[e + 1];
-    m0 += mb;
-    if (m0 >= mend) return;
     wq = p.wtab[e].codes;
     ws = p.wtab[e].fscales;
   }
@@ -476,16 +517,18 @@ void launch_tiles(TileParams p, int splits_req, int groups, cudaStream_t s) {
   splits = static_cast<int>(std::min<int64_t>(std::max(splits, 1), std::max<int64_t>(kb_total, 1)));
   p.kb_per_split = static_cast<int>((kb_total + splits - 1) / splits);
   splits = static_cast<int>(std::max<int64_t>(1, (kb_total + p.kb_per_split - 1) / p.kb_per_split));
-  const int64_t zdim = GROUPED ? int64_t(groups) * splits : splits;
-  QUADS_CHECK(zdim <= 65535, "fp8_gemm: {} groups x {} splits", std::max(groups, 1), splits);
-  p.gsplits = splits;
+  // grouped: row tiles of all groups (at most ceil(Mtot / BM) + groups, and groups x tiles_m)
+  const int64_t tiles_y =
+      GROUPED ? std::min<int64_t>(int64_t(groups) * tiles_m, (p.Mtot + BM - 1) / BM + groups) : tiles_m;
+  QUADS_CHECK(tiles_y <= 65535 && splits <= 65535, "fp8_gemm: {} row tiles x {} splits", tiles_y, splits);
+  p.groups = groups;
   float* partial = nullptr;
   const int64_t n_out = p.Mtot * N;
   if (splits > 1) {
     QUADS_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&partial), sizeof(float) * splits * n_out, s));
     p.partial = partial;
   }
-  const dim3 grid(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_m), static_cast<unsigned>(zdim));
+  const dim3 grid(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_y), static_cast<unsigned>(splits));
   kern<<<grid, threads, smem, s>>>(p);
   QUADS_CUDA_LAUNCH_CHECK();
   if (splits > 1) {
@@ -507,7 +550,7 @@ void dispatch_tiles(const TileParams& p, int splits, int groups, Fp8Tile tile, c
   switch (tile) {
     case Fp8Tile::M16: launch_tiles<16, 128, 16, 32, 4, GROUPED>(p, splits, groups, s); break;
     case Fp8Tile::M64: launch_tiles<64, 128, 32, 64, 4, GROUPED>(p, splits, groups, s); break;
-    default: launch_tiles<128, 128, 32, 64, 3, GROUPED>(p, splits, groups, s); break;
+    default: launch_tiles<128, 128, 32, 64, 4, GROUPED>(p, splits, groups, s); break;
   }
 }
 

@@ -6,7 +6,7 @@
 // differs from the CPU's FP32 GEMM of X_eff . W_eff^T only by its summation order.
 //
 //  - fp8_gemv / fp8_gemv_grouped (decode, few rows): a warp owns 4 weight rows and streams their
-//    codes (8 per lane per step, 256 per warp), dequantizes them in registers and multiplies them
+//    codes (8 per lane per step, 256 per warp, 4 steps in flight), dequantizes them in registers and multiplies them
 //    with up to 8 FP32 activation rows at a time (1, 2, 4 or 8 by the rows known); each product rounded, then added (no FMA, as the
 //    CPU built with -ffp-contract=off); lane partials meet in a fixed xor tree. The grouped form
 //    takes MoE experts with the same device eoff / weight table machinery as

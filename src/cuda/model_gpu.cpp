@@ -164,17 +164,18 @@ struct GpuModel::Impl {
   DeviceArray<float> qkvbuf;
   DeviceArray<float> master;  // float32 weights, Layout order
   // FP8 linears. Dense linears of up to fp8_gemv_rows rows run the GEMV on the codes
-  // (QUADS_GPU_FP8_GEMV_ROWS): one pass over the weights up to 8 rows; past that its CUDA-core
-  // math (product and sum rounded apart, no FMA) is the bottleneck. More rows run the W8A8 tile
+  // (QUADS_GPU_FP8_GEMV_ROWS): on the H200 (bench_cuda --fp8) it beat the 16-row tile at 1 and
+  // 2 rows and lost from 4 (CUDA-core math, product and sum rounded apart). More rows run the tile
   // GEMM on the tensor cores (activation codes from prepare(); QUADS_GPU_FP8_TILES=0 keeps the
   // old path: W_eff dequantized into wdq for cuBLAS SGEMMs). Experts: the grouped GEMV up to
-  // fp8_grouped_gemv_tokens tokens per step (QUADS_GPU_FP8_GROUPED_GEMV_TOKENS), grouped tiles
-  // past that, prefill included (no host sync). wdq also holds W_eff for RAC's gathered columns.
+  // fp8_grouped_gemv_tokens tokens per step (QUADS_GPU_FP8_GROUPED_GEMV_TOKENS; it won at 2
+  // tokens of 64 experts top-8 and lost at 4), grouped tiles past that, prefill included (no host
+  // sync). wdq also holds W_eff for RAC's gathered columns.
   size_t w8_scratch = 0;
   DeviceArray<float> wdq;
-  int64_t fp8_gemv_rows = 8;
+  int64_t fp8_gemv_rows = 2;
   bool fp8_tiles = true;
-  int64_t fp8_grouped_gemv_tokens = 4;
+  int64_t fp8_grouped_gemv_tokens = 2;
   DeviceQTensor xq8;  // FP8 activation codes and scales (rows set per use)
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;
@@ -501,7 +502,7 @@ struct GpuModel::Impl {
         case GpuLinearMode::FP8:
           QUADS_CHECK(P.g8.n == N && P.g8.k == Kd, "GpuModel: FP8 expert table of layer {} is [{}, {}], not [{}, {}]", l,
                       P.g8.n, P.g8.k, N, Kd);
-          if (op.a8.codes && (T > fp8_grouped_gemv_tokens || !op.f))
+          if (op.a8.codes)
             fp8_gemm_grouped(op.a8, P.w8.data(), P.g8, E, eo, T, out, stream);
           else
             fp8_gemv_grouped(op.f, P.w8.data(), P.g8, E, eo, T, out, stream);
@@ -842,7 +843,8 @@ struct GpuModel::Impl {
     return a.mode == b.mode && a.in == b.in && a.num.act == b.num.act;
   }
 
-  // need_f (FP8 with activation codes): also X_eff in FP32 for the GEMVs (-1: when M is a GEMV's).
+  // FP8 with E4M3 activations: codes + scales for the tiles, or X_eff in FP32 for the GEMVs where
+  // every GEMM of the operand runs one (need_f: 1 yes, 0 no, -1 when M is at most a GEMV's rows).
   Operand prepare(const DevLinear& L, const float* X, int64_t M, int need_f = -1) {
     Operand op;
     op.mode = L.mode;
@@ -872,8 +874,8 @@ struct GpuModel::Impl {
       }
       case GpuLinearMode::Fake:
       case GpuLinearMode::FP8:
-        if (L.mode == GpuLinearMode::FP8 && fp8_tiles && fp8_act_codes(L.num.act, L.in)) {
-          // codes + scales for the tiles; X_eff = dequantize(codes), bit-identical to fake_quantize
+        if (L.mode == GpuLinearMode::FP8 && fp8_tiles && fp8_act_codes(L.num.act, L.in) &&
+            !(need_f < 0 ? M <= fp8_gemv_rows : need_f > 0)) {
           const num::QConfig& c = L.act_cfg();
           xq8.cfg = c;
           xq8.rows = M;
@@ -885,10 +887,6 @@ struct GpuModel::Impl {
           grow(xq8.fscales, size_t(std::max<int64_t>(fp8_scale_count(ag), 1)));
           quantize(X, xq8, stream);
           op.a8 = fp8_act(xq8, L.name.c_str());
-          if (need_f < 0 ? M <= fp8_gemv_rows : need_f > 0) {
-            op.f = grow(fop, n);
-            dequantize(xq8, fop.data(), stream);
-          }
           break;
         }
         switch (L.num.act.kind) {
@@ -951,7 +949,7 @@ struct GpuModel::Impl {
       case GpuLinearMode::W4A4: w4a4_gemm_emulated(rows_of(op.v, r0, n), L.wv, Y, false, stream); break;
       case GpuLinearMode::Fake: sgemm(L.wf.data(), op.f + r0 * L.in, n, L.out, L.in, Y); break;
       case GpuLinearMode::FP8:
-        if (op.a8.codes && (n > fp8_gemv_rows || !op.f)) {
+        if (op.a8.codes) {
           fp8_gemm(fp8_act_rows(op.a8, r0, n), L.w8, L.g8, Y, stream);
         } else if (n <= fp8_gemv_rows) {
           fp8_gemv(op.f + r0 * L.in, n, L.w8, L.g8, Y, stream);

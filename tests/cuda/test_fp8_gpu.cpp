@@ -302,16 +302,20 @@ TEST(CudaFp8Tiles, SplitKIsDeterministicAndSlicesAgree) {
   }
 }
 
-// Experts with 3, 0, 37, 1, 20 and 0 rows (empty ones, one past a 16-row tile), each its own
-// weight and codes: the grouped call against float64 per expert, and bit for bit against a dense
-// call per expert with the same tile and splits.
+// Experts with 3, 0, 37, 1, 20 and 0 rows (empty ones, one past a 16-row tile), then 70 experts
+// of 0 .. 5 rows and one of 40 (the kernel finds a tile's expert 32 experts at a time), each its
+// own weight: the grouped call against float64 per expert, and bit for bit against a dense call
+// per expert with the same tile and splits.
 TEST(CudaFp8Tiles, GroupedMatchesPerExpertCalls) {
   QUADS_REQUIRE_GPU();
-  const std::vector<int32_t> eoff = {0, 3, 3, 40, 41, 61, 61};
-  const int E = 6;
-  const int64_t M = eoff.back(), max_rows = 40;
+  std::vector<int32_t> many = {0};
+  for (int e = 0; e < 70; ++e) many.push_back(many.back() + (e == 45 ? 40 : (e * 7 + 3) % 6));
+  for (const std::vector<int32_t>& eoff : {std::vector<int32_t>{0, 3, 3, 40, 41, 61, 61}, many})
   for (num::Block wb : {num::Block::B128x128, num::Block::PerRow})
     for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{200, 400}, {72, 144}}) {
+      const int E = static_cast<int>(eoff.size()) - 1;
+      const int64_t M = eoff.back(), max_rows = 40;
+      if (E > 6 && n == 200) continue;  // the many-expert case at one shape
       // one operand for all rows (1x128: per-row scales, as the model's shared operand)
       const W8A8 all = w8a8(M, n, k, wb, num::Block::B1x128, 500 + n);
       std::vector<W8A8> ws;
