@@ -1,6 +1,7 @@
 // FP8 (E4M3) weight GEMV, W8A8 tensor-core GEMM and dequantization of the GPU rollout engine
 // (see fp8_gemm.h).
 #include "cuda/fp8_gemm.h"
+#include "cuda/pdl.cuh"
 
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -70,6 +71,7 @@ template <int kActRows>
 __global__ void __launch_bounds__(kWarps * 32)
     fp8_gemv_kernel(const float* __restrict__ x, int64_t m, Fp8Weight w0, const Fp8Weight* __restrict__ table,
                     const int32_t* __restrict__ eoff, Fp8Layout g, float* __restrict__ y) {
+  pdl_begin();
   int64_t mb = 0, me = m;
   Fp8Weight w = w0;
   if (table) {
@@ -147,6 +149,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 }
 
 __global__ void fp8_dequant_kernel(Fp8Weight w, Fp8Layout g, float* __restrict__ out) {
+  pdl_begin();
   const int64_t chunks = g.n * g.k / kChunk;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < chunks; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t e = i * kChunk, r = e / g.k, c = e - r * g.k;
@@ -165,10 +168,10 @@ void launch_gemv(const float* x, int64_t m, const Fp8Weight& w, const Fp8Weight*
   const int64_t per_cta = int64_t(kWarps) * kRowsPerWarp;
   const dim3 grid(static_cast<unsigned>((g.n + per_cta - 1) / per_cta), static_cast<unsigned>(groups));
   const int th = kWarps * 32;
-  if (max_rows == 1) fp8_gemv_kernel<1><<<grid, th, 0, s>>>(x, m, w, table, eoff, g, y);
-  else if (max_rows == 2) fp8_gemv_kernel<2><<<grid, th, 0, s>>>(x, m, w, table, eoff, g, y);
-  else if (max_rows > 0 && max_rows <= 4) fp8_gemv_kernel<4><<<grid, th, 0, s>>>(x, m, w, table, eoff, g, y);
-  else fp8_gemv_kernel<8><<<grid, th, 0, s>>>(x, m, w, table, eoff, g, y);
+  if (max_rows == 1) launch_pdl(fp8_gemv_kernel<1>, grid, th, 0, s, x, m, w, table, eoff, g, y);
+  else if (max_rows == 2) launch_pdl(fp8_gemv_kernel<2>, grid, th, 0, s, x, m, w, table, eoff, g, y);
+  else if (max_rows > 0 && max_rows <= 4) launch_pdl(fp8_gemv_kernel<4>, grid, th, 0, s, x, m, w, table, eoff, g, y);
+  else launch_pdl(fp8_gemv_kernel<8>, grid, th, 0, s, x, m, w, table, eoff, g, y);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
@@ -252,6 +255,7 @@ struct TileSmem {
 
 template <int BM, int BN, int WM, int WN, int STAGES, bool GROUPED>
 __global__ void __launch_bounds__(32 * (BM / WM) * (BN / WN)) fp8_tile_kernel(const TileParams p) {
+  pdl_begin();
   constexpr int NWN = BN / WN;
   constexpr int NT = 32 * (BM / WM) * NWN;
   constexpr int MT = WM / 16, NTL = WN / 8;
@@ -467,6 +471,7 @@ __global__ void __launch_bounds__(32 * (BM / WM) * (BN / WN)) fp8_tile_kernel(co
 // y = the split partials [splits, n] summed in split order.
 __global__ void fp8_splitk_reduce_kernel(const float* __restrict__ partial, int splits, int64_t n,
                                          float* __restrict__ y) {
+  pdl_begin();
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float s = partial[i];
@@ -529,11 +534,11 @@ void launch_tiles(TileParams p, int splits_req, int groups, cudaStream_t s) {
     p.partial = partial;
   }
   const dim3 grid(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_y), static_cast<unsigned>(splits));
-  kern<<<grid, threads, smem, s>>>(p);
+  launch_pdl(kern, grid, threads, smem, s, p);
   QUADS_CUDA_LAUNCH_CHECK();
   if (splits > 1) {
     const int blocks = static_cast<int>(std::min<int64_t>((n_out + 255) / 256, 16LL * sm_count()));
-    fp8_splitk_reduce_kernel<<<blocks, 256, 0, s>>>(partial, splits, n_out, p.y);
+    launch_pdl(fp8_splitk_reduce_kernel, blocks, 256, 0, s, partial, splits, n_out, p.y);
     QUADS_CUDA_LAUNCH_CHECK();
     QUADS_CUDA_CHECK(cudaFreeAsync(partial, s));
   }
@@ -599,7 +604,7 @@ Fp8Weight fp8_weight(const DeviceQTensor& q, const char* what) {
 void fp8_dequantize(const Fp8Weight& w, const Fp8Layout& g, float* out, cudaStream_t stream) {
   const int64_t chunks = g.n * g.k / kChunk;
   if (chunks == 0) return;
-  fp8_dequant_kernel<<<kern::grid_for(chunks), kern::kThreads, 0, stream>>>(w, g, out);
+  launch_pdl(fp8_dequant_kernel, kern::grid_for(chunks), kern::kThreads, 0, stream, w, g, out);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 

@@ -12,6 +12,7 @@
 #include "cuda/codecs.cuh"
 #include "cuda/kernel_util.cuh"
 #include "cuda/model_kernels.h"
+#include "cuda/pdl.cuh"
 
 namespace quads::cuda::kern {
 
@@ -36,6 +37,7 @@ __device__ __forceinline__ float warp_softmax_scores(float* s, int64_t L, int la
 
 __global__ void embedding_kernel(const float* __restrict__ table, const int32_t* __restrict__ tokens, int64_t T,
                                  int64_t H, float* __restrict__ out) {
+  pdl_begin();
   const int64_t n = T * H;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / H, c = i - t * H;
@@ -46,6 +48,7 @@ __global__ void embedding_kernel(const float* __restrict__ table, const int32_t*
 // One CTA per row. Sum of squares in double: per-thread strided partials, then a fixed tree.
 __global__ void rmsnorm_kernel(const float* __restrict__ x, const float* __restrict__ w, int64_t D, float eps,
                                float* __restrict__ y) {
+  pdl_begin();
   __shared__ double red[kThreads / 32];
   const int64_t r = blockIdx.x;
   const float* xr = x + r * D;
@@ -71,6 +74,7 @@ __global__ void kv_rows_kernel(float* __restrict__ kcache, float* __restrict__ v
                                const int32_t* __restrict__ pos, int64_t T, int64_t kvd, int64_t max_len,
                                const float* __restrict__ shift, float* __restrict__ kbuf, float* __restrict__ vbuf,
                                bool to_cache) {
+  pdl_begin();
   const int64_t total = T * kvd;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / kvd, c = i - t * kvd;
@@ -90,6 +94,7 @@ __global__ void kv_rows_kernel(float* __restrict__ kcache, float* __restrict__ v
 // at prefill sizes) and enough blocks at decode sizes (kern::row_grid).
 __global__ void gather_rows_kernel(const float* __restrict__ x, const int32_t* __restrict__ idx, int64_t n, int div,
                                    int64_t D, float* __restrict__ out) {
+  pdl_begin();
   for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
     const float* src = x + int64_t(idx[r] / div) * D;
     float* dst = out + r * D;
@@ -137,6 +142,7 @@ __global__ void qk_norm_rope_store_kernel(float* __restrict__ q, const float* __
                                           const int32_t* __restrict__ pos, int nh, int nkv, int hd,
                                           float* __restrict__ kcache, float* __restrict__ vcache, int64_t max_len,
                                           const float* __restrict__ prescale) {
+  pdl_begin();
   const int64_t t = blockIdx.x;
   const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5, lane = threadIdx.x & 31;
   const float* c = cos + t * (hd / 2);
@@ -171,6 +177,7 @@ __global__ void attention_kernel(const float* __restrict__ q, const float* __res
                                  const int32_t* __restrict__ pos, int nh, int nkv, int hd, float scale,
                                  int64_t max_len, int64_t max_ctx, int heads_per_cta, int tokens_per_cta, int64_t T,
                                  float* __restrict__ out) {
+  pdl_begin();
   extern __shared__ float smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t t = int64_t(blockIdx.y) * tokens_per_cta + warp / heads_per_cta;
@@ -222,6 +229,7 @@ attention_tiled_kernel(const float* __restrict__ q, const float* __restrict__ kc
                        const int32_t* __restrict__ slot, const int32_t* __restrict__ pos,
                        const int32_t* __restrict__ blocks, int nh, int nkv, int hd, float scale, int64_t max_len,
                        int64_t max_ctx, int heads_per_cta, float* __restrict__ out) {
+  pdl_begin();
   extern __shared__ float smem[];
   __shared__ int64_t lmax_s;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
@@ -331,6 +339,7 @@ attention_decode_split_kernel(const float* __restrict__ q, const float* __restri
                               const int32_t* __restrict__ pos, int nh, int nkv, int hd, float scale, int64_t max_len,
                               int64_t chunk, float* __restrict__ part_o, float* __restrict__ part_ml,
                               float* __restrict__ out) {
+  pdl_begin();
   extern __shared__ float smem[];
   const int G = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nd = hd / 32;
   const int split = blockIdx.x, nsplit = gridDim.x, g = blockIdx.y;
@@ -409,6 +418,7 @@ attention_decode_split_kernel(const float* __restrict__ q, const float* __restri
 // Merges the splits of one (token, head) in split order: a warp, lane l owns hd/32 dimensions.
 __global__ void attention_decode_merge_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                               int nsplit, int hd, float* __restrict__ out) {
+  pdl_begin();
   const int64_t th = blockIdx.x;
   const int lane = threadIdx.x, nd = hd / 32;
   const float* ml = part_ml + 2 * th * nsplit;
@@ -432,6 +442,7 @@ __global__ void attention_decode_merge_kernel(const float* __restrict__ part_o, 
 
 __global__ void swiglu_kernel(const float* __restrict__ g, const float* __restrict__ u, int64_t ld, int64_t n,
                               int64_t I, float* __restrict__ h) {
+  pdl_begin();
   for (int64_t r = blockIdx.x; r < n; r += gridDim.x)
     for (int64_t c = col0(); c < I; c += col_step()) {
       const float gi = g[r * ld + c];
@@ -441,6 +452,7 @@ __global__ void swiglu_kernel(const float* __restrict__ g, const float* __restri
 
 __global__ void split_cols3_kernel(const float* __restrict__ src, int64_t rows, int64_t a, int64_t b, int64_t c,
                                    float* __restrict__ da, float* __restrict__ db, float* __restrict__ dc) {
+  pdl_begin();
   const int64_t w = a + b + c;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x)
     for (int64_t col = col0(); col < w; col += col_step()) {
@@ -452,6 +464,7 @@ __global__ void split_cols3_kernel(const float* __restrict__ src, int64_t rows, 
 }
 
 __global__ void broadcast_kernel(const float* __restrict__ src, float* __restrict__ dst, int64_t n) {
+  pdl_begin();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     dst[i] = *src;
 }
@@ -459,6 +472,7 @@ __global__ void broadcast_kernel(const float* __restrict__ src, float* __restric
 __global__ void moe_combine_add_kernel(const float* __restrict__ ye, const int32_t* __restrict__ inv,
                                        const float* __restrict__ w, int64_t T, int k, int64_t D,
                                        float* __restrict__ x) {
+  pdl_begin();
   for (int64_t t = blockIdx.x; t < T; t += gridDim.x)
     for (int64_t c = col0(); c < D; c += col_step()) {
       float acc = 0.f;
@@ -468,11 +482,13 @@ __global__ void moe_combine_add_kernel(const float* __restrict__ ye, const int32
 }
 
 __global__ void add_kernel(float* __restrict__ y, const float* __restrict__ x, int64_t n) {
+  pdl_begin();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     y[i] = __fadd_rn(y[i], x[i]);
 }
 
 __global__ void sub_kernel(const float* x, const float* y, float* out, int64_t n) {
+  pdl_begin();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = __fsub_rn(x[i], y[i]);
 }
@@ -499,6 +515,7 @@ __device__ __forceinline__ bool argmax_better(float v, int64_t i, float bv, int6
 // writes the index; chunked (CTA = (chunk, row)) the (value, index) for argmax_merge_kernel.
 __global__ void argmax_kernel(const float* __restrict__ x, int64_t cols, int64_t per, int32_t* __restrict__ out,
                               float* __restrict__ pv, int64_t* __restrict__ pi) {
+  pdl_begin();
   __shared__ float bv[kThreads];
   __shared__ int64_t bi[kThreads];
   const bool chunked = pv != nullptr;
@@ -536,6 +553,7 @@ __global__ void argmax_kernel(const float* __restrict__ x, int64_t cols, int64_t
 // One thread per row: the chunks' candidates in chunk order (the same winner as one pass).
 __global__ void argmax_merge_kernel(const float* __restrict__ pv, const int64_t* __restrict__ pi, int64_t rows,
                                     int chunks, int32_t* __restrict__ out) {
+  pdl_begin();
   const int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (row >= rows) return;
   float best = -INFINITY;
@@ -556,6 +574,7 @@ __device__ __forceinline__ uint64_t mix64(uint64_t z) {
 }
 
 __global__ void fill_normal_kernel(float* __restrict__ x, int64_t n, uint64_t seed, float mean, float stddev) {
+  pdl_begin();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const uint64_t r = mix64(seed ^ mix64(static_cast<uint64_t>(i)));
     const float u1 = (static_cast<float>(r >> 40) + 1.f) * (1.f / 16777216.f);  // (0, 1]
@@ -600,6 +619,7 @@ __device__ __forceinline__ void dec_cp_wait() {
 template <int PER>
 __global__ void __launch_bounds__(kThreads) rmsnorm_reg_kernel(const float* __restrict__ x, const float* __restrict__ w,
                                                               int64_t D, float eps, float* __restrict__ y) {
+  pdl_begin();
   __shared__ double red[kThreads / 32];
   const int64_t r = blockIdx.x;
   const float* xr = x + r * D;
@@ -680,6 +700,7 @@ qk_norm_rope_store_wide_kernel(float* __restrict__ q, const float* __restrict__ 
                                const int32_t* __restrict__ slot, const int32_t* __restrict__ pos, int nh, int nkv,
                                int hd, float* __restrict__ kcache, float* __restrict__ vcache, int64_t max_len,
                                const float* __restrict__ prescale) {
+  pdl_begin();
   const int64_t t = blockIdx.y;
   const int r = blockIdx.x * kQkWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (r >= nh + 2 * nkv) return;  // whole warps; no block barrier
@@ -729,6 +750,7 @@ attention_decode_pipe_kernel(const float* __restrict__ q, const float* __restric
                              const int32_t* __restrict__ pos, int nh, int nkv, float scale, int64_t max_len,
                              int64_t chunk, float* __restrict__ part_o, float* __restrict__ part_ml,
                              float* __restrict__ out) {
+  pdl_begin();
   constexpr int HD = ND * 32, H4 = HD / 4, KS = HD + 4, TILE = 32;
   extern __shared__ float4 dec_smem4[];
   float* smem = reinterpret_cast<float*>(dec_smem4);
@@ -885,7 +907,7 @@ attention_decode_pipe_kernel(const float* __restrict__ q, const float* __restric
 
 void embedding(const float* table, const int32_t* tokens, int64_t T, int64_t H, float* out, cudaStream_t s) {
   if (T * H == 0) return;
-  embedding_kernel<<<grid_for(T * H), kThreads, 0, s>>>(table, tokens, T, H, out);
+  launch_pdl(embedding_kernel, grid_for(T * H), kThreads, 0, s, table, tokens, T, H, out);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
@@ -894,18 +916,18 @@ void rmsnorm(const float* x, const float* w, int64_t rows, int64_t D, float eps,
   QUADS_CHECK(rows < (int64_t(1) << 31), "cuda rmsnorm: {} rows is too many", rows);
   const unsigned grid = static_cast<unsigned>(rows);
   const int64_t per = (D + kThreads - 1) / kThreads;
-  if (legacy_decode_kernels() || per > 16) rmsnorm_kernel<<<grid, kThreads, 0, s>>>(x, w, D, eps, y);
-  else if (per <= 1) rmsnorm_reg_kernel<1><<<grid, kThreads, 0, s>>>(x, w, D, eps, y);
-  else if (per <= 2) rmsnorm_reg_kernel<2><<<grid, kThreads, 0, s>>>(x, w, D, eps, y);
-  else if (per <= 4) rmsnorm_reg_kernel<4><<<grid, kThreads, 0, s>>>(x, w, D, eps, y);
-  else if (per <= 8) rmsnorm_reg_kernel<8><<<grid, kThreads, 0, s>>>(x, w, D, eps, y);
-  else rmsnorm_reg_kernel<16><<<grid, kThreads, 0, s>>>(x, w, D, eps, y);
+  if (legacy_decode_kernels() || per > 16) launch_pdl(rmsnorm_kernel, grid, kThreads, 0, s, x, w, D, eps, y);
+  else if (per <= 1) launch_pdl(rmsnorm_reg_kernel<1>, grid, kThreads, 0, s, x, w, D, eps, y);
+  else if (per <= 2) launch_pdl(rmsnorm_reg_kernel<2>, grid, kThreads, 0, s, x, w, D, eps, y);
+  else if (per <= 4) launch_pdl(rmsnorm_reg_kernel<4>, grid, kThreads, 0, s, x, w, D, eps, y);
+  else if (per <= 8) launch_pdl(rmsnorm_reg_kernel<8>, grid, kThreads, 0, s, x, w, D, eps, y);
+  else launch_pdl(rmsnorm_reg_kernel<16>, grid, kThreads, 0, s, x, w, D, eps, y);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void gather_rows(const float* x, const int32_t* idx, int64_t n, int div, int64_t D, float* out, cudaStream_t s) {
   if (n * D == 0) return;
-  gather_rows_kernel<<<row_grid(n, (D & 3) == 0 ? D / 4 : D), row_threads((D & 3) == 0 ? D / 4 : D), 0, s>>>(
+  launch_pdl(gather_rows_kernel, row_grid(n, (D & 3) == 0 ? D / 4 : D), row_threads((D & 3) == 0 ? D / 4 : D), 0, s, 
       x, idx, n, div, D, out);
   QUADS_CUDA_LAUNCH_CHECK();
 }
@@ -917,12 +939,12 @@ void qk_norm_rope_store(float* q, const float* k, const float* v, const float* q
   if (T == 0) return;
   QUADS_CHECK(hd % 2 == 0, "cuda qk_norm_rope: head_dim {} must be even", hd);
   if (legacy_decode_kernels() || T >= 65536) {
-    qk_norm_rope_store_kernel<<<static_cast<unsigned>(T), 256, 0, s>>>(q, k, v, qn, kn, eps, cos, sin, slot, pos, nh,
+    launch_pdl(qk_norm_rope_store_kernel, static_cast<unsigned>(T), 256, 0, s, q, k, v, qn, kn, eps, cos, sin, slot, pos, nh,
                                                                        nkv, hd, kcache, vcache, max_len, prescale);
   } else {
     const dim3 grid(static_cast<unsigned>((nh + 2 * nkv + kQkWarps - 1) / kQkWarps), static_cast<unsigned>(T));
 #define QUADS_QK_WIDE(HD)                                                                                      \
-  qk_norm_rope_store_wide_kernel<HD><<<grid, 32 * kQkWarps, 0, s>>>(q, k, v, qn, kn, eps, cos, sin, slot, pos, nh, \
+  launch_pdl(qk_norm_rope_store_wide_kernel<HD>, grid, 32 * kQkWarps, 0, s, q, k, v, qn, kn, eps, cos, sin, slot, pos, nh, \
                                                                     nkv, hd, kcache, vcache, max_len, prescale)
     if (hd == 64) QUADS_QK_WIDE(64);
     else if (hd == 128) QUADS_QK_WIDE(128);
@@ -937,7 +959,7 @@ void kv_rows(float* kcache, float* vcache, const int32_t* slot, const int32_t* p
              int64_t max_len, const float* shift, float* kbuf, float* vbuf, bool to_cache, cudaStream_t s) {
   const int64_t kvd = int64_t(nkv) * hd;
   if (T * kvd == 0) return;
-  kv_rows_kernel<<<grid_for(T * kvd), kThreads, 0, s>>>(kcache, vcache, slot, pos, T, kvd, max_len, shift, kbuf, vbuf,
+  launch_pdl(kv_rows_kernel, grid_for(T * kvd), kThreads, 0, s, kcache, vcache, slot, pos, T, kvd, max_len, shift, kbuf, vbuf,
                                                          to_cache);
   QUADS_CUDA_LAUNCH_CHECK();
 }
@@ -974,7 +996,7 @@ void attention(const float* q, const float* kcache, const float* vcache, const i
                                           static_cast<int>(smem)));
   QUADS_CHECK(T < 65536, "cuda attention: {} tokens in one step (at most 65535)", T);
   const dim3 grid((nh + per_cta - 1) / per_cta, static_cast<unsigned>((T + tpc - 1) / tpc));
-  attention_kernel<<<grid, 32 * per_cta * tpc, smem, s>>>(q, kcache, vcache, slot, pos, nh, nkv, hd, scale, max_len,
+  launch_pdl(attention_kernel, grid, 32 * per_cta * tpc, smem, s, q, kcache, vcache, slot, pos, nh, nkv, hd, scale, max_len,
                                                           max_ctx, per_cta, tpc, T, out);
   QUADS_CUDA_LAUNCH_CHECK();
 }
@@ -1087,7 +1109,7 @@ int attention_decode_split_n(const float* q, const float* kcache, const float* v
   }
   const dim3 grid(static_cast<unsigned>(nsplit), static_cast<unsigned>(nkv), static_cast<unsigned>(T));
   if (use_pipe) {
-    pipe<<<grid, pthreads, psmem, s>>>(q, kcache, vcache, slot, pos, nh, nkv, scale, max_len, chunk, part_o, part_ml,
+    launch_pdl(pipe, grid, pthreads, psmem, s, q, kcache, vcache, slot, pos, nh, nkv, scale, max_len, chunk, part_o, part_ml,
                                        out);
   } else {
     const size_t smem = sizeof(float) * (size_t(G) * hd + size_t(kDecTile) * (hd + 4) + size_t(kDecTile) * hd);
@@ -1097,12 +1119,12 @@ int attention_decode_split_n(const float* q, const float* kcache, const float* v
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
       smem_set = smem;
     }
-    attention_decode_split_kernel<<<grid, 32 * G, smem, s>>>(q, kcache, vcache, slot, pos, nh, nkv, hd, scale,
+    launch_pdl(attention_decode_split_kernel, grid, 32 * G, smem, s, q, kcache, vcache, slot, pos, nh, nkv, hd, scale,
                                                              max_len, chunk, part_o, part_ml, out);
   }
   QUADS_CUDA_LAUNCH_CHECK();
   if (nsplit > 1) {
-    attention_decode_merge_kernel<<<static_cast<unsigned>(T * nh), 32, 0, s>>>(part_o, part_ml,
+    launch_pdl(attention_decode_merge_kernel, static_cast<unsigned>(T * nh), 32, 0, s, part_o, part_ml,
                                                                                 static_cast<int>(nsplit), hd, out);
     QUADS_CUDA_LAUNCH_CHECK();
     QUADS_CUDA_CHECK(cudaFreeAsync(part_o, s));
@@ -1156,46 +1178,46 @@ void attention_tiled(const float* q, const float* kcache, const float* vcache, c
     QUADS_CUDA_CHECK(cudaFuncSetAttribute(attention_tiled_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem)));
   const dim3 grid(static_cast<unsigned>((nh + heads_per_cta - 1) / heads_per_cta), static_cast<unsigned>(nblocks));
-  attention_tiled_kernel<<<grid, 32 * warps, smem, s>>>(q, kcache, vcache, slot, pos, blocks, nh, nkv, hd, scale,
+  launch_pdl(attention_tiled_kernel, grid, 32 * warps, smem, s, q, kcache, vcache, slot, pos, blocks, nh, nkv, hd, scale,
                                                         max_len, max_ctx, heads_per_cta, out);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void swiglu(const float* g, const float* u, int64_t ld, int64_t n, int64_t I, float* h, cudaStream_t s) {
   if (n * I == 0) return;
-  swiglu_kernel<<<row_grid(n, I), row_threads(I), 0, s>>>(g, u, ld, n, I, h);
+  launch_pdl(swiglu_kernel, row_grid(n, I), row_threads(I), 0, s, g, u, ld, n, I, h);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void split_cols3(const float* src, int64_t rows, int64_t a, int64_t b, int64_t c, float* da, float* db, float* dc,
                  cudaStream_t s) {
   if (rows * (a + b + c) == 0) return;
-  split_cols3_kernel<<<row_grid(rows, a + b + c), row_threads(a + b + c), 0, s>>>(src, rows, a, b, c, da, db, dc);
+  launch_pdl(split_cols3_kernel, row_grid(rows, a + b + c), row_threads(a + b + c), 0, s, src, rows, a, b, c, da, db, dc);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void broadcast(const float* src, float* dst, int64_t n, cudaStream_t s) {
   if (n == 0) return;
-  broadcast_kernel<<<grid_for(n), kThreads, 0, s>>>(src, dst, n);
+  launch_pdl(broadcast_kernel, grid_for(n), kThreads, 0, s, src, dst, n);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void moe_combine_add(const float* ye, const int32_t* inv, const float* w, int64_t T, int k, int64_t D, float* x,
                      cudaStream_t s) {
   if (T * D == 0) return;
-  moe_combine_add_kernel<<<row_grid(T, D), row_threads(D), 0, s>>>(ye, inv, w, T, k, D, x);
+  launch_pdl(moe_combine_add_kernel, row_grid(T, D), row_threads(D), 0, s, ye, inv, w, T, k, D, x);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void add_inplace(float* y, const float* x, int64_t n, cudaStream_t s) {
   if (n == 0) return;
-  add_kernel<<<grid_for(n), kThreads, 0, s>>>(y, x, n);
+  launch_pdl(add_kernel, grid_for(n), kThreads, 0, s, y, x, n);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void sub(const float* x, const float* y, float* out, int64_t n, cudaStream_t s) {
   if (n == 0) return;
-  sub_kernel<<<grid_for(n), kThreads, 0, s>>>(x, y, out, n);
+  launch_pdl(sub_kernel, grid_for(n), kThreads, 0, s, x, y, out, n);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
@@ -1217,7 +1239,7 @@ void argmax_rows(const float* x, int64_t rows, int64_t cols, int32_t* out, cudaS
   constexpr int64_t kPer = 4096;
   const int64_t chunks = rows >= 64 || cols <= kPer ? 1 : (cols + kPer - 1) / kPer;
   if (chunks == 1) {
-    argmax_kernel<<<static_cast<unsigned>(rows), kThreads, 0, s>>>(x, cols, cols, out, nullptr, nullptr);
+    launch_pdl(argmax_kernel, static_cast<unsigned>(rows), kThreads, 0, s, x, cols, cols, out, nullptr, nullptr);
     QUADS_CUDA_LAUNCH_CHECK();
     return;
   }
@@ -1226,9 +1248,9 @@ void argmax_rows(const float* x, int64_t rows, int64_t cols, int32_t* out, cudaS
   int64_t* pi = nullptr;
   QUADS_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&pv), sizeof(float) * rows * chunks, s));
   QUADS_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&pi), sizeof(int64_t) * rows * chunks, s));
-  argmax_kernel<<<grid, kThreads, 0, s>>>(x, cols, kPer, out, pv, pi);
+  launch_pdl(argmax_kernel, grid, kThreads, 0, s, x, cols, kPer, out, pv, pi);
   QUADS_CUDA_LAUNCH_CHECK();
-  argmax_merge_kernel<<<static_cast<unsigned>((rows + 63) / 64), 64, 0, s>>>(pv, pi, rows, static_cast<int>(chunks), out);
+  launch_pdl(argmax_merge_kernel, static_cast<unsigned>((rows + 63) / 64), 64, 0, s, pv, pi, rows, static_cast<int>(chunks), out);
   QUADS_CUDA_LAUNCH_CHECK();
   QUADS_CUDA_CHECK(cudaFreeAsync(pv, s));
   QUADS_CUDA_CHECK(cudaFreeAsync(pi, s));
@@ -1236,7 +1258,7 @@ void argmax_rows(const float* x, int64_t rows, int64_t cols, int32_t* out, cudaS
 
 void fill_normal(float* x, int64_t n, uint64_t seed, float mean, float stddev, cudaStream_t s) {
   if (n == 0) return;
-  fill_normal_kernel<<<grid_for(n), kThreads, 0, s>>>(x, n, seed, mean, stddev);
+  launch_pdl(fill_normal_kernel, grid_for(n), kThreads, 0, s, x, n, seed, mean, stddev);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 

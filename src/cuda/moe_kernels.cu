@@ -9,6 +9,7 @@
 #include "cuda/check.h"
 #include "cuda/kernel_util.cuh"
 #include "cuda/model_kernels.h"
+#include "cuda/pdl.cuh"
 
 namespace quads::cuda::kern {
 
@@ -20,6 +21,7 @@ constexpr int kRouteThreads = 256;
 // __syncthreads_count is legal); block 0 also flags ids outside 0..E-1.
 __global__ void route_count_kernel(const int32_t* __restrict__ idx, int64_t n, int E, int32_t* __restrict__ counts,
                                    unsigned long long* active, int32_t* bad) {
+  pdl_begin();
   const int e = blockIdx.x;
   int c = 0, nbad = 0;
   for (int64_t c0 = 0; c0 < n; c0 += blockDim.x) {
@@ -39,6 +41,7 @@ __global__ void route_count_kernel(const int32_t* __restrict__ idx, int64_t n, i
 // cpu::moe_permute does: perm[row] = flat index (token * k + slot), inv[flat] = row.
 __global__ void route_place_kernel(const int32_t* __restrict__ idx, int64_t n, int E, const int32_t* __restrict__ counts,
                                    int32_t* __restrict__ eoff, int32_t* __restrict__ perm, int32_t* __restrict__ inv) {
+  pdl_begin();
   __shared__ int32_t wsum[kRouteThreads / 32];
   __shared__ int32_t sbase, stotal;
   const int e = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -96,6 +99,7 @@ __device__ __forceinline__ void load8(const float* p, int64_t i, float (&v)[8]) 
 
 __global__ void grouped_gemv_kernel(const float* __restrict__ x, const float* const* __restrict__ wtab,
                                     const int32_t* __restrict__ eoff, int64_t N, int64_t K, float* __restrict__ y) {
+  pdl_begin();
   const int e = blockIdx.y;
   const int64_t mb = eoff[e], me = eoff[e + 1];
   const int lane = threadIdx.x & 31;
@@ -197,6 +201,7 @@ __device__ __forceinline__ void bf16_tc_store(const float (&acc)[4][4], float* _
 __global__ void __launch_bounds__(32 * kTcWarps)
 grouped_bf16_tc_kernel(const uint16_t* __restrict__ x, const uint16_t* const* __restrict__ wtab,
                        const int32_t* __restrict__ eoff, int64_t N, int64_t K, float* __restrict__ y) {
+  pdl_begin();
   __shared__ float red[kTcWarps - 1][32][16];
   const int e = blockIdx.y;
   const int64_t mb = eoff[e], me = eoff[e + 1];
@@ -247,7 +252,7 @@ void grouped_gemv(const float* x, const float* const* w_table, int64_t N, int64_
   if (N == 0 || K == 0) return;
   constexpr int threads = 256;
   const dim3 grid(static_cast<unsigned>((N + threads / 32 - 1) / (threads / 32)), static_cast<unsigned>(groups));
-  grouped_gemv_kernel<<<grid, threads, 0, s>>>(x, w_table, eoff, N, K, y);
+  launch_pdl(grouped_gemv_kernel, grid, threads, 0, s, x, w_table, eoff, N, K, y);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
@@ -257,9 +262,9 @@ void moe_route(const int32_t* idx, int64_t n, int E, int32_t* counts, int32_t* e
                unsigned long long* active, int32_t* bad, cudaStream_t s) {
   QUADS_CHECK(E > 0 && E <= 65535, "moe_route: {} experts (1..65535)", E);
   QUADS_CHECK(n >= 0 && n < (int64_t(1) << 31), "moe_route: {} entries", n);
-  route_count_kernel<<<E, kRouteThreads, 0, s>>>(idx, n, E, counts, active, bad);
+  launch_pdl(route_count_kernel, E, kRouteThreads, 0, s, idx, n, E, counts, active, bad);
   QUADS_CUDA_LAUNCH_CHECK();
-  route_place_kernel<<<E, kRouteThreads, 0, s>>>(idx, n, E, counts, eoff, perm, inv);
+  launch_pdl(route_place_kernel, E, kRouteThreads, 0, s, idx, n, E, counts, eoff, perm, inv);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
@@ -269,7 +274,7 @@ void gemm_bf16_grouped(const uint16_t* x, const uint16_t* const* w_table, int64_
   QUADS_CHECK(groups > 0 && groups <= 65535, "grouped expert GEMM: {} groups (1..65535)", groups);
   if (N == 0 || K == 0) return;
   const dim3 grid(static_cast<unsigned>((N + kTcCols - 1) / kTcCols), static_cast<unsigned>(groups));
-  grouped_bf16_tc_kernel<<<grid, 32 * kTcWarps, 0, s>>>(x, w_table, eoff, N, K, y);
+  launch_pdl(grouped_bf16_tc_kernel, grid, 32 * kTcWarps, 0, s, x, w_table, eoff, N, K, y);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 

@@ -13,6 +13,7 @@
 
 #include "cuda/codecs.cuh"
 #include "cuda/quant.h"
+#include "cuda/pdl.cuh"
 
 namespace quads::cuda {
 
@@ -123,6 +124,7 @@ __device__ __noinline__ uint32_t encode4_sr(float t, bool e1m2, uint64_t seed, u
 // bf16 elements per warp) and rows up to a chunk long stay in registers.
 template <typename T, Kind K, bool FAKE>
 __global__ void __launch_bounds__(32 * kRowWarps) row_block_kernel(const RowArgs<T> a) {
+  pdl_begin();
   constexpr int VEC = Vec<T>::N;
   constexpr int BLK = K == kMx ? 32 : 16;
   constexpr int VPB = BLK / VEC;  // vectors per block
@@ -228,6 +230,7 @@ __global__ void __launch_bounds__(32 * kRowWarps) row_block_kernel(const RowArgs
 // lane holds its vector of all 16 rows, a tile is LPB lanes wide.
 template <typename T, Kind K, bool FAKE>
 __global__ void __launch_bounds__(128) tile16_kernel(const RowArgs<T> a) {
+  pdl_begin();
   constexpr int VEC = Vec<T>::N;
   constexpr int LPB = 16 / VEC;
   const int lane = threadIdx.x & 31;
@@ -288,6 +291,7 @@ __global__ void __launch_bounds__(128) tile16_kernel(const RowArgs<T> a) {
 // max |x| over a whole tensor into *out (zeroed beforehand) as float bits.
 template <typename T>
 __global__ void absmax_kernel(const T* x, int64_t n, uint32_t* out) {
+  pdl_begin();
   constexpr int VEC = Vec<T>::N;
   const int64_t nvec = n / VEC;
   uint32_t m = 0;
@@ -336,6 +340,7 @@ __device__ __forceinline__ float fp8_scale(float amax, float fmax) {
 // One warp per scale group (not per-tensor): its amax, then its scale.
 template <typename T>
 __global__ void fp8_group_scale_kernel(const T* x, Fp8Geom gm, int64_t ngroups, float fmax, float* fscales) {
+  pdl_begin();
   const int lane = threadIdx.x & 31;
   const int64_t gi = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
   if (gi >= ngroups) return;
@@ -348,6 +353,7 @@ __global__ void fp8_group_scale_kernel(const T* x, Fp8Geom gm, int64_t ngroups, 
   if (lane == 0) fscales[gi] = fp8_scale(u2f(m), fmax);
 }
 __global__ void fp8_tensor_scale_kernel(float* fscales, float fmax) {
+  pdl_begin();
   fscales[0] = fp8_scale(fscales[0], fmax);  // fscales[0] held the amax bits
 }
 
@@ -361,6 +367,7 @@ __device__ __forceinline__ int64_t fp8_group(const Fp8Geom& gm, int64_t r, int64
 // FP8 quantize / fake-quantize: rows along y (grid-stride), columns along x.
 template <typename T, bool E5M2, bool FAKE>
 __global__ void fp8_encode_kernel(const T* x, Fp8Geom gm, bool per_tensor, const float* fscales, uint8_t* codes, T* out) {
+  pdl_begin();
   for (int64_t r = blockIdx.y; r < gm.rows; r += gridDim.y)
     for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < gm.cols;
          c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -383,6 +390,7 @@ __global__ void fp8_encode_kernel(const T* x, Fp8Geom gm, bool per_tensor, const
 template <typename T, Kind K>
 __global__ void dequant4_kernel(const uint8_t* codes, const uint8_t* scales, const float* amax, bool amax_per_row,
                                 int64_t rows, int64_t cols, int64_t kt, T* out) {
+  pdl_begin();
   constexpr int BLK = K == kMx ? 32 : 16;
   const int64_t nw = rows * cols / 8;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -407,6 +415,7 @@ __global__ void dequant4_kernel(const uint8_t* codes, const uint8_t* scales, con
 }
 template <typename T, bool E5M2>
 __global__ void dequant_fp8_kernel(const uint8_t* codes, const float* fscales, Fp8Geom gm, bool per_tensor, T* out) {
+  pdl_begin();
   for (int64_t r = blockIdx.y; r < gm.rows; r += gridDim.y)
     for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < gm.cols;
          c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -420,6 +429,7 @@ __global__ void dequant_fp8_kernel(const uint8_t* codes, const float* fscales, F
 
 __global__ void swizzle_kernel(const uint8_t* in, uint8_t* out, int64_t rows, int64_t nblocks, int64_t kt,
                                int64_t total, bool forward) {
+  pdl_begin();
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t kpad = kt * 4;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
@@ -465,21 +475,21 @@ template <typename T>
 void launch_absmax(const T* x, int64_t n, float* amax, cudaStream_t s) {
   QUADS_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), s));
   if (n == 0) return;
-  absmax_kernel<T><<<grid_for(n / Vec<T>::N + 1, 256), 256, 0, s>>>(x, n, reinterpret_cast<uint32_t*>(amax));
+  launch_pdl(absmax_kernel<T>, grid_for(n / Vec<T>::N + 1, 256), 256, 0, s, x, n, reinterpret_cast<uint32_t*>(amax));
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
 template <typename T, bool FAKE, Kind K>
 void launch_row(const RowArgs<T>& a, cudaStream_t s) {
   const unsigned blocks = static_cast<unsigned>((a.rows + kRowWarps - 1) / kRowWarps);
-  row_block_kernel<T, K, FAKE><<<blocks, 32 * kRowWarps, 0, s>>>(a);
+  launch_pdl(row_block_kernel<T, K, FAKE>, blocks, 32 * kRowWarps, 0, s, a);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 template <typename T, bool FAKE, Kind K>
 void launch_tile16(const RowArgs<T>& a, cudaStream_t s) {
   const int64_t nvec = a.cols / Vec<T>::N;
   const dim3 grid(static_cast<unsigned>(a.rows / 16), static_cast<unsigned>((nvec + 127) / 128));
-  tile16_kernel<T, K, FAKE><<<grid, 128, 0, s>>>(a);
+  launch_pdl(tile16_kernel<T, K, FAKE>, grid, 128, 0, s, a);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
@@ -534,15 +544,15 @@ void run_fp8(const T* x, int64_t rows, int64_t cols, const QConfig& cfg, uint8_t
   const bool per_tensor = cfg.block == Block::PerTensor;
   if (per_tensor) {
     launch_absmax(x, rows * cols, fscales, s);
-    fp8_tensor_scale_kernel<<<1, 1, 0, s>>>(fscales, fmax);
+    launch_pdl(fp8_tensor_scale_kernel, 1, 1, 0, s, fscales, fmax);
   } else {
     const int64_t ng = fp8_nscales(cfg, rows, cols);
-    fp8_group_scale_kernel<T><<<static_cast<unsigned>((ng + 7) / 8), 256, 0, s>>>(x, gm, ng, fmax, fscales);
+    launch_pdl(fp8_group_scale_kernel<T>, static_cast<unsigned>((ng + 7) / 8), 256, 0, s, x, gm, ng, fmax, fscales);
   }
   QUADS_CUDA_LAUNCH_CHECK();
   const dim3 g = fp8_grid(rows, cols);
-  if (cfg.element == Format::E5M2) fp8_encode_kernel<T, true, FAKE><<<g, 256, 0, s>>>(x, gm, per_tensor, fscales, codes, out);
-  else fp8_encode_kernel<T, false, FAKE><<<g, 256, 0, s>>>(x, gm, per_tensor, fscales, codes, out);
+  if (cfg.element == Format::E5M2) launch_pdl(fp8_encode_kernel<T, true, FAKE>, g, 256, 0, s, x, gm, per_tensor, fscales, codes, out);
+  else launch_pdl(fp8_encode_kernel<T, false, FAKE>, g, 256, 0, s, x, gm, per_tensor, fscales, codes, out);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
@@ -573,8 +583,8 @@ void dequantize_any(const DeviceQTensor& q, T* out, cudaStream_t s) {
     const Fp8Geom gm = fp8_geom(q.cfg, q.rows, q.cols);
     const bool pt = q.cfg.block == Block::PerTensor;
     const dim3 g = fp8_grid(q.rows, q.cols);
-    if (q.cfg.element == Format::E5M2) dequant_fp8_kernel<T, true><<<g, 256, 0, s>>>(q.codes.data(), q.fscales.data(), gm, pt, out);
-    else dequant_fp8_kernel<T, false><<<g, 256, 0, s>>>(q.codes.data(), q.fscales.data(), gm, pt, out);
+    if (q.cfg.element == Format::E5M2) launch_pdl(dequant_fp8_kernel<T, true>, g, 256, 0, s, q.codes.data(), q.fscales.data(), gm, pt, out);
+    else launch_pdl(dequant_fp8_kernel<T, false>, g, 256, 0, s, q.codes.data(), q.fscales.data(), gm, pt, out);
     QUADS_CUDA_LAUNCH_CHECK();
     return;
   }
@@ -582,9 +592,9 @@ void dequantize_any(const DeviceQTensor& q, T* out, cudaStream_t s) {
   const bool per_row = q.cfg.scheme == Scheme::NVFP4 && q.cfg.global == Global::PerRow;
   const int g = grid_for(q.rows * q.cols / 8, 256);
   switch (kind_of(q.cfg)) {
-    case kMx: dequant4_kernel<T, kMx><<<g, 256, 0, s>>>(q.codes.data(), q.scales.data(), nullptr, false, q.rows, q.cols, kt, out); break;
-    case kNvE1M2: dequant4_kernel<T, kNvE1M2><<<g, 256, 0, s>>>(q.codes.data(), q.scales.data(), q.amax.data(), per_row, q.rows, q.cols, kt, out); break;
-    default: dequant4_kernel<T, kNvE2M1><<<g, 256, 0, s>>>(q.codes.data(), q.scales.data(), q.amax.data(), per_row, q.rows, q.cols, kt, out); break;
+    case kMx: launch_pdl(dequant4_kernel<T, kMx>, g, 256, 0, s, q.codes.data(), q.scales.data(), nullptr, false, q.rows, q.cols, kt, out); break;
+    case kNvE1M2: launch_pdl(dequant4_kernel<T, kNvE1M2>, g, 256, 0, s, q.codes.data(), q.scales.data(), q.amax.data(), per_row, q.rows, q.cols, kt, out); break;
+    default: launch_pdl(dequant4_kernel<T, kNvE2M1>, g, 256, 0, s, q.codes.data(), q.scales.data(), q.amax.data(), per_row, q.rows, q.cols, kt, out); break;
   }
   QUADS_CUDA_LAUNCH_CHECK();
 }
@@ -692,13 +702,13 @@ DeviceQTensor to_device(const num::QTensor& h, ScaleLayout layout) {
 void swizzle_scales(const uint8_t* in, uint8_t* out, int64_t rows, int64_t nblocks, cudaStream_t s) {
   const int64_t kt = kt_of(nblocks), total = (rows + 127) / 128 * 128 * kt * 4;
   if (total == 0) return;
-  swizzle_kernel<<<grid_for(total, 256), 256, 0, s>>>(in, out, rows, nblocks, kt, total, true);
+  launch_pdl(swizzle_kernel, grid_for(total, 256), 256, 0, s, in, out, rows, nblocks, kt, total, true);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 void unswizzle_scales(const uint8_t* in, uint8_t* out, int64_t rows, int64_t nblocks, cudaStream_t s) {
   const int64_t kt = kt_of(nblocks), total = rows * nblocks;
   if (total == 0) return;
-  swizzle_kernel<<<grid_for(total, 256), 256, 0, s>>>(in, out, rows, nblocks, kt, total, false);
+  launch_pdl(swizzle_kernel, grid_for(total, 256), 256, 0, s, in, out, rows, nblocks, kt, total, false);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 

@@ -19,6 +19,7 @@
 
 #include "cuda/codecs.cuh"
 #include "cuda/gemm.h"
+#include "cuda/pdl.cuh"
 
 namespace quads::cuda {
 
@@ -133,6 +134,7 @@ struct Smem {
 template <int BM, int BN, int WM, int WN, int STAGES, bool GATHER, bool GROUPED>
 __global__ void __launch_bounds__(32 * (BM / WM) * (BN / WN))
 w4a4_kernel(const Params p) {
+  pdl_begin();
   constexpr int NWN = BN / WN;
   constexpr int NT = 32 * (BM / WM) * NWN;
   constexpr int MT = WM / 16, NTL = WN / 8;
@@ -352,6 +354,7 @@ w4a4_kernel(const Params p) {
 // row belongs to one expert (rows eoff[e] .. eoff[e+1]) whose weight amax lives in wtab[e] (p.wamax
 // is unset); the expert of a row is found by binary search over eoff.
 __global__ void splitk_reduce_kernel(const Params p, int splits, int groups) {
+  pdl_begin();
   const int64_t n = (groups > 0 ? p.Mtot : p.M) * p.N;
   const float kInv = 1.f / 2688.f;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
@@ -411,6 +414,7 @@ __host__ __device__ constexpr int64_t gemv_smem(int R, int64_t k) { return R * (
 
 template <int R, int NW, bool GATHER, bool GROUPED>
 __global__ void __launch_bounds__(32 * kGemvWarps, NW == 4 ? 2 : 3) w4a4_gemv_kernel(const Params p) {
+  pdl_begin();
   extern __shared__ __align__(16) uint8_t smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t K = p.K, nb = K / 16, kpad = gemv_kpad(K);
@@ -570,6 +574,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps, NW == 4 ? 2 : 3) w4a4_gemv_ke
 
 __global__ void gather_blocks_kernel(const float* x, int64_t m, int64_t k, const int32_t* blocks, int64_t nsel,
                                      float* out, int64_t out_cols) {
+  pdl_begin();
   const int64_t n = m * out_cols;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -583,6 +588,7 @@ __global__ void gather_blocks_kernel(const float* x, int64_t m, int64_t k, const
 __global__ void gather_blocks_grouped_kernel(const float* x, int64_t m, int64_t k, const int32_t* blocks,
                                              const int32_t* nsel, int64_t nb, const int32_t* eoff, int groups,
                                              float* out) {
+  pdl_begin();
   const int64_t out_cols = nb * 16, n = m * out_cols;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -647,12 +653,12 @@ void launch(Params p, int splits_req, cudaStream_t s, int groups = 1) {
     QUADS_CHECK(int64_t(groups) * splits <= 65535, "w4a4_gemm_grouped: {} groups x {} splits", groups, splits);
     const dim3 grid(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_m),
                     static_cast<unsigned>(groups * splits));
-    kern<<<grid, threads, smem, s>>>(p);
+    launch_pdl(kern, grid, threads, smem, s, p);
     QUADS_CUDA_LAUNCH_CHECK();
     if (splits > 1) {
       const int64_t n = p.Mtot * p.N;  // every row of y: each belongs to one expert
       const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 16LL * sm_count()));
-      splitk_reduce_kernel<<<blocks, 256, 0, s>>>(p, splits, groups);
+      launch_pdl(splitk_reduce_kernel, blocks, 256, 0, s, p, splits, groups);
       QUADS_CUDA_LAUNCH_CHECK();
       QUADS_CUDA_CHECK(cudaFreeAsync(partial, s));
     }
@@ -674,12 +680,12 @@ void launch(Params p, int splits_req, cudaStream_t s, int groups = 1) {
     p.partial = partial;
   }
   const dim3 grid(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_m), static_cast<unsigned>(splits));
-  kern<<<grid, threads, smem, s>>>(p);
+  launch_pdl(kern, grid, threads, smem, s, p);
   QUADS_CUDA_LAUNCH_CHECK();
   if (splits > 1) {
     const int64_t n = p.M * p.N;
     const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 16LL * sm_count()));
-    splitk_reduce_kernel<<<blocks, 256, 0, s>>>(p, splits, 0);
+    launch_pdl(splitk_reduce_kernel, blocks, 256, 0, s, p, splits, 0);
     QUADS_CUDA_LAUNCH_CHECK();
     QUADS_CUDA_CHECK(cudaFreeAsync(partial, s));
   }
@@ -715,7 +721,7 @@ void launch_gemv_k(const Params& p, int64_t smem, dim3 grid, cudaStream_t s) {
     QUADS_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kGemvSmemMax)));
     smem_set = kGemvSmemMax;
   }
-  kern<<<grid, 32 * kGemvWarps, static_cast<size_t>(smem), s>>>(p);
+  launch_pdl(kern, grid, 32 * kGemvWarps, static_cast<size_t>(smem), s, p);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 template <int R, bool GATHER, bool GROUPED>
@@ -902,7 +908,7 @@ void gather_blocks(const float* x, int64_t m, int64_t k, const int32_t* blocks, 
   const int64_t n = m * out_cols;
   if (n == 0) return;
   const int blocks_n = static_cast<int>(std::min<int64_t>((n + 255) / 256, 16LL * sm_count()));
-  gather_blocks_kernel<<<blocks_n, 256, 0, s>>>(x, m, k, blocks, nsel, out, out_cols);
+  launch_pdl(gather_blocks_kernel, blocks_n, 256, 0, s, x, m, k, blocks, nsel, out, out_cols);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
@@ -912,7 +918,7 @@ void gather_blocks_grouped(const float* x, int64_t m, int64_t k, const int32_t* 
   const int64_t n = m * out_cols;
   if (n == 0) return;
   const int blocks_n = static_cast<int>(std::min<int64_t>((n + 255) / 256, 16LL * sm_count()));
-  gather_blocks_grouped_kernel<<<blocks_n, 256, 0, s>>>(x, m, k, blocks, nsel, out_cols / 16, eoff, groups, out);
+  launch_pdl(gather_blocks_grouped_kernel, blocks_n, 256, 0, s, x, m, k, blocks, nsel, out_cols / 16, eoff, groups, out);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
