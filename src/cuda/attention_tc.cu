@@ -17,6 +17,7 @@
 #include "cuda/device.h"
 #include "cuda/kernel_util.cuh"
 #include "cuda/model_kernels.h"
+#include "cuda/train_kernels.h"
 
 namespace quads::cuda {
 
@@ -146,6 +147,142 @@ __global__ void softmax_bwd_kernel(const float* __restrict__ S, const float* __r
   }
 }
 
+// ---- The bandwidth versions of the element-wise kernels above (kern::legacy_train_kernels() ==
+// false; same per-element arithmetic, same reduction order, so the same bits).
+
+// 8 consecutive floats as E: BF16 bits in one 16-byte store, or two float4.
+__device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
+  return dev::bf16_encode(lo) | (dev::bf16_encode(hi) << 16);
+}
+__device__ __forceinline__ void store8(uint16_t* p, float4 a, float4 b) {
+  *reinterpret_cast<uint4*>(p) = make_uint4(bf16_pair(a.x, a.y), bf16_pair(a.z, a.w), bf16_pair(b.x, b.y), bf16_pair(b.z, b.w));
+}
+__device__ __forceinline__ void store8(float* p, float4 a, float4 b) {
+  reinterpret_cast<float4*>(p)[0] = a;
+  reinterpret_cast<float4*>(p)[1] = b;
+}
+
+// Tokens over blocks, 8-column chunks of a token's nh * hd over threads (hd % 8 == 0, 16-byte
+// aligned pointers): one division per 8 elements, 16-byte loads and stores.
+template <typename T>
+__global__ void pack_row_kernel(const float* __restrict__ src, const int32_t* __restrict__ s0,
+                                const int32_t* __restrict__ len, int64_t Tn, int nh, int g, int hd, T* __restrict__ dst) {
+  const int per = hd / 8, chunks = nh * per;
+  for (int64_t t = blockIdx.x; t < Tn; t += gridDim.x) {
+    const float* row = src + t * nh * hd;
+    for (int64_t q = kern::col0(); q < chunks; q += kern::col_step()) {
+      const int h = static_cast<int>(q) / per, c = (static_cast<int>(q) - h * per) * 8;
+      const float4 a = reinterpret_cast<const float4*>(row + h * hd + c)[0];
+      const float4 b = reinterpret_cast<const float4*>(row + h * hd + c)[1];
+      store8(dst + grouped_index(t, h, c, s0, len, nh, g, hd), a, b);
+    }
+  }
+}
+
+__global__ void unpack_f32_row_kernel(const float* __restrict__ src, const int32_t* __restrict__ s0,
+                                      const int32_t* __restrict__ len, int64_t Tn, int nh, int g, int hd,
+                                      float* __restrict__ dst) {
+  const int per = hd / 8, chunks = nh * per;
+  for (int64_t t = blockIdx.x; t < Tn; t += gridDim.x) {
+    float* row = dst + t * nh * hd;
+    for (int64_t q = kern::col0(); q < chunks; q += kern::col_step()) {
+      const int h = static_cast<int>(q) / per, c = (static_cast<int>(q) - h * per) * 8;
+      const float4* from = reinterpret_cast<const float4*>(src + grouped_index(t, h, c, s0, len, nh, g, hd));
+      const float4 a = from[0], b = from[1];
+      store8(row + h * hd + c, a, b);
+    }
+  }
+}
+
+// softmax_fwd_kernel with the row's valid scores read once into registers (K per thread, Lk <= K
+// kRowThreads; thread x holds columns x + k kRowThreads, the old kernel's order for its max and
+// sum), P staged in shared memory and written in 16-byte stores.
+template <typename T, int K>
+__global__ void softmax_fwd_reg_kernel(const float* __restrict__ S, int64_t ld, int Lk, int64_t M, int q0, int g,
+                                       int64_t t0, int nh, float scale, T* __restrict__ P, float* __restrict__ lse) {
+  __shared__ float sh[kRowThreads / 32];
+  __shared__ __align__(16) T stage[K * kRowThreads];
+  const int64_t r = blockIdx.x;
+  const int j = blockIdx.y;
+  const int tl = q0 + static_cast<int>(r / g), i = static_cast<int>(r % g);
+  const int n = tl + 1;
+  const float* row = S + (int64_t(j) * M + r) * ld;
+  T* prow = P + (int64_t(j) * M + r) * ld;
+  float x[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int c = threadIdx.x + k * kRowThreads;
+    x[k] = c < n ? row[c] : 0.f;
+  }
+  float m = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+    if (threadIdx.x + k * kRowThreads < n) m = fmaxf(m, x[k] * scale);
+  m = block_max(m, sh);
+  float s = 0.f;
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+    if (threadIdx.x + k * kRowThreads < n) s += expf(x[k] * scale - m);
+  s = block_sum(s, sh);
+  const float l = m + logf(s);
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int c = threadIdx.x + k * kRowThreads;
+    if (c < Lk) store_as(stage + c, c < n ? expf(x[k] * scale - l) : 0.f);
+  }
+  __syncthreads();
+  constexpr int W = 16 / sizeof(T);
+  const int nv = Lk / W;
+  for (int v = threadIdx.x; v < nv; v += kRowThreads)
+    reinterpret_cast<uint4*>(prow)[v] = reinterpret_cast<const uint4*>(stage)[v];
+  for (int c = nv * W + threadIdx.x; c < Lk; c += kRowThreads) prow[c] = stage[c];
+  if (lse && threadIdx.x == 0) lse[(t0 + tl) * nh + int64_t(j) * g + i] = l;
+}
+
+// softmax_bwd_kernel 8 consecutive columns a thread (rows are ld = round8(Lk) apart, so every
+// row starts 16-byte aligned): float4 loads of S and dP where a column is valid, 16-byte stores.
+__global__ void softmax_bwd_vec_kernel(const float* __restrict__ S, const float* __restrict__ dP, int64_t ld, int Lk,
+                                       int64_t M, int q0, int g, int64_t t0, int nh, float scale,
+                                       const float* __restrict__ lse, const float* __restrict__ D,
+                                       uint16_t* __restrict__ P, uint16_t* __restrict__ dS) {
+  const int64_t r = blockIdx.x;
+  const int j = blockIdx.y;
+  const int tl = q0 + static_cast<int>(r / g), i = static_cast<int>(r % g);
+  const int n = tl + 1;
+  const int64_t off = (int64_t(j) * M + r) * ld;
+  const int64_t hrow = (t0 + tl) * nh + int64_t(j) * g + i;
+  const float l = lse[hrow], d = D[hrow];
+  for (int c0 = 8 * threadIdx.x; c0 < Lk; c0 += 8 * kRowThreads) {
+    uint32_t pb[4] = {0, 0, 0, 0}, db[4] = {0, 0, 0, 0};
+    if (c0 < n) {
+      float sv[8], gv[8];
+      *reinterpret_cast<float4*>(sv) = reinterpret_cast<const float4*>(S + off + c0)[0];
+      *reinterpret_cast<float4*>(sv + 4) = reinterpret_cast<const float4*>(S + off + c0)[1];
+      *reinterpret_cast<float4*>(gv) = reinterpret_cast<const float4*>(dP + off + c0)[0];
+      *reinterpret_cast<float4*>(gv + 4) = reinterpret_cast<const float4*>(dP + off + c0)[1];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        if (c0 + e < n) {
+          const float p = expf(sv[e] * scale - l);
+          pb[e / 2] |= dev::bf16_encode(p) << (16 * (e & 1));
+          db[e / 2] |= dev::bf16_encode(p * (gv[e] - d)) << (16 * (e & 1));
+        }
+      }
+    }
+    if (c0 + 8 <= Lk) {
+      *reinterpret_cast<uint4*>(P + off + c0) = make_uint4(pb[0], pb[1], pb[2], pb[3]);
+      *reinterpret_cast<uint4*>(dS + off + c0) = make_uint4(db[0], db[1], db[2], db[3]);
+    } else {
+      for (int e = 0; c0 + e < Lk; ++e) {
+        P[off + c0 + e] = static_cast<uint16_t>(pb[e / 2] >> (16 * (e & 1)));
+        dS[off + c0 + e] = static_cast<uint16_t>(db[e / 2] >> (16 * (e & 1)));
+      }
+    }
+  }
+}
+
+bool al16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
 template <typename T>
 T* need(DeviceArray<T>& a, size_t n) {
   if (a.size() < n) a.resize(n);
@@ -224,12 +361,41 @@ struct AttentionTc::Impl {
   template <typename E>
   void pack(const float* src, int nh, int g, int hd, E* dst, cudaStream_t st) {
     const int64_t n = T() * nh * hd;
-    pack_kernel<E><<<kern::grid_for(n), kern::kThreads, 0, st>>>(src, s0.data(), len.data(), T(), nh, g, hd, dst);
+    if (!kern::legacy_train_kernels() && al16(src) && al16(dst)) {
+      const int64_t chunks = int64_t(nh) * hd / 8;
+      pack_row_kernel<E><<<kern::row_grid(T(), chunks), kern::row_threads(chunks), 0, st>>>(src, s0.data(), len.data(),
+                                                                                         T(), nh, g, hd, dst);
+    } else {
+      pack_kernel<E><<<kern::grid_for(n), kern::kThreads, 0, st>>>(src, s0.data(), len.data(), T(), nh, g, hd, dst);
+    }
     QUADS_CUDA_LAUNCH_CHECK();
   }
   void unpack(const float* src, int nh, int g, int hd, float* dst, cudaStream_t st) {
     const int64_t n = T() * nh * hd;
-    unpack_f32_kernel<<<kern::grid_for(n), kern::kThreads, 0, st>>>(src, s0.data(), len.data(), T(), nh, g, hd, dst);
+    if (!kern::legacy_train_kernels() && al16(src) && al16(dst)) {
+      const int64_t chunks = int64_t(nh) * hd / 8;
+      unpack_f32_row_kernel<<<kern::row_grid(T(), chunks), kern::row_threads(chunks), 0, st>>>(
+          src, s0.data(), len.data(), T(), nh, g, hd, dst);
+    } else {
+      unpack_f32_kernel<<<kern::grid_for(n), kern::kThreads, 0, st>>>(src, s0.data(), len.data(), T(), nh, g, hd, dst);
+    }
+    QUADS_CUDA_LAUNCH_CHECK();
+  }
+
+  // P = softmax of the score block S: the register kernel up to 4096 keys, else (or legacy) the
+  // three-pass one.
+  template <typename E>
+  void softmax_fwd(dim3 grid, int64_t ld, int Lk, int64_t M, int q0, int g, int64_t t0, int nh, float scale, E* p,
+                   float* lse, cudaStream_t st) {
+    const float* Sd = S.data();
+    if (kern::legacy_train_kernels() || Lk > 32 * kRowThreads)
+      softmax_fwd_kernel<E><<<grid, kRowThreads, 0, st>>>(Sd, ld, Lk, M, q0, g, t0, nh, scale, p, lse);
+    else if (Lk <= 2 * kRowThreads)
+      softmax_fwd_reg_kernel<E, 2><<<grid, kRowThreads, 0, st>>>(Sd, ld, Lk, M, q0, g, t0, nh, scale, p, lse);
+    else if (Lk <= 8 * kRowThreads)
+      softmax_fwd_reg_kernel<E, 8><<<grid, kRowThreads, 0, st>>>(Sd, ld, Lk, M, q0, g, t0, nh, scale, p, lse);
+    else
+      softmax_fwd_reg_kernel<E, 32><<<grid, kRowThreads, 0, st>>>(Sd, ld, Lk, M, q0, g, t0, nh, scale, p, lse);
     QUADS_CUDA_LAUNCH_CHECK();
   }
 
@@ -282,9 +448,8 @@ struct AttentionTc::Impl {
       for (int64_t q0 = 0; q0 < L; q0 += br) {
         const int64_t q1 = std::min(L, q0 + br), M = (q1 - q0) * g, Lk = q1, ld = round8(Lk);
         scores<E>(qx, k_e, t0, L, q0, q1, nh, nkv, hd, S.data());
-        softmax_fwd_kernel<E><<<dim3(static_cast<unsigned>(M), static_cast<unsigned>(nkv)), kRowThreads, 0, st>>>(
-            S.data(), ld, static_cast<int>(Lk), M, static_cast<int>(q0), g, t0, nh, scale, p, lse);
-        QUADS_CUDA_LAUNCH_CHECK();
+        softmax_fwd<E>(dim3(static_cast<unsigned>(M), static_cast<unsigned>(nkv)), ld, static_cast<int>(Lk), M,
+                       static_cast<int>(q0), g, t0, nh, scale, p, lse, st);
         // O [M, hd] = P [M, Lk] · V [Lk, hd]; column-major Oᵀ = Vᵀ · Pᵀ.
         gemm(CUBLAS_OP_N, CUBLAS_OP_N, hd, M, Lk, 1.f, v_e + t0 * nkv * hd, int64_t(nkv) * hd, hd, p, ld, M * ld, 0.f,
              o_g + t0 * nh * hd + q0 * g * hd, CUDA_R_32F, hd, L * g * hd, nkv, elem_type<E>());
@@ -332,9 +497,14 @@ struct AttentionTc::Impl {
         scores<uint16_t>(q_b, k_b, t0, L, q0, q1, nh, nkv, hd, S.data());
         // dP [M, Lk] = dO · Vᵀ: the same product as the scores with (dO, V) for (Q, K).
         scores<uint16_t>(do_b, v_b, t0, L, q0, q1, nh, nkv, hd, dP.data());
-        softmax_bwd_kernel<<<dim3(static_cast<unsigned>(M), static_cast<unsigned>(nkv)), kRowThreads, 0, st>>>(
-            S.data(), dP.data(), ld, static_cast<int>(Lk), M, static_cast<int>(q0), g, t0, nh, scale, lse, Dp,
-            pb.data(), dsb.data());
+        if (kern::legacy_train_kernels())
+          softmax_bwd_kernel<<<dim3(static_cast<unsigned>(M), static_cast<unsigned>(nkv)), kRowThreads, 0, st>>>(
+              S.data(), dP.data(), ld, static_cast<int>(Lk), M, static_cast<int>(q0), g, t0, nh, scale, lse, Dp,
+              pb.data(), dsb.data());
+        else
+          softmax_bwd_vec_kernel<<<dim3(static_cast<unsigned>(M), static_cast<unsigned>(nkv)), kRowThreads, 0, st>>>(
+              S.data(), dP.data(), ld, static_cast<int>(Lk), M, static_cast<int>(q0), g, t0, nh, scale, lse, Dp,
+              pb.data(), dsb.data());
         QUADS_CUDA_LAUNCH_CHECK();
         // dV [Lk, hd] (+)= Pᵀ [Lk, M] · dO [M, hd]; column-major dVᵀ = dObᵀ · P, rows of dv at ld nkv * hd.
         gemm(CUBLAS_OP_N, CUBLAS_OP_T, hd, Lk, M, 1.f, dorows, hd, L * g * hd, pb.data(), ld, M * ld, beta,

@@ -2,11 +2,13 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "cuda/check.h"
 #include "cuda/codecs.cuh"
 #include "cuda/kernel_util.cuh"
 #include "cuda/train_gpu_kernels.h"
+#include "cuda/train_kernels.h"
 
 namespace quads::cuda::kern {
 
@@ -71,6 +73,89 @@ __global__ void fill_kernel(float* dst, float v, int64_t n) {
     dst[i] = v;
 }
 
+
+// ---- The bandwidth versions (kern::legacy_train_kernels() == false): rows over blocks
+// (row_grid), columns over threads in 16-byte vectors, no per-element division. Each element gets
+// the same arithmetic as in the scalar kernels above, so the bits are the same; the launchers take
+// the vector path only where the sizes and pointers allow it, else the scalar row kernels below.
+
+__device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
+  return dev::bf16_encode(lo) | (dev::bf16_encode(hi) << 16);
+}
+__device__ __forceinline__ uint4 bf16x8(float4 a, float4 b) {
+  return make_uint4(bf16_pair(a.x, a.y), bf16_pair(a.z, a.w), bf16_pair(b.x, b.y), bf16_pair(b.z, b.w));
+}
+
+// out [n, D] = BF16 of rows idx[r] / div of x; V = 8 (D % 8 == 0, 16-byte aligned) or 1.
+template <int V>
+__global__ void gather_rows_bf16_row_kernel(const float* __restrict__ x, const int32_t* __restrict__ idx, int64_t n,
+                                            int div, int64_t D, uint16_t* __restrict__ out) {
+  const int64_t cols = D / V;
+  for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
+    const float* src = x + int64_t(idx[r] / div) * D;
+    uint16_t* dst = out + r * D;
+    for (int64_t c = col0(); c < cols; c += col_step()) {
+      if constexpr (V == 8) {
+        const float4 a = reinterpret_cast<const float4*>(src)[2 * c], b = reinterpret_cast<const float4*>(src)[2 * c + 1];
+        reinterpret_cast<uint4*>(dst)[c] = bf16x8(a, b);
+      } else {
+        dst[c] = bf16_bits(src[c]);
+      }
+    }
+  }
+}
+
+// V = 4: sw, dw multiples of 4, both pointers 16-byte aligned.
+template <int V>
+__global__ void copy_cols_row_kernel(const float* __restrict__ src, int64_t rows, int64_t sw, float* __restrict__ dst,
+                                     int64_t dw) {
+  const int64_t cols = dw / V, scols = sw / V;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    for (int64_t c = col0(); c < cols; c += col_step()) {
+      if constexpr (V == 4) {
+        reinterpret_cast<float4*>(dst + r * dw)[c] =
+            c < scols ? reinterpret_cast<const float4*>(src + r * sw)[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+      } else {
+        dst[r * dw + c] = c < sw ? src[r * sw + c] : 0.f;
+      }
+    }
+  }
+}
+
+template <int V>
+__global__ void concat_cols3_row_kernel(const float* __restrict__ da, const float* __restrict__ db,
+                                        const float* __restrict__ dc, int64_t rows, int64_t a, int64_t b, int64_t c,
+                                        float* __restrict__ out) {
+  const int64_t w = (a + b + c) / V, av = a / V, abv = (a + b) / V, bv = b / V, cv = c / V;
+  using E = std::conditional_t<V == 4, float4, float>;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const E* pa = reinterpret_cast<const E*>(da) + r * av;
+    const E* pb = reinterpret_cast<const E*>(db) + r * bv;
+    const E* pc = reinterpret_cast<const E*>(dc) + r * cv;
+    E* o = reinterpret_cast<E*>(out) + r * w;
+    for (int64_t col = col0(); col < w; col += col_step()) o[col] = col < av ? pa[col] : col < abv ? pb[col - av] : pc[col - abv];
+  }
+}
+
+// n4 float4 groups, then the tail scalar (n - 4 n4 < 4 elements) by the first threads.
+__global__ void add_vec_kernel(const float4* x, const float4* y, float4* out, int64_t n4, const float* xs,
+                               const float* ys, float* outs, int64_t n) {
+  const int64_t i0 = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = i0; i < n4; i += step) {
+    const float4 a = x[i], b = y[i];
+    out[i] = make_float4(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y), __fadd_rn(a.z, b.z), __fadd_rn(a.w, b.w));
+  }
+  if (i0 < n - 4 * n4) outs[4 * n4 + i0] = __fadd_rn(xs[4 * n4 + i0], ys[4 * n4 + i0]);
+}
+
+__global__ void fill_vec_kernel(float4* dst, float v, int64_t n4, float* dsts, int64_t n) {
+  const int64_t i0 = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = i0; i < n4; i += step) dst[i] = make_float4(v, v, v, v);
+  if (i0 < n - 4 * n4) dsts[4 * n4 + i0] = v;
+}
+
+bool al16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
 }  // namespace
 
 void nvfp4_weight_bf16(const uint8_t* codes, const uint8_t* scales, const float* amax, int64_t rows, int64_t cols,
@@ -82,12 +167,28 @@ void nvfp4_weight_bf16(const uint8_t* codes, const uint8_t* scales, const float*
 void concat_cols3(const float* da, const float* db, const float* dc, int64_t rows, int64_t a, int64_t b, int64_t c,
                   float* out, cudaStream_t s) {
   if (rows * (a + b + c) == 0) return;
+  if (!legacy_train_kernels()) {
+    const bool v4 = a % 4 == 0 && b % 4 == 0 && c % 4 == 0 && al16(da) && al16(db) && al16(dc) && al16(out);
+    const int64_t cols = v4 ? (a + b + c) / 4 : a + b + c;
+    if (v4) concat_cols3_row_kernel<4><<<row_grid(rows, cols), row_threads(cols), 0, s>>>(da, db, dc, rows, a, b, c, out);
+    else concat_cols3_row_kernel<1><<<row_grid(rows, cols), row_threads(cols), 0, s>>>(da, db, dc, rows, a, b, c, out);
+    QUADS_CUDA_LAUNCH_CHECK();
+    return;
+  }
   concat_cols3_kernel<<<grid_for(rows * (a + b + c)), kThreads, 0, s>>>(da, db, dc, rows, a, b, c, out);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void add(const float* x, const float* y, float* out, int64_t n, cudaStream_t s) {
   if (n == 0) return;
+  if (!legacy_train_kernels() && al16(x) && al16(y) && al16(out)) {
+    const int64_t n4 = n / 4;
+    add_vec_kernel<<<grid_for(std::max<int64_t>(n4, 4)), kThreads, 0, s>>>(
+        reinterpret_cast<const float4*>(x), reinterpret_cast<const float4*>(y), reinterpret_cast<float4*>(out), n4, x,
+        y, out, n);
+    QUADS_CUDA_LAUNCH_CHECK();
+    return;
+  }
   add_kernel<<<grid_for(n), kThreads, 0, s>>>(x, y, out, n);
   QUADS_CUDA_LAUNCH_CHECK();
 }
@@ -95,18 +196,41 @@ void add(const float* x, const float* y, float* out, int64_t n, cudaStream_t s) 
 void gather_rows_bf16(const float* x, const int32_t* idx, int64_t n, int div, int64_t D, uint16_t* out,
                       cudaStream_t s) {
   if (n * D == 0) return;
+  if (!legacy_train_kernels()) {
+    const bool v8 = D % 8 == 0 && al16(x) && al16(out);
+    const int64_t cols = v8 ? D / 8 : D;
+    if (v8) gather_rows_bf16_row_kernel<8><<<row_grid(n, cols), row_threads(cols), 0, s>>>(x, idx, n, div, D, out);
+    else gather_rows_bf16_row_kernel<1><<<row_grid(n, cols), row_threads(cols), 0, s>>>(x, idx, n, div, D, out);
+    QUADS_CUDA_LAUNCH_CHECK();
+    return;
+  }
   gather_rows_bf16_kernel<<<grid_for(n * D), kThreads, 0, s>>>(x, idx, n, div, D, out);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void copy_cols(const float* src, int64_t rows, int64_t sw, float* dst, int64_t dw, cudaStream_t s) {
   if (rows * dw == 0) return;
+  if (!legacy_train_kernels()) {
+    const bool v4 = sw % 4 == 0 && dw % 4 == 0 && al16(src) && al16(dst);
+    const int64_t cols = v4 ? dw / 4 : dw;
+    if (v4) copy_cols_row_kernel<4><<<row_grid(rows, cols), row_threads(cols), 0, s>>>(src, rows, sw, dst, dw);
+    else copy_cols_row_kernel<1><<<row_grid(rows, cols), row_threads(cols), 0, s>>>(src, rows, sw, dst, dw);
+    QUADS_CUDA_LAUNCH_CHECK();
+    return;
+  }
   copy_cols_kernel<<<grid_for(rows * dw), kThreads, 0, s>>>(src, rows, sw, dst, dw);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void fill(float* dst, float v, int64_t n, cudaStream_t s) {
   if (n == 0) return;
+  if (!legacy_train_kernels() && al16(dst)) {
+    const int64_t n4 = n / 4;
+    fill_vec_kernel<<<grid_for(std::max<int64_t>(n4, 4)), kThreads, 0, s>>>(reinterpret_cast<float4*>(dst), v, n4,
+                                                                            dst, n);
+    QUADS_CUDA_LAUNCH_CHECK();
+    return;
+  }
   fill_kernel<<<grid_for(n), kThreads, 0, s>>>(dst, v, n);
   QUADS_CUDA_LAUNCH_CHECK();
 }

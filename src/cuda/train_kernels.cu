@@ -5,11 +5,15 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <initializer_list>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "common/error.h"
@@ -164,6 +168,43 @@ __global__ void rope_kernel(float* __restrict__ x, int64_t n, int heads, int hd,
     } else {
       v[i] = __fadd_rn(__fmul_rn(a, c), __fmul_rn(b, s));
       v[i + half] = __fsub_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+    }
+  }
+}
+
+// The same per pair as a row kernel: rows = n * heads over blocks, V consecutive pairs per thread
+// (V = 4: half % 4 == 0, x / cos / sin 16-byte aligned).
+template <int V>
+__global__ void rope_row_kernel(float* __restrict__ x, int64_t rows, int heads, int hd, const float* __restrict__ cos,
+                                const float* __restrict__ sin, bool backward) {
+  using E = std::conditional_t<V == 4, float4, float>;
+  const int half = hd / 2, cols = half / V;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t t = row / heads;
+    E* lo = reinterpret_cast<E*>(x + row * hd);
+    E* hi = reinterpret_cast<E*>(x + row * hd + half);
+    const E* cr = reinterpret_cast<const E*>(cos + t * half);
+    const E* sr = reinterpret_cast<const E*>(sin + t * half);
+    for (int64_t i = col0(); i < cols; i += col_step()) {
+      E a = lo[i], b = hi[i];
+      const E c = cr[i], s = sr[i];
+      float* av = reinterpret_cast<float*>(&a);
+      float* bv = reinterpret_cast<float*>(&b);
+      const float* cv = reinterpret_cast<const float*>(&c);
+      const float* sv = reinterpret_cast<const float*>(&s);
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const float aj = av[j], bj = bv[j];
+        if (!backward) {
+          av[j] = __fadd_rn(__fmul_rn(aj, cv[j]), __fmul_rn(-bj, sv[j]));
+          bv[j] = __fadd_rn(__fmul_rn(bj, cv[j]), __fmul_rn(aj, sv[j]));
+        } else {
+          av[j] = __fadd_rn(__fmul_rn(aj, cv[j]), __fmul_rn(bj, sv[j]));
+          bv[j] = __fsub_rn(__fmul_rn(bj, cv[j]), __fmul_rn(aj, sv[j]));
+        }
+      }
+      lo[i] = a;
+      hi[i] = b;
     }
   }
 }
@@ -900,6 +941,42 @@ __global__ void swiglu_bwd_kernel(const float* __restrict__ gu, const float* __r
   }
 }
 
+// The same per element as a row kernel (rows over blocks; V = 4: I % 4 == 0 and 16-byte aligned
+// pointers).
+__device__ __forceinline__ void swiglu_bwd_one(float gf, float uf, float df, float& dg, float& du) {
+  const double g = gf, u = uf, d = df;
+  const double sg = 1.0 / __dadd_rn(1.0, exp(-g));
+  const double silu = __dmul_rn(g, sg);
+  dg = static_cast<float>(__dmul_rn(__dmul_rn(__dmul_rn(d, u), sg), __dadd_rn(1.0, __dmul_rn(g, __dsub_rn(1.0, sg)))));
+  du = static_cast<float>(__dmul_rn(d, silu));
+}
+template <int V>
+__global__ void swiglu_bwd_row_kernel(const float* __restrict__ gu, const float* __restrict__ dh, int64_t n, int64_t I,
+                                      float* __restrict__ dgu) {
+  using E = std::conditional_t<V == 4, float4, float>;
+  const int64_t cols = I / V;
+  for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
+    const E* g = reinterpret_cast<const E*>(gu + r * 2 * I);
+    const E* u = reinterpret_cast<const E*>(gu + r * 2 * I + I);
+    const E* d = reinterpret_cast<const E*>(dh + r * I);
+    E* og = reinterpret_cast<E*>(dgu + r * 2 * I);
+    E* ou = reinterpret_cast<E*>(dgu + r * 2 * I + I);
+    for (int64_t i = col0(); i < cols; i += col_step()) {
+      const E gv = g[i], uv = u[i], dv = d[i];
+      E a, b;
+      const float* gp = reinterpret_cast<const float*>(&gv);
+      const float* up = reinterpret_cast<const float*>(&uv);
+      const float* dp = reinterpret_cast<const float*>(&dv);
+      float* ap = reinterpret_cast<float*>(&a);
+      float* bp = reinterpret_cast<float*>(&b);
+#pragma unroll
+      for (int j = 0; j < V; ++j) swiglu_bwd_one(gp[j], up[j], dp[j], ap[j], bp[j]);
+      og[i] = a;
+      ou[i] = b;
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Embedding backward: one CTA per distinct id, its tokens in order, added into the table row.
 
@@ -1071,7 +1148,33 @@ __global__ void adamw_kernel(float* __restrict__ params, float* __restrict__ gra
   }
 }
 
+void rope_launch(float* x, int64_t n, int heads, int hd, const float* cos, const float* sin, bool backward,
+                 cudaStream_t s) {
+  const int half = hd / 2;
+  if (legacy_train_kernels()) {
+    rope_kernel<<<grid_for(n * heads * half), kThreads, 0, s>>>(x, n, heads, hd, cos, sin, backward);
+  } else if (half % 4 == 0 && aligned16(x) && aligned16(cos) && aligned16(sin)) {
+    rope_row_kernel<4><<<row_grid(n * heads, half / 4), row_threads(half / 4), 0, s>>>(x, n * heads, heads, hd, cos, sin,
+                                                                                        backward);
+  } else {
+    rope_row_kernel<1><<<row_grid(n * heads, half), row_threads(half), 0, s>>>(x, n * heads, heads, hd, cos, sin,
+                                                                                backward);
+  }
+}
+
+// Initially on with QUADS_TRAIN_KERNELS=old (the benchmark's before / after).
+std::atomic<bool>& legacy_train_flag() {
+  static std::atomic<bool> on{[] {
+    const char* e = std::getenv("QUADS_TRAIN_KERNELS");
+    return e != nullptr && std::strcmp(e, "old") == 0;
+  }()};
+  return on;
+}
+
 }  // namespace
+
+void set_legacy_train_kernels(bool on) { legacy_train_flag().store(on); }
+bool legacy_train_kernels() { return legacy_train_flag().load(); }
 
 // ---------------------------------------------------------------------------------------------
 // Launchers
@@ -1122,14 +1225,14 @@ void rmsnorm_bwd(const float* dy, const float* x, const float* w, const float* i
 void rope_fwd(float* x, int64_t n, int heads, int hd, const float* cos, const float* sin, cudaStream_t s) {
   QUADS_CHECK(hd > 0 && hd % 2 == 0, "cuda rope_fwd: head_dim {} must be even", hd);
   if (n * heads == 0) return;
-  rope_kernel<<<grid_for(n * heads * (hd / 2)), kThreads, 0, s>>>(x, n, heads, hd, cos, sin, false);
+  rope_launch(x, n, heads, hd, cos, sin, false, s);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void rope_bwd(float* dx, int64_t n, int heads, int hd, const float* cos, const float* sin, cudaStream_t s) {
   QUADS_CHECK(hd > 0 && hd % 2 == 0, "cuda rope_bwd: head_dim {} must be even", hd);
   if (n * heads == 0) return;
-  rope_kernel<<<grid_for(n * heads * (hd / 2)), kThreads, 0, s>>>(dx, n, heads, hd, cos, sin, true);
+  rope_launch(dx, n, heads, hd, cos, sin, true, s);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
@@ -1211,7 +1314,13 @@ void moe_scatter_add(const float* dxe, const int32_t* inv, int64_t T, int k, int
 
 void swiglu_bwd(const float* gu, const float* dh, int64_t n, int64_t I, float* dgu, cudaStream_t s) {
   if (n * I == 0) return;
-  swiglu_bwd_kernel<<<grid_for(n * I), kThreads, 0, s>>>(gu, dh, n, I, dgu);
+  if (legacy_train_kernels()) {
+    swiglu_bwd_kernel<<<grid_for(n * I), kThreads, 0, s>>>(gu, dh, n, I, dgu);
+  } else if (I % 4 == 0 && aligned16(gu) && aligned16(dh) && aligned16(dgu)) {
+    swiglu_bwd_row_kernel<4><<<row_grid(n, I / 4), row_threads(I / 4), 0, s>>>(gu, dh, n, I, dgu);
+  } else {
+    swiglu_bwd_row_kernel<1><<<row_grid(n, I), row_threads(I), 0, s>>>(gu, dh, n, I, dgu);
+  }
   QUADS_CUDA_LAUNCH_CHECK();
 }
 

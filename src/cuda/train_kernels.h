@@ -12,6 +12,14 @@
 
 namespace quads::cuda::kern {
 
+// The element-wise kernels of the trainer (to_bf16 / bf16_round, gather_rows_bf16, copy_cols, fill,
+// add, concat_cols3, the attention's pack / unpack / softmax, rope, swiglu_bwd) run as row kernels
+// with 16-byte vectors; on (process-wide) they run their former scalar grid-stride versions, which
+// give the same bits: the same-bits tests' reference (tests/cuda/test_train_elementwise.cpp).
+// Initially on where QUADS_TRAIN_KERNELS=old.
+void set_legacy_train_kernels(bool on);
+bool legacy_train_kernels();
+
 // ---- RMSNorm (cpu::rmsnorm_forward / rmsnorm_backward) over rows of D; per-head q/k norms are the
 // same op with rows = T * heads, D = head_dim. inv_rms [rows] is kept for the backward.
 void rmsnorm_fwd(const float* x, const float* w, int64_t rows, int64_t D, float eps, float* y, float* inv_rms,
