@@ -156,10 +156,43 @@ __global__ void fill_vec_kernel(float4* dst, float v, int64_t n4, float* dsts, i
 
 bool al16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// nvfp4_weight_bf16_kernel a 16-element scale block per thread (rows over blocks): 8 code bytes in
+// one load, one scale, two 16-byte stores. cols % 16 == 0, codes 8-byte and out 16-byte aligned.
+__global__ void nvfp4_weight_bf16_row_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
+                                             const float* __restrict__ amax, int64_t rows, int64_t cols,
+                                             uint16_t* __restrict__ out, float* __restrict__ alpha) {
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *alpha = __fmul_rn(amax[0], 1.f / 2688.f);
+  const int64_t nb = cols / 16;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const uint2* crow = reinterpret_cast<const uint2*>(codes + r * (cols / 2));
+    uint4* orow = reinterpret_cast<uint4*>(out + r * cols);
+    for (int64_t b = col0(); b < nb; b += col_step()) {
+      const uint2 cw = crow[b];
+      const float sf = dev::e4m3_decode(scales[r * nb + b]);
+      uint32_t w[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const uint32_t byte = ((j < 4 ? cw.x : cw.y) >> (8 * (j & 3))) & 0xFFu;
+        w[j] = dev::bf16_encode(__fmul_rn(dev::e2m1_decode(byte & 15u), sf)) |
+               (dev::bf16_encode(__fmul_rn(dev::e2m1_decode(byte >> 4), sf)) << 16);
+      }
+      orow[2 * b] = make_uint4(w[0], w[1], w[2], w[3]);
+      orow[2 * b + 1] = make_uint4(w[4], w[5], w[6], w[7]);
+    }
+  }
+}
+
 }  // namespace
 
 void nvfp4_weight_bf16(const uint8_t* codes, const uint8_t* scales, const float* amax, int64_t rows, int64_t cols,
                        uint16_t* out, float* alpha, cudaStream_t s) {
+  if (!legacy_train_kernels() && rows * cols > 0 && cols % 16 == 0 &&
+      (reinterpret_cast<uintptr_t>(codes) & 7u) == 0 && al16(out)) {
+    nvfp4_weight_bf16_row_kernel<<<row_grid(rows, cols / 16), row_threads(cols / 16), 0, s>>>(codes, scales, amax, rows,
+                                                                                             cols, out, alpha);
+    QUADS_CUDA_LAUNCH_CHECK();
+    return;
+  }
   nvfp4_weight_bf16_kernel<<<grid_for(rows * cols / 2), kThreads, 0, s>>>(codes, scales, amax, rows, cols, out, alpha);
   QUADS_CUDA_LAUNCH_CHECK();
 }

@@ -924,6 +924,53 @@ __global__ void moe_scatter_add_kernel(const float* __restrict__ dxe, const int3
   }
 }
 
+// The same two as row kernels (tokens over blocks, V = 4: D % 4 == 0 and 16-byte aligned rows):
+// each element still sums its slots in order.
+__device__ __forceinline__ float4 add4(float4 a, float4 b) {
+  return make_float4(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y), __fadd_rn(a.z, b.z), __fadd_rn(a.w, b.w));
+}
+__device__ __forceinline__ float4 mul4(float s, float4 b) {
+  return make_float4(__fmul_rn(s, b.x), __fmul_rn(s, b.y), __fmul_rn(s, b.z), __fmul_rn(s, b.w));
+}
+__device__ __forceinline__ float add4(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float mul4(float s, float b) { return __fmul_rn(s, b); }
+
+template <int V>
+__global__ void moe_combine_fwd_row_kernel(const float* __restrict__ ye, const int32_t* __restrict__ inv,
+                                           const float* __restrict__ w, int64_t T, int k, int64_t D,
+                                           float* __restrict__ y) {
+  using E = std::conditional_t<V == 4, float4, float>;
+  const int64_t cols = D / V;
+  for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+    for (int64_t c = col0(); c < cols; c += col_step()) {
+      E a;
+      if constexpr (V == 4) a = make_float4(0.f, 0.f, 0.f, 0.f);
+      else a = 0.f;
+      for (int s = 0; s < k; ++s)
+        a = add4(a, mul4(w[t * k + s], reinterpret_cast<const E*>(ye + int64_t(inv[t * k + s]) * D)[c]));
+      reinterpret_cast<E*>(y + t * D)[c] = a;
+    }
+  }
+}
+
+template <int V>
+__global__ void moe_scatter_add_row_kernel(const float* __restrict__ dxe, const int32_t* __restrict__ inv, int64_t T,
+                                           int k, int64_t D, float* __restrict__ dx, bool accumulate) {
+  using E = std::conditional_t<V == 4, float4, float>;
+  const int64_t cols = D / V;
+  for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+    E* o = reinterpret_cast<E*>(dx + t * D);
+    for (int64_t c = col0(); c < cols; c += col_step()) {
+      E a;
+      if (accumulate) a = o[c];
+      else if constexpr (V == 4) a = make_float4(0.f, 0.f, 0.f, 0.f);
+      else a = 0.f;
+      for (int s = 0; s < k; ++s) a = add4(a, reinterpret_cast<const E*>(dxe + int64_t(inv[t * k + s]) * D)[c]);
+      o[c] = a;
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // SwiGLU backward, in double as cpu::swiglu_backward.
 
@@ -1293,7 +1340,12 @@ void moe_combine_fwd(const float* ye, const int32_t* inv, const float* w, int64_
                      cudaStream_t s) {
   if (T * D == 0) return;
   QUADS_CHECK(k > 0, "cuda moe_combine_fwd: k = {}", k);
-  moe_combine_fwd_kernel<<<grid_for(T * D), kThreads, 0, s>>>(ye, inv, w, T, k, D, y);
+  if (legacy_train_kernels())
+    moe_combine_fwd_kernel<<<grid_for(T * D), kThreads, 0, s>>>(ye, inv, w, T, k, D, y);
+  else if (D % 4 == 0 && aligned16(ye) && aligned16(y))
+    moe_combine_fwd_row_kernel<4><<<row_grid(T, D / 4), row_threads(D / 4), 0, s>>>(ye, inv, w, T, k, D, y);
+  else
+    moe_combine_fwd_row_kernel<1><<<row_grid(T, D), row_threads(D), 0, s>>>(ye, inv, w, T, k, D, y);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
@@ -1308,7 +1360,12 @@ void moe_combine_bwd(const float* dy, const float* ye, const int32_t* inv, const
 void moe_scatter_add(const float* dxe, const int32_t* inv, int64_t T, int k, int64_t D, float* dx, bool accumulate,
                      cudaStream_t s) {
   if (T * D == 0) return;
-  moe_scatter_add_kernel<<<grid_for(T * D), kThreads, 0, s>>>(dxe, inv, T, k, D, dx, accumulate);
+  if (legacy_train_kernels())
+    moe_scatter_add_kernel<<<grid_for(T * D), kThreads, 0, s>>>(dxe, inv, T, k, D, dx, accumulate);
+  else if (D % 4 == 0 && aligned16(dxe) && aligned16(dx))
+    moe_scatter_add_row_kernel<4><<<row_grid(T, D / 4), row_threads(D / 4), 0, s>>>(dxe, inv, T, k, D, dx, accumulate);
+  else
+    moe_scatter_add_row_kernel<1><<<row_grid(T, D), row_threads(D), 0, s>>>(dxe, inv, T, k, D, dx, accumulate);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 

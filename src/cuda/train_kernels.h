@@ -13,8 +13,8 @@
 namespace quads::cuda::kern {
 
 // The element-wise kernels of the trainer (to_bf16 / bf16_round, gather_rows_bf16, copy_cols, fill,
-// add, concat_cols3, the attention's pack / unpack / softmax, rope, swiglu_bwd) run as row kernels
-// with 16-byte vectors; on (process-wide) they run their former scalar grid-stride versions, which
+// add, concat_cols3, nvfp4_weight_bf16, the attention's pack / unpack / softmax, rope, swiglu_bwd,
+// moe_combine_fwd, moe_scatter_add) run as row kernels with 16-byte vectors; on (process-wide) they run their former scalar grid-stride versions, which
 // give the same bits: the same-bits tests' reference (tests/cuda/test_train_elementwise.cpp).
 // Initially on where QUADS_TRAIN_KERNELS=old.
 void set_legacy_train_kernels(bool on);

@@ -178,6 +178,50 @@ TEST(CudaTrainElementwise, RopeAndSwigluBwd) {
     }
 }
 
+TEST(CudaTrainElementwise, Nvfp4WeightAndMoeCombineScatter) {
+  QUADS_REQUIRE_GPU();
+  std::mt19937 rng(5);
+  for (int rows : kRows)
+    for (int cols : {16, 48, 64, 2048, 24}) {  // 24: no whole 16-blocks per row, the scalar kernel
+      for (int off : {0, 8, 1}) {              // code / output offsets: aligned, 8 bytes, misaligned
+        std::vector<uint8_t> codes(size_t(rows) * cols / 2 + 16), scales(size_t(rows) * (cols / 16) + 16);
+        for (auto& b : codes) b = static_cast<uint8_t>(rng());
+        for (auto& b : scales) b = static_cast<uint8_t>(rng() % 0x7F);  // finite E4M3
+        DeviceArray<uint8_t> gc = dev(codes), gs = dev(scales);
+        DeviceArray<float> amax = dev(std::vector<float>{3.75f}), alpha(1);
+        DeviceArray<uint16_t> o(size_t(rows) * cols + 16);
+        expect_same_bits(o, [&] {
+          kern::nvfp4_weight_bf16(gc.data() + off, gs.data(), amax.data(), rows, cols, o.data() + off, alpha.data(), nullptr);
+        }, "nvfp4_weight_bf16 rows " + std::to_string(rows) + " cols " + std::to_string(cols) + " off " + std::to_string(off));
+        expect_same_bits(alpha, [&] {
+          kern::nvfp4_weight_bf16(gc.data() + off, gs.data(), amax.data(), rows, cols, o.data() + off, alpha.data(), nullptr);
+        }, "nvfp4_weight_bf16 alpha");
+      }
+    }
+  for (int T : kRows)
+    for (int D : kCols)
+      for (int k : {1, 3, 8})
+        for (int off : kOffsets) {
+          const int64_t slots = int64_t(T) * k;
+          std::vector<int32_t> perm(slots);
+          for (int64_t i = 0; i < slots; ++i) perm[i] = static_cast<int32_t>(i);
+          std::shuffle(perm.begin(), perm.end(), rng);
+          const auto ye = randn(size_t(slots) * D + 8, T * 7 + D), w = randn(size_t(slots), k + D);
+          const auto base = randn(size_t(T) * D + 8, T + 3 * D);
+          DeviceArray<float> gye = dev(ye), gw = dev(w), y(size_t(T) * D + 8);
+          DeviceArray<int32_t> ginv = dev(perm);
+          const std::string tag = " T " + std::to_string(T) + " D " + std::to_string(D) + " k " + std::to_string(k) +
+                                  " off " + std::to_string(off);
+          expect_same_bits(y, [&] { kern::moe_combine_fwd(gye.data() + off, ginv.data(), gw.data(), T, k, D, y.data() + off, nullptr); },
+                           "moe_combine_fwd" + tag);
+          for (bool acc : {false, true})
+            expect_same_bits(y, [&] {
+              y.upload(base);
+              kern::moe_scatter_add(gye.data() + off, ginv.data(), T, k, D, y.data() + off, acc, nullptr);
+            }, std::string("moe_scatter_add") + (acc ? " accumulate" : "") + tag);
+        }
+}
+
 // AttentionTc's pack / unpack / softmax kernels through fwd and bwd: ragged sequences (1 to 1100
 // tokens: the 2-, 8- and 32-per-thread register softmax), GQA, query rows in blocks, and the
 // FP32 forward.
