@@ -497,11 +497,13 @@ __global__ void sub_kernel(const float* x, const float* y, float* out, int64_t n
 __device__ __forceinline__ uint16_t bf16_bits(float x) { return static_cast<uint16_t>(dev::bf16_encode(x)); }
 
 __global__ void to_bf16_kernel(const float* __restrict__ x, uint16_t* __restrict__ out, int64_t n) {
+  pdl_begin();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = bf16_bits(x[i]);
 }
 
 __global__ void bf16_round_kernel(const float* x, float* out, int64_t n) {
+  pdl_begin();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = __uint_as_float(uint32_t(bf16_bits(x[i])) << 16);
 }
@@ -512,6 +514,7 @@ __device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
   return dev::bf16_encode(lo) | (dev::bf16_encode(hi) << 16);
 }
 __global__ void to_bf16_vec_kernel(const float* __restrict__ x, uint16_t* __restrict__ out, int64_t n) {
+  pdl_begin();
   const int64_t n8 = n / 8, i0 = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
   const float4* x4 = reinterpret_cast<const float4*>(x);
   for (int64_t i = i0; i < n8; i += step) {
@@ -523,6 +526,7 @@ __global__ void to_bf16_vec_kernel(const float* __restrict__ x, uint16_t* __rest
 }
 __device__ __forceinline__ float bf16_rounded(float v) { return __uint_as_float(uint32_t(bf16_bits(v)) << 16); }
 __global__ void bf16_round_vec_kernel(const float* x, float* out, int64_t n) {
+  pdl_begin();
   const int64_t n4 = n / 4, i0 = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = i0; i < n4; i += step) {
     const float4 a = reinterpret_cast<const float4*>(x)[i];
@@ -1251,22 +1255,22 @@ void sub(const float* x, const float* y, float* out, int64_t n, cudaStream_t s) 
 void to_bf16(const float* x, uint16_t* out, int64_t n, cudaStream_t s) {
   if (n == 0) return;
   if (!legacy_train_kernels() && aligned_16(x) && aligned_16(out)) {
-    to_bf16_vec_kernel<<<grid_for(std::max<int64_t>(n / 8, 8)), kThreads, 0, s>>>(x, out, n);
+    launch_pdl(to_bf16_vec_kernel, grid_for(std::max<int64_t>(n / 8, 8)), kThreads, 0, s, x, out, n);
     QUADS_CUDA_LAUNCH_CHECK();
     return;
   }
-  to_bf16_kernel<<<grid_for(n), kThreads, 0, s>>>(x, out, n);
+  launch_pdl(to_bf16_kernel, grid_for(n), kThreads, 0, s, x, out, n);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void bf16_round(const float* x, float* out, int64_t n, cudaStream_t s) {
   if (n == 0) return;
   if (!legacy_train_kernels() && aligned_16(x) && aligned_16(out)) {
-    bf16_round_vec_kernel<<<grid_for(std::max<int64_t>(n / 4, 4)), kThreads, 0, s>>>(x, out, n);
+    launch_pdl(bf16_round_vec_kernel, grid_for(std::max<int64_t>(n / 4, 4)), kThreads, 0, s, x, out, n);
     QUADS_CUDA_LAUNCH_CHECK();
     return;
   }
-  bf16_round_kernel<<<grid_for(n), kThreads, 0, s>>>(x, out, n);
+  launch_pdl(bf16_round_kernel, grid_for(n), kThreads, 0, s, x, out, n);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
