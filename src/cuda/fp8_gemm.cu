@@ -1,7 +1,6 @@
 // FP8 (E4M3) weight GEMV, W8A8 tensor-core GEMM and dequantization of the GPU rollout engine
 // (see fp8_gemm.h).
 #include "cuda/fp8_gemm.h"
-#include "cuda/pdl.cuh"
 
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -14,6 +13,8 @@
 #include "cuda/check.h"
 #include "cuda/codecs.cuh"
 #include "cuda/kernel_util.cuh"
+#include "cuda/mma_util.cuh"
+#include "cuda/pdl.cuh"
 
 namespace quads::cuda {
 
@@ -185,12 +186,6 @@ void launch_gemv(const float* x, int64_t m, const Fp8Weight& w, const Fp8Weight*
 // care which K a slot holds as long as both operands agree), so no thread needs another's data.
 constexpr int kBK = 128;
 
-// sm_80+ code (cp.async, mma.sync); older targets compile the kernel as a trap and the host
-// refuses to launch it.
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-#define QUADS_FP8_SM80 1
-#endif
-
 struct TileParams {
   const uint8_t* xq = nullptr;
   const float* xs = nullptr;
@@ -208,44 +203,6 @@ struct TileParams {
   const Fp8Weight* wtab = nullptr;
 };
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
-#ifdef QUADS_FP8_SM80
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
-#endif
-}
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, int src_bytes) {
-#ifdef QUADS_FP8_SM80
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
-#endif
-}
-__device__ __forceinline__ void cp_async_commit() {
-#ifdef QUADS_FP8_SM80
-  asm volatile("cp.async.commit_group;\n" ::);
-#endif
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-#ifdef QUADS_FP8_SM80
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-#endif
-}
-__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#ifdef QUADS_FP8_SM80
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-}
-// Two E4M3 codes (low byte -> low half) as FP16x2, exact.
-__device__ __forceinline__ uint32_t e4m3x2_f16x2(uint32_t two) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xFFFFu), __NV_E4M3);
-  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
-}
-
 template <int BM, int BN, int STAGES>
 struct TileSmem {
   static constexpr int A = BM * kBK, B = BN * kBK, AS = BM * 4, BS = BN * 4;
@@ -262,7 +219,7 @@ __global__ void __launch_bounds__(32 * (BM / WM) * (BN / WN)) fp8_tile_kernel(co
   constexpr int SC = (BM + BN + NT - 1) / NT;  // scale entries each thread copies per stage
   using SM = TileSmem<BM, BN, STAGES>;
   extern __shared__ __align__(16) uint8_t smem[];
-#ifndef QUADS_FP8_SM80
+#ifndef QUADS_MMA_SM80
   __trap();
 #endif
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

@@ -12,8 +12,8 @@
 #include "cuda/codecs.cuh"
 #include "cuda/kernel_util.cuh"
 #include "cuda/model_kernels.h"
-#include "cuda/train_kernels.h"
 #include "cuda/pdl.cuh"
+#include "cuda/train_kernels.h"
 
 namespace quads::cuda::kern {
 

@@ -12,8 +12,8 @@
 #include <cfloat>
 
 #include "cuda/codecs.cuh"
-#include "cuda/quant.h"
 #include "cuda/pdl.cuh"
+#include "cuda/quant.h"
 
 namespace quads::cuda {
 

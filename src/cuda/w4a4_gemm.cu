@@ -19,6 +19,7 @@
 
 #include "cuda/codecs.cuh"
 #include "cuda/gemm.h"
+#include "cuda/mma_util.cuh"
 #include "cuda/pdl.cuh"
 
 namespace quads::cuda {
@@ -53,42 +54,6 @@ struct Params {
   int groups;    // grouped GEMV: entries of wtab (eoff has groups + 1)
 };
 
-// The kernels need sm_80 (cp.async, mma.sync m16n8k16); a build for an older target compiles them
-// as traps, and the host refuses to launch them (check_kernel_arch).
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-#define QUADS_W4A4_SM80 1
-#endif
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
-#ifdef QUADS_W4A4_SM80
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
-#endif
-}
-__device__ __forceinline__ void cp_async8(void* smem, const void* gmem, int src_bytes) {
-#ifdef QUADS_W4A4_SM80
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
-#endif
-}
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, int src_bytes) {
-#ifdef QUADS_W4A4_SM80
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
-#endif
-}
-__device__ __forceinline__ void cp_async_commit() {
-#ifdef QUADS_W4A4_SM80
-  asm volatile("cp.async.commit_group;\n" ::);
-#endif
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-#ifdef QUADS_W4A4_SM80
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-#endif
-}
-
 __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
   uint32_t d;
   asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
@@ -101,22 +66,11 @@ __device__ __forceinline__ uint32_t fp4x2_raw(uint32_t x) {
 }
 // Two E4M3 scales (low byte: block 2t) as FP16 * 2^7.
 __device__ __forceinline__ uint32_t scales_f16x2(uint32_t two_bytes) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_bytes), __NV_E4M3);
-  const uint32_t v = static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
-  return hmul2(v, 0x58005800u);  // * 128
+  return hmul2(e4m3x2_f16x2(two_bytes), 0x58005800u);  // * 128
 }
 __device__ __forceinline__ uint32_t lo2(uint32_t v) { return __byte_perm(v, 0, 0x1010); }
 __device__ __forceinline__ uint32_t hi2(uint32_t v) { return __byte_perm(v, 0, 0x3232); }
 
-__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#ifdef QUADS_W4A4_SM80
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-}
 
 // Dequantized pair from word w at nibble shift s (0, 4, 8, 12), times the scale pair.
 template <int S>
@@ -140,7 +94,7 @@ w4a4_kernel(const Params p) {
   constexpr int MT = WM / 16, NTL = WN / 8;
   using SM = Smem<BM, BN, GATHER>;
   extern __shared__ __align__(16) uint8_t smem[];
-#ifndef QUADS_W4A4_SM80
+#ifndef QUADS_MMA_SM80
   __trap();
 #endif
 
