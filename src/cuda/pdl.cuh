@@ -25,26 +25,25 @@ __device__ __forceinline__ void pdl_begin() {
 #endif
 }
 
-// On when the device has compute capability 9.0 or newer AND the kernels were compiled for it
-// (their PTX target >= 9.0): a build for an older target (CI's default, sm_75) JIT-compiled on a
-// Hopper GPU has kernels without the griddepcontrol instructions, and launching those with the
-// attribute would let them race their predecessor. One kernel is asked (every kernel of quads_cuda
-// is compiled with the same targets); QUADS_GPU_PDL=0 turns it off. Decided once per process.
-inline bool pdl_enabled(const void* kernel) {
-  static const bool on = [kernel] {
+// On when the kernels were compiled for sm_90 or newer (QUADS_CUDA_PDL_TARGET, set by
+// src/CMakeLists.txt from CMAKE_CUDA_ARCHITECTURES: a Hopper GPU running code JIT-compiled from an
+// older target's PTX has no griddepcontrol in its kernels, and launching those with the attribute
+// would let them race their predecessor) and the device has compute capability 9.0 or newer,
+// unless QUADS_GPU_PDL=0. Decided once per process.
+inline bool pdl_enabled() {
+#ifdef QUADS_CUDA_PDL_TARGET
+  static const bool on = [] {
     const char* e = std::getenv("QUADS_GPU_PDL");
     if (e && std::strcmp(e, "0") == 0) return false;
     int dev = 0, major = 0;
     if (cudaGetDevice(&dev) != cudaSuccess) return false;
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
-    cudaFuncAttributes fa{};
-    if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess) {
-      cudaGetLastError();  // leave no sticky error behind
-      return false;
-    }
-    return major >= 9 && fa.ptxVersion >= 90;
+    return major >= 9;
   }();
   return on;
+#else
+  return false;
+#endif
 }
 
 template <typename... Params, typename... Args>
@@ -58,7 +57,7 @@ void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, c
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled(reinterpret_cast<const void*>(kernel)) ? 1 : 0;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
   QUADS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 
