@@ -201,4 +201,21 @@ inline std::vector<int32_t> input_ids() {
   return read_json(fixture("input_ids.json"))["input_ids"].get<std::vector<int32_t>>();
 }
 
+// The CPU twin of decode attention over a slotted KV cache [slots, max_len, nkv * hd]: token t's
+// nh query heads attend to positions 0 .. pos[t] of cache slot slot[t] (cpu::attention_forward
+// with one query row), scale 1 / sqrt(hd).
+inline std::vector<float> cpu_decode_attention(const std::vector<float>& q, const std::vector<float>& kc,
+                                               const std::vector<float>& vc, const std::vector<int32_t>& slot,
+                                               const std::vector<int32_t>& pos, int nh, int nkv, int hd,
+                                               int64_t max_len) {
+  const int64_t kvd = int64_t(nkv) * hd, T = static_cast<int64_t>(slot.size());
+  const float scale = 1.f / std::sqrt(float(hd));
+  std::vector<float> out(q.size());
+  for (int64_t t = 0; t < T; ++t)
+    cpu::attention_forward(q.data() + t * nh * hd, kc.data() + slot[t] * max_len * kvd,
+                           vc.data() + slot[t] * max_len * kvd, 1, pos[t] + 1, nh, nkv, hd, scale,
+                           out.data() + t * nh * hd, nullptr);
+  return out;
+}
+
 }  // namespace quads::cuda::testing

@@ -181,11 +181,7 @@ TEST(CudaDecodeKernels, AttentionSplitCountsMatchCpu) {
     const auto q = randn(int64_t(c.T) * c.nh * c.hd, 61 + c.T, 1.5f), kc = randn(slots * max_len * kvd, 62 + c.T),
                vc = randn(slots * max_len * kvd, 63 + c.T);
     const float scale = 1.f / std::sqrt(float(c.hd));
-    std::vector<float> want(q.size());
-    for (int t = 0; t < c.T; ++t)
-      cpu::attention_forward(q.data() + int64_t(t) * c.nh * c.hd, kc.data() + slot[t] * max_len * kvd,
-                             vc.data() + slot[t] * max_len * kvd, 1, pos[t] + 1, c.nh, c.nkv, c.hd, scale,
-                             want.data() + int64_t(t) * c.nh * c.hd, nullptr);
+    const std::vector<float> want = cpu_decode_attention(q, kc, vc, slot, pos, c.nh, c.nkv, c.hd, max_len);
     auto dq = dev(q), dk = dev(kc), dv = dev(vc);
     auto ds = dev(slot), dp = dev(pos);
     const int tiles = static_cast<int>((c.max_ctx + 31) / 32);

@@ -239,11 +239,7 @@ TEST(CudaModelKernels, AttentionDecodeSplitMatchesCpu) {
     const auto q = randn(int64_t(c.T) * c.nh * c.hd, 21 + c.T), kc = randn(slots * max_len * kvd, 22 + c.T),
                vc = randn(slots * max_len * kvd, 23 + c.T);
     const float scale = 1.f / std::sqrt(float(c.hd));
-    std::vector<float> want(q.size());
-    for (int t = 0; t < c.T; ++t)
-      cpu::attention_forward(q.data() + int64_t(t) * c.nh * c.hd, kc.data() + slot[t] * max_len * kvd,
-                             vc.data() + slot[t] * max_len * kvd, 1, pos[t] + 1, c.nh, c.nkv, c.hd, scale,
-                             want.data() + int64_t(t) * c.nh * c.hd, nullptr);
+    const std::vector<float> want = cpu_decode_attention(q, kc, vc, slot, pos, c.nh, c.nkv, c.hd, max_len);
     auto dq = dev(q), dk = dev(kc), dv = dev(vc);
     auto ds = dev(slot), dp = dev(pos);
     DeviceArray<float> out(q.size());
