@@ -173,7 +173,6 @@ void launch_gemv(const float* x, int64_t m, const Fp8Weight& w, const Fp8Weight*
   else if (max_rows == 2) launch_pdl(fp8_gemv_kernel<2>, grid, th, 0, s, x, m, w, table, eoff, g, y);
   else if (max_rows > 0 && max_rows <= 4) launch_pdl(fp8_gemv_kernel<4>, grid, th, 0, s, x, m, w, table, eoff, g, y);
   else launch_pdl(fp8_gemv_kernel<8>, grid, th, 0, s, x, m, w, table, eoff, g, y);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 // ---- W8A8 tiles on the tensor cores ----
@@ -492,11 +491,9 @@ void launch_tiles(TileParams p, int splits_req, int groups, cudaStream_t s) {
   }
   const dim3 grid(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_y), static_cast<unsigned>(splits));
   launch_pdl(kern, grid, threads, smem, s, p);
-  QUADS_CUDA_LAUNCH_CHECK();
   if (splits > 1) {
     const int blocks = static_cast<int>(std::min<int64_t>((n_out + 255) / 256, 16LL * sm_count()));
     launch_pdl(fp8_splitk_reduce_kernel, blocks, 256, 0, s, partial, splits, n_out, p.y);
-    QUADS_CUDA_LAUNCH_CHECK();
     QUADS_CUDA_CHECK(cudaFreeAsync(partial, s));
   }
 }
@@ -562,7 +559,6 @@ void fp8_dequantize(const Fp8Weight& w, const Fp8Layout& g, float* out, cudaStre
   const int64_t chunks = g.n * g.k / kChunk;
   if (chunks == 0) return;
   launch_pdl(fp8_dequant_kernel, kern::grid_for(chunks), kern::kThreads, 0, stream, w, g, out);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void fp8_gemv(const float* x, int64_t m, const Fp8Weight& w, const Fp8Layout& g, float* y, cudaStream_t stream) {

@@ -939,7 +939,6 @@ attention_decode_pipe_kernel(const float* __restrict__ q, const float* __restric
 void embedding(const float* table, const int32_t* tokens, int64_t T, int64_t H, float* out, cudaStream_t s) {
   if (T * H == 0) return;
   launch_pdl(embedding_kernel, grid_for(T * H), kThreads, 0, s, table, tokens, T, H, out);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void rmsnorm(const float* x, const float* w, int64_t rows, int64_t D, float eps, float* y, cudaStream_t s) {
@@ -953,14 +952,12 @@ void rmsnorm(const float* x, const float* w, int64_t rows, int64_t D, float eps,
   else if (per <= 4) launch_pdl(rmsnorm_reg_kernel<4>, grid, kThreads, 0, s, x, w, D, eps, y);
   else if (per <= 8) launch_pdl(rmsnorm_reg_kernel<8>, grid, kThreads, 0, s, x, w, D, eps, y);
   else launch_pdl(rmsnorm_reg_kernel<16>, grid, kThreads, 0, s, x, w, D, eps, y);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void gather_rows(const float* x, const int32_t* idx, int64_t n, int div, int64_t D, float* out, cudaStream_t s) {
   if (n * D == 0) return;
   launch_pdl(gather_rows_kernel, row_grid(n, (D & 3) == 0 ? D / 4 : D), row_threads((D & 3) == 0 ? D / 4 : D), 0, s, 
       x, idx, n, div, D, out);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void qk_norm_rope_store(float* q, const float* k, const float* v, const float* qn, const float* kn, float eps,
@@ -992,7 +989,6 @@ void kv_rows(float* kcache, float* vcache, const int32_t* slot, const int32_t* p
   if (T * kvd == 0) return;
   launch_pdl(kv_rows_kernel, grid_for(T * kvd), kThreads, 0, s, kcache, vcache, slot, pos, T, kvd, max_len, shift, kbuf, vbuf,
                                                          to_cache);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void attention(const float* q, const float* kcache, const float* vcache, const int32_t* slot, const int32_t* pos,
@@ -1029,7 +1025,6 @@ void attention(const float* q, const float* kcache, const float* vcache, const i
   const dim3 grid((nh + per_cta - 1) / per_cta, static_cast<unsigned>((T + tpc - 1) / tpc));
   launch_pdl(attention_kernel, grid, 32 * per_cta * tpc, smem, s, q, kcache, vcache, slot, pos, nh, nkv, hd, scale, max_len,
                                                           max_ctx, per_cta, tpc, T, out);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 bool attention_decode_split_supported(int nh, int nkv, int hd) {
@@ -1157,7 +1152,6 @@ int attention_decode_split_n(const float* q, const float* kcache, const float* v
   if (nsplit > 1) {
     launch_pdl(attention_decode_merge_kernel, static_cast<unsigned>(T * nh), 32, 0, s, part_o, part_ml,
                                                                                 static_cast<int>(nsplit), hd, out);
-    QUADS_CUDA_LAUNCH_CHECK();
     QUADS_CUDA_CHECK(cudaFreeAsync(part_o, s));
     QUADS_CUDA_CHECK(cudaFreeAsync(part_ml, s));
   }
@@ -1211,67 +1205,56 @@ void attention_tiled(const float* q, const float* kcache, const float* vcache, c
   const dim3 grid(static_cast<unsigned>((nh + heads_per_cta - 1) / heads_per_cta), static_cast<unsigned>(nblocks));
   launch_pdl(attention_tiled_kernel, grid, 32 * warps, smem, s, q, kcache, vcache, slot, pos, blocks, nh, nkv, hd, scale,
                                                         max_len, max_ctx, heads_per_cta, out);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void swiglu(const float* g, const float* u, int64_t ld, int64_t n, int64_t I, float* h, cudaStream_t s) {
   if (n * I == 0) return;
   launch_pdl(swiglu_kernel, row_grid(n, I), row_threads(I), 0, s, g, u, ld, n, I, h);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void split_cols3(const float* src, int64_t rows, int64_t a, int64_t b, int64_t c, float* da, float* db, float* dc,
                  cudaStream_t s) {
   if (rows * (a + b + c) == 0) return;
   launch_pdl(split_cols3_kernel, row_grid(rows, a + b + c), row_threads(a + b + c), 0, s, src, rows, a, b, c, da, db, dc);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void broadcast(const float* src, float* dst, int64_t n, cudaStream_t s) {
   if (n == 0) return;
   launch_pdl(broadcast_kernel, grid_for(n), kThreads, 0, s, src, dst, n);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void moe_combine_add(const float* ye, const int32_t* inv, const float* w, int64_t T, int k, int64_t D, float* x,
                      cudaStream_t s) {
   if (T * D == 0) return;
   launch_pdl(moe_combine_add_kernel, row_grid(T, D), row_threads(D), 0, s, ye, inv, w, T, k, D, x);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void add_inplace(float* y, const float* x, int64_t n, cudaStream_t s) {
   if (n == 0) return;
   launch_pdl(add_kernel, grid_for(n), kThreads, 0, s, y, x, n);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void sub(const float* x, const float* y, float* out, int64_t n, cudaStream_t s) {
   if (n == 0) return;
   launch_pdl(sub_kernel, grid_for(n), kThreads, 0, s, x, y, out, n);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void to_bf16(const float* x, uint16_t* out, int64_t n, cudaStream_t s) {
   if (n == 0) return;
   if (!legacy_train_kernels() && aligned_16(x) && aligned_16(out)) {
     launch_pdl(to_bf16_vec_kernel, grid_for(std::max<int64_t>(n / 8, 8)), kThreads, 0, s, x, out, n);
-    QUADS_CUDA_LAUNCH_CHECK();
     return;
   }
   launch_pdl(to_bf16_kernel, grid_for(n), kThreads, 0, s, x, out, n);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void bf16_round(const float* x, float* out, int64_t n, cudaStream_t s) {
   if (n == 0) return;
   if (!legacy_train_kernels() && aligned_16(x) && aligned_16(out)) {
     launch_pdl(bf16_round_vec_kernel, grid_for(std::max<int64_t>(n / 4, 4)), kThreads, 0, s, x, out, n);
-    QUADS_CUDA_LAUNCH_CHECK();
     return;
   }
   launch_pdl(bf16_round_kernel, grid_for(n), kThreads, 0, s, x, out, n);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void argmax_rows(const float* x, int64_t rows, int64_t cols, int32_t* out, cudaStream_t s) {
@@ -1281,7 +1264,6 @@ void argmax_rows(const float* x, int64_t rows, int64_t cols, int32_t* out, cudaS
   const int64_t chunks = rows >= 64 || cols <= kPer ? 1 : (cols + kPer - 1) / kPer;
   if (chunks == 1) {
     launch_pdl(argmax_kernel, static_cast<unsigned>(rows), kThreads, 0, s, x, cols, cols, out, nullptr, nullptr);
-    QUADS_CUDA_LAUNCH_CHECK();
     return;
   }
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(rows));  // rows < 64
@@ -1290,9 +1272,7 @@ void argmax_rows(const float* x, int64_t rows, int64_t cols, int32_t* out, cudaS
   QUADS_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&pv), sizeof(float) * rows * chunks, s));
   QUADS_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&pi), sizeof(int64_t) * rows * chunks, s));
   launch_pdl(argmax_kernel, grid, kThreads, 0, s, x, cols, kPer, out, pv, pi);
-  QUADS_CUDA_LAUNCH_CHECK();
   launch_pdl(argmax_merge_kernel, static_cast<unsigned>((rows + 63) / 64), 64, 0, s, pv, pi, rows, static_cast<int>(chunks), out);
-  QUADS_CUDA_LAUNCH_CHECK();
   QUADS_CUDA_CHECK(cudaFreeAsync(pv, s));
   QUADS_CUDA_CHECK(cudaFreeAsync(pi, s));
 }
@@ -1300,7 +1280,6 @@ void argmax_rows(const float* x, int64_t rows, int64_t cols, int32_t* out, cudaS
 void fill_normal(float* x, int64_t n, uint64_t seed, float mean, float stddev, cudaStream_t s) {
   if (n == 0) return;
   launch_pdl(fill_normal_kernel, grid_for(n), kThreads, 0, s, x, n, seed, mean, stddev);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace quads::cuda::kern

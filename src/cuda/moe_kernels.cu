@@ -253,7 +253,6 @@ void grouped_gemv(const float* x, const float* const* w_table, int64_t N, int64_
   constexpr int threads = 256;
   const dim3 grid(static_cast<unsigned>((N + threads / 32 - 1) / (threads / 32)), static_cast<unsigned>(groups));
   launch_pdl(grouped_gemv_kernel, grid, threads, 0, s, x, w_table, eoff, N, K, y);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -263,9 +262,7 @@ void moe_route(const int32_t* idx, int64_t n, int E, int32_t* counts, int32_t* e
   QUADS_CHECK(E > 0 && E <= 65535, "moe_route: {} experts (1..65535)", E);
   QUADS_CHECK(n >= 0 && n < (int64_t(1) << 31), "moe_route: {} entries", n);
   launch_pdl(route_count_kernel, E, kRouteThreads, 0, s, idx, n, E, counts, active, bad);
-  QUADS_CUDA_LAUNCH_CHECK();
   launch_pdl(route_place_kernel, E, kRouteThreads, 0, s, idx, n, E, counts, eoff, perm, inv);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void gemm_bf16_grouped(const uint16_t* x, const uint16_t* const* w_table, int64_t N, int64_t K, int groups,
@@ -275,7 +272,6 @@ void gemm_bf16_grouped(const uint16_t* x, const uint16_t* const* w_table, int64_
   if (N == 0 || K == 0) return;
   const dim3 grid(static_cast<unsigned>((N + kTcCols - 1) / kTcCols), static_cast<unsigned>(groups));
   launch_pdl(grouped_bf16_tc_kernel, grid, 32 * kTcWarps, 0, s, x, w_table, eoff, N, K, y);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void gemm_f32_grouped(const float* x, const float* const* w_table, int64_t N, int64_t K, int groups,

@@ -476,21 +476,18 @@ void launch_absmax(const T* x, int64_t n, float* amax, cudaStream_t s) {
   QUADS_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), s));
   if (n == 0) return;
   launch_pdl(absmax_kernel<T>, grid_for(n / Vec<T>::N + 1, 256), 256, 0, s, x, n, reinterpret_cast<uint32_t*>(amax));
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 template <typename T, bool FAKE, Kind K>
 void launch_row(const RowArgs<T>& a, cudaStream_t s) {
   const unsigned blocks = static_cast<unsigned>((a.rows + kRowWarps - 1) / kRowWarps);
   launch_pdl(row_block_kernel<T, K, FAKE>, blocks, 32 * kRowWarps, 0, s, a);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 template <typename T, bool FAKE, Kind K>
 void launch_tile16(const RowArgs<T>& a, cudaStream_t s) {
   const int64_t nvec = a.cols / Vec<T>::N;
   const dim3 grid(static_cast<unsigned>(a.rows / 16), static_cast<unsigned>((nvec + 127) / 128));
   launch_pdl(tile16_kernel<T, K, FAKE>, grid, 128, 0, s, a);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 // NVFP4 / MXFP4 quantize or fake-quantize of a [rows, cols] T tensor.
@@ -553,7 +550,6 @@ void run_fp8(const T* x, int64_t rows, int64_t cols, const QConfig& cfg, uint8_t
   const dim3 g = fp8_grid(rows, cols);
   if (cfg.element == Format::E5M2) launch_pdl(fp8_encode_kernel<T, true, FAKE>, g, 256, 0, s, x, gm, per_tensor, fscales, codes, out);
   else launch_pdl(fp8_encode_kernel<T, false, FAKE>, g, 256, 0, s, x, gm, per_tensor, fscales, codes, out);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void check_shape(const DeviceQTensor& q, const char* what) { num::check_config(q.cfg, q.rows, q.cols, what); }
@@ -585,7 +581,6 @@ void dequantize_any(const DeviceQTensor& q, T* out, cudaStream_t s) {
     const dim3 g = fp8_grid(q.rows, q.cols);
     if (q.cfg.element == Format::E5M2) launch_pdl(dequant_fp8_kernel<T, true>, g, 256, 0, s, q.codes.data(), q.fscales.data(), gm, pt, out);
     else launch_pdl(dequant_fp8_kernel<T, false>, g, 256, 0, s, q.codes.data(), q.fscales.data(), gm, pt, out);
-    QUADS_CUDA_LAUNCH_CHECK();
     return;
   }
   const int64_t kt = q.layout == ScaleLayout::Swizzled128x4 ? kt_of(q.nblocks()) : 0;
@@ -703,13 +698,11 @@ void swizzle_scales(const uint8_t* in, uint8_t* out, int64_t rows, int64_t nbloc
   const int64_t kt = kt_of(nblocks), total = (rows + 127) / 128 * 128 * kt * 4;
   if (total == 0) return;
   launch_pdl(swizzle_kernel, grid_for(total, 256), 256, 0, s, in, out, rows, nblocks, kt, total, true);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 void unswizzle_scales(const uint8_t* in, uint8_t* out, int64_t rows, int64_t nblocks, cudaStream_t s) {
   const int64_t kt = kt_of(nblocks), total = rows * nblocks;
   if (total == 0) return;
   launch_pdl(swizzle_kernel, grid_for(total, 256), 256, 0, s, in, out, rows, nblocks, kt, total, false);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace quads::cuda

@@ -608,12 +608,10 @@ void launch(Params p, int splits_req, cudaStream_t s, int groups = 1) {
     const dim3 grid(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_m),
                     static_cast<unsigned>(groups * splits));
     launch_pdl(kern, grid, threads, smem, s, p);
-    QUADS_CUDA_LAUNCH_CHECK();
     if (splits > 1) {
       const int64_t n = p.Mtot * p.N;  // every row of y: each belongs to one expert
       const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 16LL * sm_count()));
       launch_pdl(splitk_reduce_kernel, blocks, 256, 0, s, p, splits, groups);
-      QUADS_CUDA_LAUNCH_CHECK();
       QUADS_CUDA_CHECK(cudaFreeAsync(partial, s));
     }
     return;
@@ -635,12 +633,10 @@ void launch(Params p, int splits_req, cudaStream_t s, int groups = 1) {
   }
   const dim3 grid(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_m), static_cast<unsigned>(splits));
   launch_pdl(kern, grid, threads, smem, s, p);
-  QUADS_CUDA_LAUNCH_CHECK();
   if (splits > 1) {
     const int64_t n = p.M * p.N;
     const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 16LL * sm_count()));
     launch_pdl(splitk_reduce_kernel, blocks, 256, 0, s, p, splits, 0);
-    QUADS_CUDA_LAUNCH_CHECK();
     QUADS_CUDA_CHECK(cudaFreeAsync(partial, s));
   }
 }
@@ -676,7 +672,6 @@ void launch_gemv_k(const Params& p, int64_t smem, dim3 grid, cudaStream_t s) {
     smem_set = kGemvSmemMax;
   }
   launch_pdl(kern, grid, 32 * kGemvWarps, static_cast<size_t>(smem), s, p);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 template <int R, bool GATHER, bool GROUPED>
 void launch_gemv_nw(const Params& p, const GemvPlan& g, dim3 grid, cudaStream_t s) {
@@ -863,7 +858,6 @@ void gather_blocks(const float* x, int64_t m, int64_t k, const int32_t* blocks, 
   if (n == 0) return;
   const int blocks_n = static_cast<int>(std::min<int64_t>((n + 255) / 256, 16LL * sm_count()));
   launch_pdl(gather_blocks_kernel, blocks_n, 256, 0, s, x, m, k, blocks, nsel, out, out_cols);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 void gather_blocks_grouped(const float* x, int64_t m, int64_t k, const int32_t* blocks, const int32_t* nsel,
@@ -873,7 +867,6 @@ void gather_blocks_grouped(const float* x, int64_t m, int64_t k, const int32_t* 
   if (n == 0) return;
   const int blocks_n = static_cast<int>(std::min<int64_t>((n + 255) / 256, 16LL * sm_count()));
   launch_pdl(gather_blocks_grouped_kernel, blocks_n, 256, 0, s, x, m, k, blocks, nsel, out_cols / 16, eoff, groups, out);
-  QUADS_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace quads::cuda
