@@ -55,4 +55,10 @@ __device__ __forceinline__ float half_max(float v) {
   return v;
 }
 
+// silu(g) * u as cpu::swiglu_forward, operation by operation (no contraction): the one definition
+// for kern::swiglu and the kernels that fuse it into their prologue (the W4A4 GEMV).
+__device__ __forceinline__ float swiglu1(float g, float u) {
+  return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.f, expf(-g))), u);
+}
+
 }  // namespace quads::cuda::kern

@@ -446,8 +446,7 @@ __global__ void swiglu_kernel(const float* __restrict__ g, const float* __restri
   pdl_begin();
   for (int64_t r = blockIdx.x; r < n; r += gridDim.x)
     for (int64_t c = col0(); c < I; c += col_step()) {
-      const float gi = g[r * ld + c];
-      h[r * I + c] = __fmul_rn(__fdiv_rn(gi, __fadd_rn(1.f, expf(-gi))), u[r * ld + c]);
+      h[r * I + c] = swiglu1(g[r * ld + c], u[r * ld + c]);
     }
 }
 
