@@ -1239,8 +1239,14 @@ struct GpuModel::Impl {
         kern::attention(qp, kcl, vcl, d_slot, d_pos, T, nh, nkv, hd, scale, max_len, max_ctx, decode, ap, stream,
                         attn_tokens);
       const Operand oo = prepare(Lo, ap, T);
-      gemm(Lo, oo, 0, T, tp);
-      kern::add_inplace(xp, tp, T * H, stream);
+      if (Lo.mode == GpuLinearMode::W4A4 && Lo.rac_nsel == 0) {
+        // the epilogue adds into the residual stream (x + o, the add_inplace it replaces)
+        stats.weight_bytes += Lo.bytes();
+        w4a4_gemm_emulated(oo.v, Lo.wv, xp, true, stream);
+      } else {
+        gemm(Lo, oo, 0, T, tp);
+        kern::add_inplace(xp, tp, T * H, stream);
+      }
       kern::rmsnorm(xp, M + o.post_norm, T, H, eps, xnp, stream);
       if (li.sparse) {
         const DevLinear& Lr = lin[li.router];
@@ -1320,6 +1326,19 @@ struct GpuModel::Impl {
     return nout;
   }
 
+  static int64_t kernel_nodes(cudaGraph_t graph) {
+    size_t n = 0;
+    if (cudaGraphGetNodes(graph, nullptr, &n) != cudaSuccess) return 0;
+    std::vector<cudaGraphNode_t> nodes(n);
+    if (n == 0 || cudaGraphGetNodes(graph, nodes.data(), &n) != cudaSuccess) return 0;
+    int64_t k = 0;
+    for (cudaGraphNode_t v : nodes) {
+      cudaGraphNodeType t;
+      k += cudaGraphNodeGetType(v, &t) == cudaSuccess && t == cudaGraphNodeTypeKernel;
+    }
+    return k;
+  }
+
   // Captures `body_fn` into the graph for `key` and launches it; on any capture failure graphs are
   // turned off for this model (a warning on stderr) and the step runs eagerly.
   template <typename F>
@@ -1352,6 +1371,7 @@ struct GpuModel::Impl {
       ok = false;
       why = "cudaGraphInstantiate failed";
     }
+    if (ok) stats.graph_kernels = kernel_nodes(graph);
     if (graph) cudaGraphDestroy(graph);
     (void)cudaGetLastError();  // capture errors are not sticky; clear the last one
     Graph gr;

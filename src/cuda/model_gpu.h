@@ -56,6 +56,7 @@ struct GpuModelStats {
   double weight_bytes = 0;   // GEMM weight bytes read (each linear's device storage, once per use)
   int64_t graph_steps = 0;   // steps run as a CUDA graph (decode, every MoE layer grouped)
   int64_t gemm_attention_steps = 0;  // prefills whose attention ran as FP32 SGEMMs (AttentionTc)
+  int64_t graph_kernels = 0;  // kernel nodes of the last decode step captured as a CUDA graph
 };
 
 class GpuModel {
