@@ -23,6 +23,7 @@
 #include "cuda/gemm.h"
 #include "cuda/quant.h"
 #include "decode_kernels_bench.h"
+#include "route_bench.h"
 
 using namespace quads;
 using namespace quads::cuda;
@@ -381,6 +382,7 @@ int main(int argc, char** argv) {
   }
   if (argc > 1 && std::string(argv[1]) == "--profile") return profile();
   if (argc > 1 && std::string(argv[1]) == "--decode-kernels") return decode_bench::run();  // decode_kernels_bench.h
+  if (argc > 1 && std::string(argv[1]) == "--route") return route_bench::run();  // route_bench.h
   cudaDeviceProp prop{};
   QUADS_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs, L2 %d MB\n\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);

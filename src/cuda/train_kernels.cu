@@ -21,6 +21,7 @@
 #include "cuda/codecs.cuh"
 #include "cuda/kernel_util.cuh"
 #include "cuda/model_kernels.h"
+#include "cuda/pdl.cuh"
 #include "cuda/train_kernels.h"
 
 namespace quads::cuda::kern {
@@ -747,15 +748,13 @@ __global__ void router_topk_fwd_kernel(const float* __restrict__ logits, int64_t
 // chosen list for each candidate; lane 0's winner is broadcast by a shuffle. The softmax (max, exp
 // from double, lane 0's sum in expert order), the arg-max butterfly and the final weights are the
 // old kernel's operations: the same bits.
+// One token t by one warp (lane = its lane); ps: the warp's shared E + k floats (sel, the chosen
+// ids, left in ps + E). Also the body of router_route_kernel.
 template <int EPL>
-__global__ void router_topk_fwd_reg_kernel(const float* __restrict__ logits, int64_t T, int E, int k, bool norm_topk,
-                                           float* __restrict__ probs, int32_t* __restrict__ idx,
-                                           float* __restrict__ w, const int32_t* __restrict__ forced) {
-  extern __shared__ float topk_smem[];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t t = int64_t(blockIdx.x) * kTopkWarps + warp;
-  if (t >= T) return;  // whole warps; only warp-level sync below
-  float* ps = topk_smem + int64_t(warp) * (E + k);
+__device__ __forceinline__ void router_topk_row(const float* __restrict__ logits, int64_t t, int E, int k,
+                                                bool norm_topk, float* __restrict__ probs, int32_t* __restrict__ idx,
+                                                float* __restrict__ w, const int32_t* __restrict__ forced, float* ps,
+                                                int lane) {
   int32_t* sel = reinterpret_cast<int32_t*>(ps + E);
   const float* x = logits + t * E;
   float pv[EPL];
@@ -837,6 +836,151 @@ __global__ void router_topk_fwd_reg_kernel(const float* __restrict__ logits, int
     if (norm_topk)
       for (int s = 0; s < k; ++s) w[t * k + s] = __fdiv_rn(w[t * k + s], tot);
   }
+}
+
+template <int EPL>
+__global__ void router_topk_fwd_reg_kernel(const float* __restrict__ logits, int64_t T, int E, int k, bool norm_topk,
+                                           float* __restrict__ probs, int32_t* __restrict__ idx,
+                                           float* __restrict__ w, const int32_t* __restrict__ forced) {
+  extern __shared__ float topk_smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t t = int64_t(blockIdx.x) * kTopkWarps + warp;
+  if (t >= T) return;  // whole warps; only warp-level sync below
+  router_topk_row<EPL>(logits, t, E, k, norm_topk, probs, idx, w, forced, topk_smem + int64_t(warp) * (E + k), lane);
+}
+
+// Top-k and routing of a decode step in one launch (router_route): warp w of CTA b takes token
+// b * kRouteWarps + w (router_topk_row), then the last CTA to finish (a ticket in global memory,
+// reset by that CTA) routes all n = T * k entries in shared memory as route_count_kernel +
+// route_place_kernel do. Routing: warp w owns the contiguous entries [w * seg, (w + 1) * seg) and
+// counts each expert in them (__match_any_sync per 32 entries, the group's first lane adds), so an
+// entry's row is eoff[e] + the entries of e in earlier warps + those earlier in its own warp: flat
+// order within an expert, as cpu::moe_permute. Integer sums only: the bits of the separate kernels.
+constexpr int kRouteWarps = 8;
+constexpr int64_t kRouteMaxEntries = 8192;  // T * k above this: the separate kernels
+
+__device__ void route_block(const int32_t* __restrict__ idx, int n, int E, int32_t* smem, int32_t* __restrict__ counts,
+                            int32_t* __restrict__ eoff, int32_t* __restrict__ perm, int32_t* __restrict__ inv,
+                            unsigned long long* active, int32_t* bad) {
+  __shared__ int s_bad, s_total;
+  constexpr int nw = kRouteWarps;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int32_t* cnt = smem;            // [nw][E]: per-warp counts, then per-warp first rows
+  int32_t* sidx = cnt + nw * E;   // [n]
+  int32_t* sofs = sidx + n;       // [E]: counts, then eoff
+  for (int i = threadIdx.x; i < n; i += blockDim.x) sidx[i] = __ldcg(idx + i);  // L2: other CTAs wrote them
+  for (int j = threadIdx.x; j < nw * E; j += blockDim.x) cnt[j] = 0;
+  if (threadIdx.x == 0) s_bad = 0;
+  __syncthreads();
+  const int seg = (n + nw - 1) / nw, i0 = min(n, warp * seg), i1 = min(n, i0 + seg);
+  const unsigned below = (1u << lane) - 1u;
+  bool anybad = false;
+  for (int c0 = i0; c0 < i1; c0 += 32) {  // warp-uniform bounds
+    const int i = c0 + lane;
+    const int v = i < i1 ? sidx[i] : 0;
+    const bool ok = i < i1 && v >= 0 && v < E;
+    anybad |= i < i1 && !ok;
+    const unsigned same = __match_any_sync(0xffffffffu, ok ? v : -1);
+    if (ok && (same & below) == 0) cnt[warp * E + v] += __popc(same);
+    __syncwarp();
+  }
+  if (__any_sync(0xffffffffu, anybad) && lane == 0) s_bad = 1;
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int c = 0;
+    for (int w = 0; w < nw; ++w) c += cnt[w * E + e];
+    sofs[e] = c;
+    counts[e] = c;
+  }
+  __syncthreads();
+  if (warp == 0) {  // exclusive scan of the counts, 32 experts at a time
+    int carry = 0, used = 0;
+    for (int c0 = 0; c0 < E; c0 += 32) {
+      const int e = c0 + lane;
+      const int v = e < E ? sofs[e] : 0;
+      int incl = v;
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+      }
+      if (e < E) {
+        eoff[e] = carry + incl - v;
+        sofs[e] = carry + incl - v;
+      }
+      used += __popc(__ballot_sync(0xffffffffu, v > 0));
+      carry += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (lane == 0) {
+      eoff[E] = carry;
+      s_total = carry;
+      if (active && used > 0) atomicAdd(active, static_cast<unsigned long long>(used));
+      if (bad && s_bad) *bad = 1;
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int b = sofs[e];
+    for (int w = 0; w < nw; ++w) {
+      const int c = cnt[w * E + e];
+      cnt[w * E + e] = b;
+      b += c;
+    }
+  }
+  __syncthreads();
+  for (int c0 = i0; c0 < i1; c0 += 32) {
+    const int i = c0 + lane;
+    const int v = i < i1 ? sidx[i] : 0;
+    const bool ok = i < i1 && v >= 0 && v < E;
+    const unsigned same = __match_any_sync(0xffffffffu, ok ? v : -1);
+    if (ok) {
+      const int r = cnt[warp * E + v] + __popc(same & below);
+      perm[r] = i;
+      inv[i] = r;
+    } else if (i < i1) {
+      inv[i] = 0;  // an invalid id (reported through bad) reads row 0, as route_place_kernel
+    }
+    __syncwarp();
+    if (ok && (same & below) == 0) cnt[warp * E + v] += __popc(same);
+    __syncwarp();
+  }
+  for (int r = s_total + threadIdx.x; r < n; r += blockDim.x) perm[r] = 0;
+}
+
+template <int EPL>
+__global__ void __launch_bounds__(32 * kRouteWarps)
+router_route_kernel(const float* __restrict__ logits, int64_t T, int E, int k, bool norm_topk,
+                    float* __restrict__ probs, int32_t* __restrict__ idx, float* __restrict__ w,
+                    int32_t* __restrict__ counts, int32_t* __restrict__ eoff, int32_t* __restrict__ perm,
+                    int32_t* __restrict__ inv, unsigned long long* active, int32_t* bad, unsigned int* ticket) {
+  pdl_begin();
+  extern __shared__ float route_smem[];
+  __shared__ int s_last;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t t = int64_t(blockIdx.x) * kRouteWarps + warp;
+  if (t < T) router_topk_row<EPL>(logits, t, E, k, norm_topk, probs, idx, w, nullptr, route_smem + warp * (E + k), lane);
+  if (gridDim.x > 1) {
+    __threadfence();  // this CTA's idx before its ticket
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    if (threadIdx.x == 0) *ticket = 0;  // ready for the next launch
+  } else {
+    __syncthreads();
+  }
+  // the top-k scratch [kRouteWarps][E + k] is free now and holds route_block's [kRouteWarps][E]
+  route_block(idx, static_cast<int>(T * k), E, reinterpret_cast<int32_t*>(route_smem), counts, eoff, perm, inv, active,
+              bad);
+}
+
+__global__ void __launch_bounds__(32 * kRouteWarps)
+route_one_kernel(const int32_t* __restrict__ idx, int n, int E, int32_t* __restrict__ counts,
+                 int32_t* __restrict__ eoff, int32_t* __restrict__ perm, int32_t* __restrict__ inv,
+                 unsigned long long* active, int32_t* bad) {
+  pdl_begin();
+  extern __shared__ float route_smem[];
+  route_block(idx, n, E, reinterpret_cast<int32_t*>(route_smem), counts, eoff, perm, inv, active, bad);
 }
 
 // One warp per token; dp [E] (double) in shared memory. Lane 0 forms the sums in the CPU's order
@@ -1322,6 +1466,47 @@ void router_topk_fwd(const float* logits, int64_t T, int E, int k, bool norm_top
   else
     router_topk_fwd_reg_kernel<8><<<grid, 32 * kTopkWarps, smem, s>>>(logits, T, E, k, norm_topk, probs, idx, w, forced);
   QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void router_route(const float* logits, int64_t T, int E, int k, bool norm_topk, float* probs, int32_t* idx, float* w,
+                  int32_t* counts, int32_t* eoff, int32_t* perm, int32_t* inv, unsigned long long* active, int32_t* bad,
+                  uint32_t* ticket, cudaStream_t s) {
+  const int64_t n = T * k;
+  if (T == 0 || E > 256 || n > kRouteMaxEntries) {  // outside decode sizes: the same results, two launches
+    router_topk_fwd(logits, T, E, k, norm_topk, probs, idx, w, nullptr, s);
+    moe_route(idx, n, E, counts, eoff, perm, inv, active, bad, s);
+    return;
+  }
+  QUADS_CHECK(E > 0 && k > 0 && k <= E, "cuda router_route: top-{} of {} experts", k, E);
+  const unsigned grid = static_cast<unsigned>((T + kRouteWarps - 1) / kRouteWarps);
+  QUADS_CHECK(grid == 1 || ticket, "cuda router_route: {} tokens need the ticket (one zeroed uint32)", T);
+  // the top-k scratch (reused for the per-warp counts), the n ids, the E offsets
+  const size_t smem = sizeof(float) * (size_t(kRouteWarps) * size_t(E + k) + size_t(n) + size_t(E));
+  const dim3 block(32 * kRouteWarps);
+  if (E <= 32)
+    launch_pdl(router_route_kernel<1>, grid, block, smem, s, logits, T, E, k, norm_topk, probs, idx, w, counts, eoff,
+               perm, inv, active, bad, ticket);
+  else if (E <= 64)
+    launch_pdl(router_route_kernel<2>, grid, block, smem, s, logits, T, E, k, norm_topk, probs, idx, w, counts, eoff,
+               perm, inv, active, bad, ticket);
+  else if (E <= 128)
+    launch_pdl(router_route_kernel<4>, grid, block, smem, s, logits, T, E, k, norm_topk, probs, idx, w, counts, eoff,
+               perm, inv, active, bad, ticket);
+  else
+    launch_pdl(router_route_kernel<8>, grid, block, smem, s, logits, T, E, k, norm_topk, probs, idx, w, counts, eoff,
+               perm, inv, active, bad, ticket);
+}
+
+void moe_route_one(const int32_t* idx, int64_t n, int E, int32_t* counts, int32_t* eoff, int32_t* perm, int32_t* inv,
+                   unsigned long long* active, int32_t* bad, cudaStream_t s) {
+  if (E > 256 || n > kRouteMaxEntries) {
+    moe_route(idx, n, E, counts, eoff, perm, inv, active, bad, s);
+    return;
+  }
+  QUADS_CHECK(E > 0 && n >= 0, "cuda moe_route_one: {} entries, {} experts", n, E);
+  const size_t smem = sizeof(int32_t) * (size_t(kRouteWarps) * size_t(E) + size_t(n) + size_t(E));
+  launch_pdl(route_one_kernel, 1, 32 * kRouteWarps, smem, s, idx, static_cast<int>(n), E, counts, eoff, perm, inv,
+             active, bad);
 }
 
 void router_topk_bwd(const float* probs, const int32_t* idx, const float* w, const float* dw,

@@ -52,6 +52,20 @@ void attention_train_bwd(const float* q, const float* k, const float* v, const f
 // replay: forced [T, k] may be null).
 void router_topk_fwd(const float* logits, int64_t T, int E, int k, bool norm_topk, float* probs, int32_t* idx,
                      float* w, const int32_t* forced, cudaStream_t s);
+// The MoE router of a decode step in one launch: router_topk_fwd (forced = nullptr) followed by
+// kern::moe_route (model_kernels.h) over n = T * k ids, with the same outputs bit for bit: probs,
+// idx, w, counts [E], eoff [E + 1], perm, inv, active (incremented; may be null), bad (set to 1 on
+// an id outside 0..E-1, as from NaN logits; may be null). The last CTA to finish its tokens routes
+// the whole batch; `ticket` (one uint32, zero before the first call, left at zero by every call) is
+// how they find out which: needed when T > 8, one per stream that runs router_route concurrently.
+// T * k > 8192 or E > 256 run the two separate kernels.
+void router_route(const float* logits, int64_t T, int E, int k, bool norm_topk, float* probs, int32_t* idx, float* w,
+                  int32_t* counts, int32_t* eoff, int32_t* perm, int32_t* inv, unsigned long long* active, int32_t* bad,
+                  uint32_t* ticket, cudaStream_t s);
+// kern::moe_route in one launch of one CTA (router_route's routing alone), the same outputs; n > 8192
+// or E > 256 run moe_route.
+void moe_route_one(const int32_t* idx, int64_t n, int E, int32_t* counts, int32_t* eoff, int32_t* perm, int32_t* inv,
+                   unsigned long long* active, int32_t* bad, cudaStream_t s);
 // dlogits [T, E] written; dprobs_extra [T, E] may be null.
 void router_topk_bwd(const float* probs, const int32_t* idx, const float* w, const float* dw,
                      const float* dprobs_extra, int64_t T, int E, int k, bool norm_topk, float* dlogits,
