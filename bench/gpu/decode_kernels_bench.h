@@ -3,12 +3,14 @@
 // (hidden 2048, 32 query / 4 KV heads, head_dim 128, 64 experts top-8) at T = 1, 16, 64 tokens,
 // the previous kernels (kern::set_legacy_decode_kernels(true)) beside the current ones. Each time
 // is the median over 9 replays of a CUDA graph holding 20 launches (as the rollout engine runs
-// them: graph launches, no host gaps), divided by 20. Included by bench_cuda.cpp only.
+// them: graph launches, no host gaps), divided by 20. A second table times the fused kernels
+// against the unfused sequences they replace (both current kernels). Included by bench_cuda.cpp only.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <numeric>
 #include <random>
 #include <vector>
 
@@ -62,6 +64,13 @@ inline void row(const char* name, int64_t T, const char* shape, const std::funct
               old_us / new_us);
   if (bytes > 0) std::printf(" %.0f |\n", bytes / new_us / 1e3);
   else std::printf(" |\n");
+}
+
+// unfused and fused time of one step: one row of the fused table.
+inline void fused_row(const char* name, int64_t T, const char* shape, const std::function<void(cudaStream_t)>& unfused,
+                      const std::function<void(cudaStream_t)>& fused, cudaStream_t s) {
+  const double u = graph_us(unfused, s), f = graph_us(fused, s);
+  std::printf("| %s | %lld | %s | %.2f | %.2f | %.2fx |\n", name, static_cast<long long>(T), shape, u, f, u / f);
 }
 
 inline DeviceArray<float> random_device(int64_t n, uint64_t seed, float sd = 1.f, float mean = 0.f) {
@@ -132,6 +141,95 @@ inline int run() {
                                             0.08838835f, max_len, 512, ao.data(), st, sp);
     }, s);
     std::printf("| %d%s | %.2f | %.0f |\n", used, sp == 0 ? " (auto)" : "", us, 2.0 * 64 * 512 * nkv * hd * 4 / us / 1e3);
+  }
+
+  // ---- fused kernels vs the sequences they replace (current kernels on both sides)
+  kern::set_legacy_decode_kernels(false);
+  std::printf("\nfused decode kernels vs the unfused sequence, peer model shapes (us per step in a CUDA graph, "
+              "median)\n| fused kernel | T | shape | unfused us | fused us | speedup |\n|---|---|---|---|---|---|\n");
+  constexpr int64_t qd = int64_t(nh) * hd, kvd = int64_t(nkv) * hd, wqkv = qd + 2 * kvd;
+  auto qkv = random_device(Tmax * wqkv, 21), ye = random_device(Tmax * K * H, 22), cw = random_device(Tmax * K, 23, 0.2f);
+  auto kk = random_device(Tmax * kvd, 24), vv = random_device(Tmax * kvd, 25);
+  DeviceArray<uint16_t> yb(Tmax * H);
+  DeviceArray<int32_t> inv(Tmax * K);
+  {
+    std::vector<int32_t> hi(Tmax * K);
+    std::iota(hi.begin(), hi.end(), 0);
+    std::shuffle(hi.begin(), hi.end(), std::mt19937_64(7));
+    inv.upload(hi);
+  }
+  const size_t ws_bytes = kern::attention_decode_fused_workspace(Tmax, nh, nkv, hd, max_len);
+  DeviceArray<unsigned char> ws(std::max<size_t>(ws_bytes, 1));
+  ws.fill_bytes(0);
+  for (int64_t T : {1, 16, 64}) {
+    char shape[96];
+    std::snprintf(shape, sizeof shape, "%d", H);
+    fused_row("rmsnorm_bf16 (rmsnorm + to_bf16)", T, shape, [&](cudaStream_t st) {
+      kern::rmsnorm(x.data(), w.data(), T, H, 1e-6f, y.data(), st);
+      kern::to_bf16(y.data(), yb.data(), T * H, st);
+    }, [&](cudaStream_t st) { kern::rmsnorm_bf16(x.data(), w.data(), T, H, 1e-6f, y.data(), yb.data(), st); }, s);
+    std::snprintf(shape, sizeof shape, "k %d x %d", K, H);
+    for (int threads : {0, 256, 1024}) {
+      kern::set_residual_norm_threads(threads);
+      char name[96];
+      std::snprintf(name, sizeof name, "moe_combine_add_rmsnorm (combine + rmsnorm), %s threads",
+                    threads == 0 ? "auto" : threads == 256 ? "256" : "1024");
+      fused_row(name, T, shape, [&](cudaStream_t st) {
+        kern::moe_combine_add(ye.data(), inv.data(), cw.data(), T, K, H, x.data(), st);
+        kern::rmsnorm(x.data(), w.data(), T, H, 1e-6f, y.data(), st);
+      }, [&](cudaStream_t st) {
+        kern::moe_combine_add_rmsnorm(ye.data(), inv.data(), cw.data(), T, K, H, x.data(), w.data(), 1e-6f, y.data(),
+                                      nullptr, st);
+      }, s);
+    }
+    kern::set_residual_norm_threads(0);
+    fused_row("moe_combine_add_rmsnorm + bf16 (combine + rmsnorm + to_bf16)", T, shape, [&](cudaStream_t st) {
+      kern::moe_combine_add(ye.data(), inv.data(), cw.data(), T, K, H, x.data(), st);
+      kern::rmsnorm(x.data(), w.data(), T, H, 1e-6f, y.data(), st);
+      kern::to_bf16(y.data(), yb.data(), T * H, st);
+    }, [&](cudaStream_t st) {
+      kern::moe_combine_add_rmsnorm(ye.data(), inv.data(), cw.data(), T, K, H, x.data(), w.data(), 1e-6f, y.data(),
+                                    yb.data(), st);
+    }, s);
+    std::snprintf(shape, sizeof shape, "%d", H);
+    fused_row("add_rmsnorm (add_inplace + rmsnorm)", T, shape, [&](cudaStream_t st) {
+      kern::add_inplace(x.data(), ye.data(), T * H, st);
+      kern::rmsnorm(x.data(), w.data(), T, H, 1e-6f, y.data(), st);
+    }, [&](cudaStream_t st) {
+      kern::add_rmsnorm(x.data(), ye.data(), T, H, w.data(), 1e-6f, y.data(), nullptr, st);
+    }, s);
+    std::vector<int32_t> p0(Tmax, 0);
+    pos.upload(p0);
+    std::snprintf(shape, sizeof shape, "%d+2x%d heads x %d", nh, nkv, hd);
+    fused_row("qk_norm_rope_store_qkv (split_cols3 + qk_norm_rope_store)", T, shape, [&](cudaStream_t st) {
+      kern::split_cols3(qkv.data(), T, qd, kvd, kvd, q.data(), kk.data(), vv.data(), st);
+      kern::qk_norm_rope_store(q.data(), kk.data(), vv.data(), qn.data(), kn.data(), 1e-6f, cs.data(), sn.data(),
+                               slot.data(), pos.data(), T, nh, nkv, hd, kc.data(), vc.data(), max_len, st);
+    }, [&](cudaStream_t st) {
+      kern::qk_norm_rope_store_qkv(qkv.data(), wqkv, q.data(), qn.data(), kn.data(), 1e-6f, cs.data(), sn.data(),
+                                   slot.data(), pos.data(), T, nh, nkv, hd, kc.data(), vc.data(), max_len, st);
+    }, s);
+    for (int64_t ctx : {128, 256, 512}) {
+      std::vector<int32_t> pl(Tmax, static_cast<int32_t>(ctx - 1));
+      pos.upload(pl);
+      const int64_t bound = std::max<int64_t>(256, ctx);
+      int used = 0;
+      std::snprintf(shape, sizeof shape, "ctx %lld (bound %lld)", static_cast<long long>(ctx),
+                    static_cast<long long>(bound));
+      kern::attention_decode_split_n(q.data(), kc.data(), vc.data(), slot.data(), pos.data(), T, nh, nkv, hd,
+                                     0.08838835f, max_len, bound, ao.data(), s, 0);
+      used = kern::attention_decode_fused(q.data(), kc.data(), vc.data(), slot.data(), pos.data(), T, nh, nkv, hd,
+                                          0.08838835f, max_len, bound, ao.data(), ws.data(), ws_bytes, s, 0);
+      char name[96];
+      std::snprintf(name, sizeof name, "attention_decode_fused (split + merge), %d splits", used);
+      fused_row(name, T, shape, [&](cudaStream_t st) {
+        kern::attention_decode_split(q.data(), kc.data(), vc.data(), slot.data(), pos.data(), T, nh, nkv, hd,
+                                     0.08838835f, max_len, bound, ao.data(), st);
+      }, [&](cudaStream_t st) {
+        kern::attention_decode_fused(q.data(), kc.data(), vc.data(), slot.data(), pos.data(), T, nh, nkv, hd,
+                                     0.08838835f, max_len, bound, ao.data(), ws.data(), ws_bytes, st, 0);
+      }, s);
+    }
   }
   QUADS_CUDA_CHECK(cudaStreamSynchronize(s));
   QUADS_CUDA_CHECK(cudaStreamDestroy(s));

@@ -36,6 +36,8 @@ __device__ __forceinline__ float warp_softmax_scores(float* s, int64_t L, int la
   return static_cast<float>(1.0 / sum);
 }
 
+__device__ __forceinline__ uint16_t bf16_bits(float x) { return static_cast<uint16_t>(dev::bf16_encode(x)); }
+
 __global__ void embedding_kernel(const float* __restrict__ table, const int32_t* __restrict__ tokens, int64_t T,
                                  int64_t H, float* __restrict__ out) {
   pdl_begin();
@@ -47,8 +49,9 @@ __global__ void embedding_kernel(const float* __restrict__ table, const int32_t*
 }
 
 // One CTA per row. Sum of squares in double: per-thread strided partials, then a fixed tree.
+// yb (optional): the BF16 bits of y as well (kern::to_bf16(y)).
 __global__ void rmsnorm_kernel(const float* __restrict__ x, const float* __restrict__ w, int64_t D, float eps,
-                               float* __restrict__ y) {
+                               float* __restrict__ y, uint16_t* __restrict__ yb) {
   pdl_begin();
   __shared__ double red[kThreads / 32];
   const int64_t r = blockIdx.x;
@@ -66,7 +69,11 @@ __global__ void rmsnorm_kernel(const float* __restrict__ x, const float* __restr
   __syncthreads();
   const float inv = static_cast<float>(1.0 / sqrt(red[0] / double(D) + double(eps)));
   float* yr = y + r * D;
-  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) yr[i] = __fmul_rn(w[i], __fmul_rn(xr[i], inv));
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
+    const float v = __fmul_rn(w[i], __fmul_rn(xr[i], inv));
+    yr[i] = v;
+    if (yb) yb[r * D + i] = bf16_bits(v);
+  }
 }
 
 // The new tokens' K and V rows of one layer's cache, [T, kvd] each, to/from contiguous buffers
@@ -416,29 +423,44 @@ attention_decode_split_kernel(const float* __restrict__ q, const float* __restri
   }
 }
 
-// Merges the splits of one (token, head) in split order: a warp, lane l owns hd/32 dimensions.
+// Merges the splits of (token, head) th in split order: a warp, lane l owns dimensions l*nd ..
+// l*nd + nd - 1 (nd <= NDMAX). CG: loads through L2 only (the fused kernel reads partials that other
+// CTAs wrote during the same launch, which this SM's L1 may hold stale from an earlier launch).
+template <bool CG>
+__device__ __forceinline__ float dec_ld(const float* p) {
+  if constexpr (CG) return __ldcg(p);
+  else return *p;
+}
+template <int NDMAX, bool CG>
+__device__ __forceinline__ void decode_merge_row(const float* part_o, const float* part_ml, int64_t th, int nsplit,
+                                                 int nd, int lane, float* out) {
+  const int hd = 32 * nd;
+  const float* ml = part_ml + 2 * th * nsplit;
+  float M = -INFINITY;
+  for (int s = 0; s < nsplit; ++s) M = fmaxf(M, dec_ld<CG>(ml + 2 * s));
+  float lsum = 0.f, o[NDMAX];
+#pragma unroll
+  for (int i = 0; i < NDMAX; ++i) o[i] = 0.f;
+  for (int s = 0; s < nsplit; ++s) {
+    const float ms = dec_ld<CG>(ml + 2 * s);
+    if (ms == -INFINITY) continue;
+    const float w = expf(ms - M);
+    lsum = __fmaf_rn(w, dec_ld<CG>(ml + 2 * s + 1), lsum);
+    const float* po = part_o + (th * nsplit + s) * hd + lane * nd;
+#pragma unroll
+    for (int i = 0; i < NDMAX; ++i)
+      if (i < nd) o[i] = __fmaf_rn(w, dec_ld<CG>(po + i), o[i]);
+  }
+  const float inv = 1.f / lsum;
+#pragma unroll
+  for (int i = 0; i < NDMAX; ++i)
+    if (i < nd) out[th * hd + lane * nd + i] = __fmul_rn(o[i], inv);
+}
+
 __global__ void attention_decode_merge_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                               int nsplit, int hd, float* __restrict__ out) {
   pdl_begin();
-  const int64_t th = blockIdx.x;
-  const int lane = threadIdx.x, nd = hd / 32;
-  const float* ml = part_ml + 2 * th * nsplit;
-  float M = -INFINITY;
-  for (int s = 0; s < nsplit; ++s) M = fmaxf(M, ml[2 * s]);
-  float lsum = 0.f, o[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) o[i] = 0.f;
-  for (int s = 0; s < nsplit; ++s) {
-    if (ml[2 * s] == -INFINITY) continue;
-    const float w = expf(ml[2 * s] - M);
-    lsum = __fmaf_rn(w, ml[2 * s + 1], lsum);
-    const float* po = part_o + (th * nsplit + s) * hd + lane * nd;
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      if (i < nd) o[i] = __fmaf_rn(w, po[i], o[i]);
-  }
-  const float inv = 1.f / lsum;
-  for (int i = 0; i < nd; ++i) out[th * hd + lane * nd + i] = o[i] * inv;
+  decode_merge_row<8, false>(part_o, part_ml, blockIdx.x, nsplit, hd / 32, threadIdx.x, out);
 }
 
 __global__ void swiglu_kernel(const float* __restrict__ g, const float* __restrict__ u, int64_t ld, int64_t n,
@@ -492,8 +514,6 @@ __global__ void sub_kernel(const float* x, const float* y, float* out, int64_t n
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = __fsub_rn(x[i], y[i]);
 }
-
-__device__ __forceinline__ uint16_t bf16_bits(float x) { return static_cast<uint16_t>(dev::bf16_encode(x)); }
 
 __global__ void to_bf16_kernel(const float* __restrict__ x, uint16_t* __restrict__ out, int64_t n) {
   pdl_begin();
@@ -646,9 +666,38 @@ __device__ __forceinline__ void dec_cp_wait() {
 // rmsnorm with the row in registers: thread i holds elements i, i + 256, ... (the old kernel's
 // strided partials, summed in the same order), w is fetched before the reduction, and every warp
 // finishes the cross-warp tree itself (the same butterfly warp 0 ran), so one barrier, one read of x.
+// The row's tail, shared with the fused residual + norm kernel (so both give rmsnorm's bits): xv,
+// wv the thread's elements, red kThreads / 32 doubles of shared memory; yb (optional) BF16 bits.
+template <int PER>
+__device__ __forceinline__ void rmsnorm_reg_row(const float (&xv)[PER], const float (&wv)[PER], int64_t D, float eps,
+                                                double* red, float* yr, uint16_t* ybr) {
+  double ss = 0;
+#pragma unroll
+  for (int i = 0; i < PER; ++i)
+    if (threadIdx.x + int64_t(i) * kThreads < D) ss += double(xv[i]) * double(xv[i]);
+  ss = warp_sum(ss);
+  const int lane = threadIdx.x & 31;
+  if (lane == 0) red[threadIdx.x >> 5] = ss;
+  // The first kThreads threads only (the fused kernel's other warps have left): named barrier 1.
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads) : "memory");
+  double v = lane < kThreads / 32 ? red[lane] : 0.0;
+  v = warp_sum(v);
+  const float inv = static_cast<float>(1.0 / sqrt(v / double(D) + double(eps)));
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int64_t c = threadIdx.x + int64_t(i) * kThreads;
+    if (c < D) {
+      const float y = __fmul_rn(wv[i], __fmul_rn(xv[i], inv));
+      yr[c] = y;
+      if (ybr) ybr[c] = bf16_bits(y);
+    }
+  }
+}
+
 template <int PER>
 __global__ void __launch_bounds__(kThreads) rmsnorm_reg_kernel(const float* __restrict__ x, const float* __restrict__ w,
-                                                              int64_t D, float eps, float* __restrict__ y) {
+                                                              int64_t D, float eps, float* __restrict__ y,
+                                                              uint16_t* __restrict__ yb) {
   pdl_begin();
   __shared__ double red[kThreads / 32];
   const int64_t r = blockIdx.x;
@@ -660,23 +709,81 @@ __global__ void __launch_bounds__(kThreads) rmsnorm_reg_kernel(const float* __re
     xv[i] = c < D ? xr[c] : 0.f;
     wv[i] = c < D ? w[c] : 0.f;
   }
-  double ss = 0;
+  rmsnorm_reg_row<PER>(xv, wv, D, eps, red, y + r * D, yb ? yb + r * D : nullptr);
+}
+
+// x[r] += the MoE combine sum_s cw[r, s] * ye[inv[r*k + s]] (moe_combine_add's operations; inv null:
+// += ye[r], add_inplace's), then y = rmsnorm(x) (rmsnorm_reg_row: the same bits as the two kernels).
+// One CTA per row of BD threads. The residual update runs over all BD threads (element c = tid + j*BD,
+// the k addend rows loaded 8 at a time so that many loads are in flight: at batch 1 the CTA reads
+// k rows of D floats alone); the new row then goes through shared memory to the first 256 threads in
+// rmsnorm_reg's layout (PER elements each) for the sum of squares and the output.
+template <int PER, int BD>
+__global__ void __launch_bounds__(BD)
+residual_rmsnorm_kernel(const float* __restrict__ ye, const int32_t* __restrict__ inv, const float* __restrict__ cw,
+                        int k, int64_t D, float* __restrict__ x, const float* __restrict__ w, float eps,
+                        float* __restrict__ y, uint16_t* __restrict__ yb) {
+  static_assert(BD >= kThreads && BD % kThreads == 0, "the norm needs the first kThreads threads");
+  constexpr int PC = (PER * kThreads + BD - 1) / BD, KU = PC >= 8 ? 32 / PC : 8;
+  pdl_begin();
+  __shared__ double red[kThreads / 32];
+  extern __shared__ float4 rr_smem4[];
+  float* xs = reinterpret_cast<float*>(rr_smem4);  // [D]
+  const int64_t r = blockIdx.x;
+  float* xr = x + r * D;
+  float acc[PC], xo[PC];
 #pragma unroll
-  for (int i = 0; i < PER; ++i)
-    if (threadIdx.x + int64_t(i) * kThreads < D) ss += double(xv[i]) * double(xv[i]);
-  ss = warp_sum(ss);
-  const int lane = threadIdx.x & 31;
-  if (lane == 0) red[threadIdx.x >> 5] = ss;
+  for (int j = 0; j < PC; ++j) {
+    const int64_t c = threadIdx.x + int64_t(j) * BD;
+    xo[j] = c < D ? xr[c] : 0.f;
+    acc[j] = 0.f;
+  }
+  if (inv) {
+    for (int s0 = 0; s0 < k; s0 += KU) {
+      float v[KU][PC], ws[KU];
+#pragma unroll
+      for (int u = 0; u < KU; ++u) {
+        const bool ok = s0 + u < k;
+        ws[u] = ok ? cw[r * k + s0 + u] : 0.f;
+        const float* src = ye + (ok ? int64_t(inv[r * k + s0 + u]) * D : 0);
+#pragma unroll
+        for (int j = 0; j < PC; ++j) {
+          const int64_t c = threadIdx.x + int64_t(j) * BD;
+          v[u][j] = ok && c < D ? src[c] : 0.f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < KU; ++u)
+        if (s0 + u < k)
+#pragma unroll
+          for (int j = 0; j < PC; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(ws[u], v[u][j]));
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < PC; ++j) {
+      const int64_t c = threadIdx.x + int64_t(j) * BD;
+      acc[j] = c < D ? ye[r * D + c] : 0.f;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < PC; ++j) {
+    const int64_t c = threadIdx.x + int64_t(j) * BD;
+    if (c < D) {
+      const float nx = __fadd_rn(xo[j], acc[j]);
+      xr[c] = nx;
+      xs[c] = nx;
+    }
+  }
   __syncthreads();
-  double v = lane < kThreads / 32 ? red[lane] : 0.0;
-  v = warp_sum(v);
-  const float inv = static_cast<float>(1.0 / sqrt(v / double(D) + double(eps)));
-  float* yr = y + r * D;
+  if (threadIdx.x >= kThreads) return;  // whole warps; rmsnorm_reg_row's barrier counts the first kThreads
+  float xv[PER], wv[PER];
 #pragma unroll
   for (int i = 0; i < PER; ++i) {
     const int64_t c = threadIdx.x + int64_t(i) * kThreads;
-    if (c < D) yr[c] = __fmul_rn(wv[i], __fmul_rn(xv[i], inv));
+    xv[i] = c < D ? xs[c] : 0.f;
+    wv[i] = c < D ? w[c] : 0.f;
   }
+  rmsnorm_reg_row<PER>(xv, wv, D, eps, red, y + r * D, yb ? yb + r * D : nullptr);
 }
 
 // norm_rope_row with the row in registers (HD = hd known, HD % 64 == 0): lane holds elements
@@ -720,12 +827,14 @@ __device__ __forceinline__ void norm_rope_row_reg(const float* src, float* dst, 
 }
 
 // One warp per head row: grid (ceil(rows / warps), T), so a token's nh + 2 nkv rows run on many SMs
-// at once instead of one CTA walking them. HD = 0: any even hd (norm_rope_row).
+// at once instead of one CTA walking them. HD = 0: any even hd (norm_rope_row). Token t's rows of
+// q, k, v start at t * ldq, t * ldk, t * ldv (separate buffers, or the fused q/k/v product's row
+// [q | k | v]); q goes to qdst [T, nh, hd] (qdst == qsrc: in place).
 constexpr int kQkWarps = 4;
 template <int HD>
 __global__ void __launch_bounds__(32 * kQkWarps)
-qk_norm_rope_store_wide_kernel(float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-                               const float* __restrict__ qn, const float* __restrict__ kn, float eps,
+qk_norm_rope_store_wide_kernel(const float* qsrc, int64_t ldq, float* qdst, const float* __restrict__ k, int64_t ldk,
+                               const float* __restrict__ v, int64_t ldv, const float* __restrict__ qn, const float* __restrict__ kn, float eps,
                                const float* __restrict__ cos, const float* __restrict__ sin,
                                const int32_t* __restrict__ slot, const int32_t* __restrict__ pos, int nh, int nkv,
                                int hd, float* __restrict__ kcache, float* __restrict__ vcache, int64_t max_len,
@@ -744,18 +853,19 @@ qk_norm_rope_store_wide_kernel(float* __restrict__ q, const float* __restrict__ 
   bool div = false;
   const float* wn = qn;
   if (r < nh) {
-    src = dst = q + (t * nh + r) * hd;
+    src = qsrc + t * ldq + int64_t(r) * hd;
+    dst = qdst + (t * nh + r) * hd;
     if (prescale) f = prescale + int64_t(r / (nh / nkv)) * hd;
   } else if (r < nh + nkv) {
     const int g = r - nh;
-    src = k + (t * nkv + g) * hd;
+    src = k + t * ldk + int64_t(g) * hd;
     dst = kcache + cpos + int64_t(g) * hd;
     wn = kn;
     if (prescale) f = prescale + int64_t(g) * hd;
     div = true;
   } else {
     const int g = r - nh - nkv;
-    const float* s = v + (t * nkv + g) * hd;
+    const float* s = v + t * ldv + int64_t(g) * hd;
     float* d = vcache + cpos + int64_t(g) * hd;
     for (int i = lane; i < hd; i += 32) d[i] = s[i];
     return;
@@ -779,7 +889,7 @@ attention_decode_pipe_kernel(const float* __restrict__ q, const float* __restric
                              const float* __restrict__ vcache, const int32_t* __restrict__ slot,
                              const int32_t* __restrict__ pos, int nh, int nkv, float scale, int64_t max_len,
                              int64_t chunk, float* __restrict__ part_o, float* __restrict__ part_ml,
-                             float* __restrict__ out) {
+                             float* __restrict__ out, unsigned* __restrict__ counters) {
   pdl_begin();
   constexpr int HD = ND * 32, H4 = HD / 4, KS = HD + 4, TILE = 32;
   extern __shared__ float4 dec_smem4[];
@@ -931,6 +1041,27 @@ attention_decode_pipe_kernel(const float* __restrict__ q, const float* __restric
       }
     }
   }
+  // Fused merge (counters non-null): the last CTA of (t, g) to finish merges the group's heads,
+  // exactly as attention_decode_merge_kernel would, and leaves its counter at 0 for the next launch
+  // (a CUDA graph replays the same counters).
+  if (counters == nullptr || nsplit == 1) return;
+  __shared__ unsigned last_s;
+  __threadfence();  // this CTA's partials are visible device-wide before it is counted
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned* cnt = counters + t * nkv + g;
+    const unsigned done = atomicAdd(cnt, 1u);
+    last_s = done + 1 == unsigned(nsplit);
+    if (last_s) {
+      *cnt = 0u;
+      __threadfence();
+    }
+  }
+  __syncthreads();
+  if (!last_s) return;
+#pragma unroll
+  for (int u = 0; u < HPW; ++u)
+    decode_merge_row<ND, true>(part_o, part_ml, t * nh + int64_t(g) * G + warp * HPW + u, nsplit, ND, lane, out);
 }
 
 }  // namespace
@@ -940,24 +1071,110 @@ void embedding(const float* table, const int32_t* tokens, int64_t T, int64_t H, 
   launch_pdl(embedding_kernel, grid_for(T * H), kThreads, 0, s, table, tokens, T, H, out);
 }
 
-void rmsnorm(const float* x, const float* w, int64_t rows, int64_t D, float eps, float* y, cudaStream_t s) {
+namespace {
+
+int device_sms();
+
+void rmsnorm_launch(const float* x, const float* w, int64_t rows, int64_t D, float eps, float* y, uint16_t* yb,
+                    bool legacy, cudaStream_t s) {
   if (rows == 0) return;
   QUADS_CHECK(rows < (int64_t(1) << 31), "cuda rmsnorm: {} rows is too many", rows);
   const unsigned grid = static_cast<unsigned>(rows);
   const int64_t per = (D + kThreads - 1) / kThreads;
-  if (legacy_decode_kernels() || per > 16) launch_pdl(rmsnorm_kernel, grid, kThreads, 0, s, x, w, D, eps, y);
-  else if (per <= 1) launch_pdl(rmsnorm_reg_kernel<1>, grid, kThreads, 0, s, x, w, D, eps, y);
-  else if (per <= 2) launch_pdl(rmsnorm_reg_kernel<2>, grid, kThreads, 0, s, x, w, D, eps, y);
-  else if (per <= 4) launch_pdl(rmsnorm_reg_kernel<4>, grid, kThreads, 0, s, x, w, D, eps, y);
-  else if (per <= 8) launch_pdl(rmsnorm_reg_kernel<8>, grid, kThreads, 0, s, x, w, D, eps, y);
-  else launch_pdl(rmsnorm_reg_kernel<16>, grid, kThreads, 0, s, x, w, D, eps, y);
+  if (legacy || per > 16) launch_pdl(rmsnorm_kernel, grid, kThreads, 0, s, x, w, D, eps, y, yb);
+  else if (per <= 1) launch_pdl(rmsnorm_reg_kernel<1>, grid, kThreads, 0, s, x, w, D, eps, y, yb);
+  else if (per <= 2) launch_pdl(rmsnorm_reg_kernel<2>, grid, kThreads, 0, s, x, w, D, eps, y, yb);
+  else if (per <= 4) launch_pdl(rmsnorm_reg_kernel<4>, grid, kThreads, 0, s, x, w, D, eps, y, yb);
+  else if (per <= 8) launch_pdl(rmsnorm_reg_kernel<8>, grid, kThreads, 0, s, x, w, D, eps, y, yb);
+  else launch_pdl(rmsnorm_reg_kernel<16>, grid, kThreads, 0, s, x, w, D, eps, y, yb);
 }
+
+int& residual_norm_threads_knob() {
+  static int threads = 0;
+  return threads;
+}
+
+// x += (MoE combine or plain addend), then the norm: one kernel for rows of at most 16 * kThreads.
+void residual_rmsnorm(const float* ye, const int32_t* inv, const float* cw, int k, int64_t rows, int64_t D, float* x,
+                      const float* w_norm, float eps, float* y, uint16_t* yb, cudaStream_t s) {
+  if (rows == 0 || D == 0) return;
+  QUADS_CHECK(rows < (int64_t(1) << 31), "cuda residual rmsnorm: {} rows is too many", rows);
+  const int64_t per = (D + kThreads - 1) / kThreads;
+  if (per > 16) {  // wide rows: the two kernels
+    if (inv) moe_combine_add(ye, inv, cw, rows, k, D, x, s);
+    else add_inplace(x, ye, rows * D, s);
+    rmsnorm_launch(x, w_norm, rows, D, eps, y, yb, false, s);
+    return;
+  }
+  // A few rows (decode): 1024 threads a row, so one CTA has enough loads in flight for its k rows.
+  int bd = residual_norm_threads_knob();
+  if (bd != 256 && bd != 1024) bd = rows < device_sms() ? 1024 : 256;
+  const unsigned grid = static_cast<unsigned>(rows);
+  const size_t smem = sizeof(float) * size_t(D);
+#define QUADS_RESNORM(PER)                                                                                 \
+  do {                                                                                                     \
+    if (bd == 1024)                                                                                        \
+      launch_pdl(residual_rmsnorm_kernel<PER, 1024>, grid, 1024, smem, s, ye, inv, cw, k, D, x, w_norm, eps, y, yb); \
+    else                                                                                                   \
+      launch_pdl(residual_rmsnorm_kernel<PER, kThreads>, grid, kThreads, smem, s, ye, inv, cw, k, D, x, w_norm, eps, y, \
+                 yb);                                                                                      \
+  } while (0)
+  if (per <= 1) QUADS_RESNORM(1);
+  else if (per <= 2) QUADS_RESNORM(2);
+  else if (per <= 4) QUADS_RESNORM(4);
+  else if (per <= 8) QUADS_RESNORM(8);
+  else QUADS_RESNORM(16);
+#undef QUADS_RESNORM
+}
+
+}  // namespace
+
+void rmsnorm(const float* x, const float* w, int64_t rows, int64_t D, float eps, float* y, cudaStream_t s) {
+  rmsnorm_launch(x, w, rows, D, eps, y, nullptr, legacy_decode_kernels(), s);
+}
+
+void rmsnorm_bf16(const float* x, const float* w, int64_t rows, int64_t D, float eps, float* y, uint16_t* y_bf16,
+                  cudaStream_t s) {
+  rmsnorm_launch(x, w, rows, D, eps, y, y_bf16, false, s);
+}
+
+void moe_combine_add_rmsnorm(const float* ye, const int32_t* inv, const float* w, int64_t T, int k, int64_t D, float* x,
+                             const float* w_norm, float eps, float* y, uint16_t* y_bf16, cudaStream_t s) {
+  QUADS_CHECK(k > 0, "cuda moe_combine_add_rmsnorm: top-k {}", k);
+  residual_rmsnorm(ye, inv, w, k, T, D, x, w_norm, eps, y, y_bf16, s);
+}
+
+void add_rmsnorm(float* x, const float* t, int64_t rows, int64_t D, const float* w_norm, float eps, float* y,
+                 uint16_t* y_bf16, cudaStream_t s) {
+  residual_rmsnorm(t, nullptr, nullptr, 0, rows, D, x, w_norm, eps, y, y_bf16, s);
+}
+
+void set_residual_norm_threads(int threads) { residual_norm_threads_knob() = threads; }
 
 void gather_rows(const float* x, const int32_t* idx, int64_t n, int div, int64_t D, float* out, cudaStream_t s) {
   if (n * D == 0) return;
   launch_pdl(gather_rows_kernel, row_grid(n, (D & 3) == 0 ? D / 4 : D), row_threads((D & 3) == 0 ? D / 4 : D), 0, s, 
       x, idx, n, div, D, out);
 }
+
+namespace {
+
+void qk_wide_launch(const float* qsrc, int64_t ldq, float* qdst, const float* k, int64_t ldk, const float* v,
+                    int64_t ldv, const float* qn, const float* kn, float eps, const float* cos, const float* sin,
+                    const int32_t* slot, const int32_t* pos, int64_t T, int nh, int nkv, int hd, float* kcache,
+                    float* vcache, int64_t max_len, const float* prescale, cudaStream_t s) {
+  const dim3 grid(static_cast<unsigned>((nh + 2 * nkv + kQkWarps - 1) / kQkWarps), static_cast<unsigned>(T));
+#define QUADS_QK_WIDE(HD)                                                                                      \
+  launch_pdl(qk_norm_rope_store_wide_kernel<HD>, grid, 32 * kQkWarps, 0, s, qsrc, ldq, qdst, k, ldk, v, ldv, qn, kn, eps, \
+             cos, sin, slot, pos, nh, nkv, hd, kcache, vcache, max_len, prescale)
+  if (hd == 64) QUADS_QK_WIDE(64);
+  else if (hd == 128) QUADS_QK_WIDE(128);
+  else if (hd == 256) QUADS_QK_WIDE(256);
+  else QUADS_QK_WIDE(0);
+#undef QUADS_QK_WIDE
+}
+
+}  // namespace
 
 void qk_norm_rope_store(float* q, const float* k, const float* v, const float* qn, const float* kn, float eps,
                         const float* cos, const float* sin, const int32_t* slot, const int32_t* pos, int64_t T,
@@ -969,17 +1186,27 @@ void qk_norm_rope_store(float* q, const float* k, const float* v, const float* q
     launch_pdl(qk_norm_rope_store_kernel, static_cast<unsigned>(T), 256, 0, s, q, k, v, qn, kn, eps, cos, sin, slot, pos, nh,
                                                                        nkv, hd, kcache, vcache, max_len, prescale);
   } else {
-    const dim3 grid(static_cast<unsigned>((nh + 2 * nkv + kQkWarps - 1) / kQkWarps), static_cast<unsigned>(T));
-#define QUADS_QK_WIDE(HD)                                                                                      \
-  launch_pdl(qk_norm_rope_store_wide_kernel<HD>, grid, 32 * kQkWarps, 0, s, q, k, v, qn, kn, eps, cos, sin, slot, pos, nh, \
-                                                                    nkv, hd, kcache, vcache, max_len, prescale)
-    if (hd == 64) QUADS_QK_WIDE(64);
-    else if (hd == 128) QUADS_QK_WIDE(128);
-    else if (hd == 256) QUADS_QK_WIDE(256);
-    else QUADS_QK_WIDE(0);
-#undef QUADS_QK_WIDE
+    const int64_t kvd = int64_t(nkv) * hd;
+    qk_wide_launch(q, int64_t(nh) * hd, q, k, kvd, v, kvd, qn, kn, eps, cos, sin, slot, pos, T, nh, nkv, hd, kcache,
+                   vcache, max_len, prescale, s);
   }
   QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void qk_norm_rope_store_qkv(const float* qkv, int64_t ld, float* q, const float* qn, const float* kn, float eps,
+                            const float* cos, const float* sin, const int32_t* slot, const int32_t* pos, int64_t T,
+                            int nh, int nkv, int hd, float* kcache, float* vcache, int64_t max_len, cudaStream_t s,
+                            const float* prescale) {
+  if (T == 0) return;
+  QUADS_CHECK(hd % 2 == 0, "cuda qk_norm_rope_store_qkv: head_dim {} must be even", hd);
+  const int64_t qd = int64_t(nh) * hd, kvd = int64_t(nkv) * hd;
+  QUADS_CHECK(ld >= qd + 2 * kvd, "cuda qk_norm_rope_store_qkv: row stride {} < q/k/v width {}", ld, qd + 2 * kvd);
+  for (int64_t t0 = 0; t0 < T; t0 += 65535) {  // grid.y bounds the tokens of one launch
+    const int64_t n = std::min<int64_t>(65535, T - t0);
+    const float* row = qkv + t0 * ld;
+    qk_wide_launch(row, ld, q + t0 * qd, row + qd, ld, row + qd + kvd, ld, qn, kn, eps, cos + t0 * (hd / 2),
+                   sin + t0 * (hd / 2), slot + t0, pos + t0, n, nh, nkv, hd, kcache, vcache, max_len, prescale, s);
+  }
 }
 
 void kv_rows(float* kcache, float* vcache, const int32_t* slot, const int32_t* pos, int64_t T, int nkv, int hd,
@@ -1034,7 +1261,7 @@ namespace {
 
 // The pipelined kernel's instance for (ND, HPW), or nullptr where only the old kernel serves.
 using DecodePipeFn = void (*)(const float*, const float*, const float*, const int32_t*, const int32_t*, int, int, float,
-                              int64_t, int64_t, float*, float*, float*);
+                              int64_t, int64_t, float*, float*, float*, unsigned*);
 template <int HPW>
 DecodePipeFn decode_pipe_fn(int nd) {
   switch (nd) {
@@ -1075,14 +1302,24 @@ void attention_decode_split(const float* q, const float* kcache, const float* vc
   attention_decode_split_n(q, kcache, vcache, slot, pos, T, nh, nkv, hd, scale, max_len, max_ctx, out, s, 0);
 }
 
-int attention_decode_split_n(const float* q, const float* kcache, const float* vcache, const int32_t* slot,
-                             const int32_t* pos, int64_t T, int nh, int nkv, int hd, float scale, int64_t max_len,
-                             int64_t max_ctx, float* out, cudaStream_t s, int splits) {
-  if (T == 0) return 0;
+namespace {
+
+// How a decode attention launch runs: the pipelined kernel (pipe, when it has an instance and fits)
+// or the old one, the CTA shape, and the split of the keys (nsplit splits of chunk keys).
+struct DecodePlan {
+  DecodePipeFn pipe = nullptr;
+  int pthreads = 0;
+  size_t psmem = 0;
+  int64_t nsplit = 1, chunk = 0;
+  int64_t nsplit_bound = 1;  // the most splits any context bound up to this one gets (workspace size)
+};
+
+DecodePlan decode_plan(int64_t T, int nh, int nkv, int hd, int64_t max_ctx, int splits, bool allow_pipe) {
   QUADS_CHECK(attention_decode_split_supported(nh, nkv, hd),
               "cuda attention_decode_split: heads {}/{} and head_dim {} unsupported (hd % 32, hd <= 256, group <= 32)",
               nh, nkv, hd);
   QUADS_CHECK(T < 65536 && max_ctx > 0, "cuda attention_decode_split: {} tokens, context {}", T, max_ctx);
+  DecodePlan p;
   const int sms = device_sms();
   const int G = nh / nkv, nd = hd / 32;
   const int64_t base = T * nkv, tiles = (max_ctx + kDecTile - 1) / kDecTile;
@@ -1090,7 +1327,7 @@ int attention_decode_split_n(const float* q, const float* kcache, const float* v
   // The pipelined kernel where it has an instance: two heads per warp for even groups, at most 16
   // warps, its shared memory within the device's limit.
   const int hpw = G % 2 == 0 ? 2 : 1;
-  DecodePipeFn pipe = legacy_decode_kernels() ? nullptr : hpw == 2 ? decode_pipe_fn<2>(nd) : decode_pipe_fn<1>(nd);
+  DecodePipeFn pipe = !allow_pipe ? nullptr : hpw == 2 ? decode_pipe_fn<2>(nd) : decode_pipe_fn<1>(nd);
   const int pthreads = 32 * G / hpw;
   const size_t psmem = sizeof(float) * (size_t(G) * (hd + kDecTile) + 2 * size_t(kDecTile) * (2 * hd + 4));
   int occ = 0;
@@ -1114,28 +1351,56 @@ int attention_decode_split_n(const float* q, const float* kcache, const float* v
     }
     occ = oc;
   }
-  const bool use_pipe = occ > 0;
+  if (occ > 0) {
+    p.pipe = pipe;
+    p.pthreads = pthreads;
+    p.psmem = psmem;
+  }
 
   // Splits: the old kernel aims at about two CTAs per SM; the pipelined one at no more than one
   // wave of resident CTAs (each split at least one 32-key tile either way). On the H200 at batch
   // 64, context 512 (3 CTAs per SM): 1 split 46.8 us, 2 splits 53.3, 3 50.1, 4 48.4, 8 52.7: a
   // second partial wave costs more than the longer key loop, which the pipeline hides.
-  int64_t nsplit = use_pipe ? std::max<int64_t>(1, int64_t(occ) * sms / base) : (2 * sms + base - 1) / base;
+  int64_t nsplit = p.pipe ? std::max<int64_t>(1, int64_t(occ) * sms / base) : (2 * sms + base - 1) / base;
   if (splits > 0) nsplit = splits;
   nsplit = std::clamp<int64_t>(nsplit, 1, tiles);
+  p.nsplit_bound = nsplit;
   const int64_t chunk = (tiles + nsplit - 1) / nsplit * kDecTile;
   nsplit = (max_ctx + chunk - 1) / chunk;
   QUADS_CHECK(nsplit < 65536, "cuda attention_decode_split: {} splits", nsplit);
+  p.nsplit = nsplit;
+  p.chunk = chunk;
+  return p;
+}
 
+// The fused attention's workspace for T tokens: counters [T * nkv], then part_ml [T, nh, nsplit, 2]
+// and part_o [T, nh, nsplit, hd], each part 256-byte aligned.
+constexpr size_t kWsAlign = 256;
+size_t ws_round(size_t b) { return (b + kWsAlign - 1) / kWsAlign * kWsAlign; }
+size_t decode_ws_bytes(int64_t T, int nh, int nkv, int hd, int64_t nsplit) {
+  if (nsplit <= 1) return 0;
+  return ws_round(sizeof(unsigned) * size_t(T) * nkv) + ws_round(sizeof(float) * 2 * size_t(T) * nh * nsplit) +
+         ws_round(sizeof(float) * size_t(T) * nh * nsplit * hd);
+}
+
+}  // namespace
+
+int attention_decode_split_n(const float* q, const float* kcache, const float* vcache, const int32_t* slot,
+                             const int32_t* pos, int64_t T, int nh, int nkv, int hd, float scale, int64_t max_len,
+                             int64_t max_ctx, float* out, cudaStream_t s, int splits) {
+  if (T == 0) return 0;
+  const DecodePlan p = decode_plan(T, nh, nkv, hd, max_ctx, splits, !legacy_decode_kernels());
+  const int G = nh / nkv;
+  const int64_t nsplit = p.nsplit, chunk = p.chunk;
   float *part_o = nullptr, *part_ml = nullptr;
   if (nsplit > 1) {
     QUADS_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&part_o), sizeof(float) * T * nh * nsplit * hd, s));
     QUADS_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&part_ml), sizeof(float) * 2 * T * nh * nsplit, s));
   }
   const dim3 grid(static_cast<unsigned>(nsplit), static_cast<unsigned>(nkv), static_cast<unsigned>(T));
-  if (use_pipe) {
-    launch_pdl(pipe, grid, pthreads, psmem, s, q, kcache, vcache, slot, pos, nh, nkv, scale, max_len, chunk, part_o, part_ml,
-                                       out);
+  if (p.pipe) {
+    launch_pdl(p.pipe, grid, p.pthreads, p.psmem, s, q, kcache, vcache, slot, pos, nh, nkv, scale, max_len, chunk,
+               part_o, part_ml, out, static_cast<unsigned*>(nullptr));
   } else {
     const size_t smem = sizeof(float) * (size_t(G) * hd + size_t(kDecTile) * (hd + 4) + size_t(kDecTile) * hd);
     static size_t smem_set = 48 * 1024;
@@ -1154,6 +1419,45 @@ int attention_decode_split_n(const float* q, const float* kcache, const float* v
     QUADS_CUDA_CHECK(cudaFreeAsync(part_o, s));
     QUADS_CUDA_CHECK(cudaFreeAsync(part_ml, s));
   }
+  return static_cast<int>(nsplit);
+}
+
+size_t attention_decode_fused_workspace(int64_t T, int nh, int nkv, int hd, int64_t max_ctx, int splits) {
+  size_t most = 0;
+  for (int64_t t = 1; t <= T; ++t) {
+    const DecodePlan p = decode_plan(t, nh, nkv, hd, max_ctx, splits, true);
+    if (p.pipe) most = std::max(most, decode_ws_bytes(t, nh, nkv, hd, p.nsplit_bound));
+  }
+  return most;
+}
+
+int attention_decode_fused(const float* q, const float* kcache, const float* vcache, const int32_t* slot,
+                           const int32_t* pos, int64_t T, int nh, int nkv, int hd, float scale, int64_t max_len,
+                           int64_t max_ctx, float* out, void* workspace, size_t workspace_bytes, cudaStream_t s,
+                           int splits) {
+  if (T == 0) return 0;
+  const DecodePlan p = decode_plan(T, nh, nkv, hd, max_ctx, splits, true);
+  if (!p.pipe) {  // no pipelined instance for this shape: the two kernels (current or legacy)
+    return attention_decode_split_n(q, kcache, vcache, slot, pos, T, nh, nkv, hd, scale, max_len, max_ctx, out, s,
+                                    splits);
+  }
+  const int64_t nsplit = p.nsplit;
+  const size_t need = decode_ws_bytes(T, nh, nkv, hd, nsplit);
+  QUADS_CHECK(need <= workspace_bytes && (need == 0 || workspace != nullptr),
+              "cuda attention_decode_fused: {} tokens in {} splits need {} bytes of workspace, {} given "
+              "(size it with attention_decode_fused_workspace)", T, nsplit, need, workspace_bytes);
+  unsigned* counters = nullptr;
+  float *part_ml = nullptr, *part_o = nullptr;
+  if (nsplit > 1) {
+    char* w = static_cast<char*>(workspace);
+    counters = reinterpret_cast<unsigned*>(w);
+    part_ml = reinterpret_cast<float*>(w + ws_round(sizeof(unsigned) * size_t(T) * nkv));
+    part_o = reinterpret_cast<float*>(w + ws_round(sizeof(unsigned) * size_t(T) * nkv) +
+                                      ws_round(sizeof(float) * 2 * size_t(T) * nh * nsplit));
+  }
+  const dim3 grid(static_cast<unsigned>(nsplit), static_cast<unsigned>(nkv), static_cast<unsigned>(T));
+  launch_pdl(p.pipe, grid, p.pthreads, p.psmem, s, q, kcache, vcache, slot, pos, nh, nkv, scale, max_len, p.chunk,
+             part_o, part_ml, out, counters);
   return static_cast<int>(nsplit);
 }
 

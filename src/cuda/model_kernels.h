@@ -25,6 +25,28 @@ bool legacy_decode_kernels();
 // y = w * (x * inv_rms) per row of D (cpu::rmsnorm_forward; sum of squares in double).
 void rmsnorm(const float* x, const float* w, int64_t rows, int64_t D, float eps, float* y, cudaStream_t s);
 
+// ---- Fused decode kernels: fewer launches per layer (at batch 1..16 a decode step's time is mostly
+// the ~3-4 us each kernel costs). Each gives the same bits as the unfused sequence it replaces.
+// They ignore legacy_decode_kernels(): the unfused calls are the old path, which a caller keeps
+// under that switch (QUADS_DECODE_KERNELS=old).
+
+// rmsnorm (current kernel), and when y_bf16 is non-null the BF16 bits of y as well (what
+// to_bf16(y) gives: the operand of the router's and lm_head's BF16 GEMMs), in one kernel.
+void rmsnorm_bf16(const float* x, const float* w, int64_t rows, int64_t D, float eps, float* y, uint16_t* y_bf16,
+                  cudaStream_t s);
+// moe_combine_add(ye, inv, w, T, k, D, x) then rmsnorm_bf16(x, w_norm, T, D, eps, y, y_bf16): the
+// MoE output enters the residual stream x and the next layer's input norm (or the final norm) runs
+// in the same kernel; x is updated as moe_combine_add leaves it.
+void moe_combine_add_rmsnorm(const float* ye, const int32_t* inv, const float* w, int64_t T, int k, int64_t D, float* x,
+                             const float* w_norm, float eps, float* y, uint16_t* y_bf16, cudaStream_t s);
+// add_inplace(x, t, rows * D) then rmsnorm_bf16(x, w_norm, rows, D, eps, y, y_bf16) (the dense or
+// BF16 path, where o_proj's GEMM cannot accumulate into x).
+void add_rmsnorm(float* x, const float* t, int64_t rows, int64_t D, const float* w_norm, float eps, float* y,
+                 uint16_t* y_bf16, cudaStream_t s);
+// Threads per row of the two above (256 or 1024; 0, the default: 1024 while the rows are fewer
+// than the SMs, else 256). Same bits either way; for the benchmark.
+void set_residual_norm_threads(int threads);
+
 // out[r] = x[idx[r] / div] for r < n (rows of D floats): cpu::moe_gather (div = k) and row selection.
 void gather_rows(const float* x, const int32_t* idx, int64_t n, int div, int64_t D, float* out, cudaStream_t s);
 
@@ -38,6 +60,14 @@ void qk_norm_rope_store(float* q, const float* k, const float* v, const float* q
                         const float* prescale = nullptr);
 // prescale (optional, [nkv, hd]): ReQAT's Q-FIT factor, applied between the norm and RoPE (queries
 // multiplied by their kv head's row, keys divided), as reqat's pre_rope hook on the CPU.
+
+// The same reading q, k, v straight from the fused q/k/v product qkv [T, ld] (row t: q | k | v,
+// ld >= nh*hd + 2*nkv*hd) and writing the normed, roped q to q [T, nh*hd]: the same bits as
+// split_cols3 then qk_norm_rope_store (current kernel), one launch instead of two.
+void qk_norm_rope_store_qkv(const float* qkv, int64_t ld, float* q, const float* qn, const float* kn, float eps,
+                            const float* cos, const float* sin, const int32_t* slot, const int32_t* pos, int64_t T,
+                            int nh, int nkv, int hd, float* kcache, float* vcache, int64_t max_len, cudaStream_t s,
+                            const float* prescale = nullptr);
 
 // The new tokens' K/V rows of one layer's cache (at (slot[t], pos[t])) to contiguous kbuf, vbuf
 // [T, nkv*hd] (keys minus `shift` [nkv*hd] when non-null), or back into the cache with to_cache:
@@ -75,6 +105,24 @@ void attention_decode_split(const float* q, const float* kcache, const float* vc
 int attention_decode_split_n(const float* q, const float* kcache, const float* vcache, const int32_t* slot,
                              const int32_t* pos, int64_t T, int nh, int nkv, int hd, float scale, int64_t max_len,
                              int64_t max_ctx, float* out, cudaStream_t s, int splits);
+
+// The pipelined split-key kernel with the merge fused into it: the last CTA of each (token, kv
+// head) to finish (a device counter per pair, counted after a __threadfence) merges that group's
+// splits in split order, so the output is bit-identical to attention_decode_split_n (current
+// kernels) with the same split count, in one launch. Returns the split count. Where the pipelined
+// kernel has no instance for the shape, it runs attention_decode_split_n (two kernels).
+// workspace: device memory of at least attention_decode_fused_workspace(T, ...) bytes, ZEROED ONCE
+// by the caller after allocating it (cudaMemset); every launch leaves its counters at zero again, so
+// the same workspace serves every later call and every replay of a captured graph. Launches using
+// one workspace must not run concurrently (one stream). No allocation here: capture-safe.
+// attention_decode_fused_workspace(T, ...) is enough for every batch of 1..T tokens with a context
+// bound of at most max_ctx (0 when no split is needed); it queries the device (call it outside a
+// capture).
+size_t attention_decode_fused_workspace(int64_t T, int nh, int nkv, int hd, int64_t max_ctx, int splits = 0);
+int attention_decode_fused(const float* q, const float* kcache, const float* vcache, const int32_t* slot,
+                           const int32_t* pos, int64_t T, int nh, int nkv, int hd, float scale, int64_t max_len,
+                           int64_t max_ctx, float* out, void* workspace, size_t workspace_bytes, cudaStream_t s,
+                           int splits = 0);
 
 // Prefill attention with K/V staged through shared memory (QUADS_GPU_ATTN=tiled): the same bits as
 // attention(). blocks [nblocks, 2] = (first token, count): runs of consecutive tokens of ONE slot,

@@ -1,0 +1,334 @@
+// The fused decode kernels (cuda/model_kernels.h): each against the unfused sequence it replaces,
+// bit for bit (split + merge attention, split_cols3 + qk_norm_rope_store, rmsnorm + to_bf16,
+// moe_combine_add / add_inplace + rmsnorm + to_bf16), at the peer model's shapes and odd ones; the
+// fused attention also against the CPU, across repeated launches and CUDA graph replays (its
+// counters must come back to zero). Every test skips itself without a GPU.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/check.h"
+#include "cuda/model_kernels.h"
+#include "cuda_test_util.h"
+
+using namespace quads;
+using quads::cuda::DeviceArray;
+using namespace quads::cuda::testing;
+
+namespace {
+
+std::vector<uint16_t> download_u16(const DeviceArray<uint16_t>& a) { return a.download(); }
+
+// Restores the automatic thread count of the residual + norm kernels when a test ends.
+struct NormThreads {
+  explicit NormThreads(int t) { cuda::kern::set_residual_norm_threads(t); }
+  ~NormThreads() { cuda::kern::set_residual_norm_threads(0); }
+};
+
+}  // namespace
+
+// Fused split-key attention vs the two kernels at the same split count: the peer model's heads at
+// T = 1, 16, 64 with contexts up to 600, and odd groups / head dims (one or two heads per warp).
+TEST(CudaDecodeFused, AttentionSameBitsAsSplitMerge) {
+  QUADS_REQUIRE_GPU();
+  cuda::kern::set_legacy_decode_kernels(false);
+  struct Case {
+    int nh, nkv, hd;
+    int64_t max_ctx;
+    int T;
+  };
+  for (const Case c : {Case{32, 4, 128, 600, 1}, Case{32, 4, 128, 256, 1}, Case{32, 4, 128, 512, 16},
+                       Case{32, 4, 128, 600, 64}, Case{8, 1, 64, 70, 3}, Case{12, 4, 64, 96, 2},
+                       Case{16, 1, 256, 130, 2}, Case{4, 4, 32, 33, 5}}) {
+    const int slots = c.T + 1;
+    const int64_t max_len = c.max_ctx + 3, kvd = int64_t(c.nkv) * c.hd;
+    std::mt19937_64 rng(211 + c.hd + c.T + c.max_ctx);
+    std::vector<int32_t> slot(c.T), pos(c.T);
+    for (int t = 0; t < c.T; ++t) {
+      slot[t] = (t * 5 + 2) % slots;
+      // context 1, the bound, tile edges, and random lengths in between
+      const int64_t pick[6] = {0, c.max_ctx - 1, 31, 32, int64_t(rng() % uint64_t(c.max_ctx)),
+                               int64_t(rng() % uint64_t(c.max_ctx))};
+      pos[t] = static_cast<int32_t>(pick[t % 6]);
+    }
+    const auto q = randn(int64_t(c.T) * c.nh * c.hd, 71 + c.T, 1.5f), kc = randn(slots * max_len * kvd, 72 + c.T),
+               vc = randn(slots * max_len * kvd, 73 + c.T);
+    const float scale = 1.f / std::sqrt(float(c.hd));
+    const std::vector<float> want = cpu_decode_attention(q, kc, vc, slot, pos, c.nh, c.nkv, c.hd, max_len);
+    auto dq = dev(q), dk = dev(kc), dv = dev(vc);
+    auto ds = dev(slot), dp = dev(pos);
+    const size_t ws_bytes = cuda::kern::attention_decode_fused_workspace(c.T, c.nh, c.nkv, c.hd, c.max_ctx);
+    DeviceArray<unsigned char> ws(std::max<size_t>(ws_bytes, 1));
+    ws.fill_bytes(0);
+    const int tiles = static_cast<int>((c.max_ctx + 31) / 32);
+    for (int splits : {0, 1, 2, 3, 7, tiles}) {
+      const std::string what = "heads " + std::to_string(c.nh) + "/" + std::to_string(c.nkv) + " hd " +
+                               std::to_string(c.hd) + " ctx " + std::to_string(c.max_ctx) + " T " +
+                               std::to_string(c.T) + " splits " + std::to_string(splits);
+      const size_t need = cuda::kern::attention_decode_fused_workspace(c.T, c.nh, c.nkv, c.hd, c.max_ctx, splits);
+      DeviceArray<unsigned char> wsn(std::max<size_t>(need, 1));
+      wsn.fill_bytes(0);
+      DeviceArray<float> ref(q.size()), got(q.size());
+      ref.fill_bytes(0xFF);
+      got.fill_bytes(0xFF);
+      const int used_ref = cuda::kern::attention_decode_split_n(dq.data(), dk.data(), dv.data(), ds.data(), dp.data(),
+                                                                c.T, c.nh, c.nkv, c.hd, scale, max_len, c.max_ctx,
+                                                                ref.data(), nullptr, splits);
+      // three launches on one workspace: the counters must return to zero each time
+      std::vector<float> first;
+      for (int rep = 0; rep < 3; ++rep) {
+        const int used = cuda::kern::attention_decode_fused(dq.data(), dk.data(), dv.data(), ds.data(), dp.data(), c.T,
+                                                            c.nh, c.nkv, c.hd, scale, max_len, c.max_ctx, got.data(),
+                                                            wsn.data(), need, nullptr, splits);
+        EXPECT_EQ(used, used_ref) << what;
+        const auto g = got.download();
+        if (rep == 0) {
+          first = g;
+          EXPECT_EQ(first_float_mismatch(g, ref.download()), -1) << what;
+          const double e = rel_l2(g, want);
+          std::printf("fused decode attention %s: rel L2 %.3g vs CPU\n", what.c_str(), e);
+          EXPECT_LT(e, 2e-6) << what;
+        } else {
+          EXPECT_EQ(first_float_mismatch(g, first), -1) << what << " launch " << rep;
+        }
+      }
+      if (need > 0) {  // the counters sit at the start of the workspace
+        const auto bytes = wsn.download();
+        const size_t nc = sizeof(unsigned) * size_t(c.T) * c.nkv;
+        for (size_t i = 0; i < nc; ++i) ASSERT_EQ(bytes[i], 0) << what << ": counter byte " << i << " left set";
+      }
+    }
+    // The automatic split count's workspace also serves fewer tokens and shorter context bounds.
+    if (c.T > 1) {
+      DeviceArray<float> ref(q.size()), got(q.size());
+      const int64_t ctx2 = std::max<int64_t>(1, c.max_ctx / 2 + 5);
+      std::vector<int32_t> pos2(pos);
+      for (auto& p : pos2) p = static_cast<int32_t>(p % ctx2);
+      auto dp2 = dev(pos2);
+      cuda::kern::attention_decode_split_n(dq.data(), dk.data(), dv.data(), ds.data(), dp2.data(), c.T - 1, c.nh,
+                                           c.nkv, c.hd, scale, max_len, ctx2, ref.data(), nullptr, 0);
+      cuda::kern::attention_decode_fused(dq.data(), dk.data(), dv.data(), ds.data(), dp2.data(), c.T - 1, c.nh, c.nkv,
+                                         c.hd, scale, max_len, ctx2, got.data(), ws.data(), ws_bytes, nullptr, 0);
+      const size_t n = size_t(c.T - 1) * c.nh * c.hd;
+      std::vector<float> r = ref.download(), g = got.download();
+      r.resize(n);
+      g.resize(n);
+      EXPECT_EQ(first_float_mismatch(g, r), -1) << "T " << c.T - 1 << " ctx " << ctx2;
+    }
+  }
+}
+
+// Captured in a CUDA graph (no allocation in the launcher) and replayed: every replay gives the bits
+// of the two kernels, also after the inputs change between replays.
+TEST(CudaDecodeFused, AttentionGraphReplays) {
+  QUADS_REQUIRE_GPU();
+  cuda::kern::set_legacy_decode_kernels(false);
+  constexpr int nh = 32, nkv = 4, hd = 128, T = 16;
+  constexpr int64_t max_ctx = 512, max_len = 512, kvd = nkv * hd;
+  std::vector<int32_t> slot(T), pos(T);
+  for (int t = 0; t < T; ++t) {
+    slot[t] = t;
+    pos[t] = static_cast<int32_t>((t * 97 + 13) % max_ctx);
+  }
+  const auto q1 = randn(T * nh * hd, 81, 1.5f), q2 = randn(T * nh * hd, 82, 1.5f), kc = randn(T * max_len * kvd, 83),
+             vc = randn(T * max_len * kvd, 84);
+  auto dq = dev(q1), dk = dev(kc), dv = dev(vc);
+  auto ds = dev(slot), dp = dev(pos);
+  const float scale = 1.f / std::sqrt(float(hd));
+  const size_t need = cuda::kern::attention_decode_fused_workspace(T, nh, nkv, hd, max_ctx);
+  DeviceArray<unsigned char> ws(std::max<size_t>(need, 1));
+  ws.fill_bytes(0);
+  DeviceArray<float> out(q1.size()), ref(q1.size());
+  cudaStream_t s;
+  QUADS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  QUADS_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  const int used = cuda::kern::attention_decode_fused(dq.data(), dk.data(), dv.data(), ds.data(), dp.data(), T, nh, nkv,
+                                                      hd, scale, max_len, max_ctx, out.data(), ws.data(), need, s, 0);
+  QUADS_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  QUADS_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  EXPECT_GT(used, 1) << "the case should exercise the merge";
+  for (int rep = 0; rep < 4; ++rep) {
+    const auto& q = rep < 2 ? q1 : q2;
+    if (rep == 2) dq.upload(q2);
+    out.fill_bytes(0xFF);
+    QUADS_CUDA_CHECK(cudaDeviceSynchronize());  // the memset and upload ran on the legacy stream, s does not wait for it
+    QUADS_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    QUADS_CUDA_CHECK(cudaStreamSynchronize(s));
+    cuda::kern::attention_decode_split_n(dq.data(), dk.data(), dv.data(), ds.data(), dp.data(), T, nh, nkv, hd, scale,
+                                         max_len, max_ctx, ref.data(), nullptr, used);
+    const auto g = out.download();
+    EXPECT_EQ(first_float_mismatch(g, ref.download()), -1) << "replay " << rep;
+    EXPECT_LT(rel_l2(g, cpu_decode_attention(q, kc, vc, slot, pos, nh, nkv, hd, max_len)), 2e-6) << "replay " << rep;
+  }
+  QUADS_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  QUADS_CUDA_CHECK(cudaGraphDestroy(graph));
+  QUADS_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
+// qk-norm/RoPE/cache store from the fused q/k/v product (packed and with a padded row stride) vs
+// split_cols3 + qk_norm_rope_store.
+TEST(CudaDecodeFused, QkvNormRopeStoreSameBitsAsSplit) {
+  QUADS_REQUIRE_GPU();
+  cuda::kern::set_legacy_decode_kernels(false);
+  struct Case {
+    int nh, nkv, hd, T;
+    bool prescale;
+  };
+  for (const Case c : {Case{32, 4, 128, 1, false}, Case{32, 4, 128, 16, false}, Case{32, 4, 128, 64, true},
+                       Case{8, 2, 64, 3, false}, Case{16, 1, 256, 2, true}, Case{6, 3, 96, 4, false},
+                       Case{5, 5, 34, 7, true}}) {
+    const int slots = c.T + 2;
+    const int64_t max_len = 24, qd = int64_t(c.nh) * c.hd, kvd = int64_t(c.nkv) * c.hd, T = c.T, w = qd + 2 * kvd;
+    std::vector<int32_t> slot(T), pos(T);
+    for (int t = 0; t < c.T; ++t) {
+      slot[t] = (t * 5 + 1) % slots;
+      pos[t] = (t * 7 + 3) % static_cast<int>(max_len);
+    }
+    const auto qkv = randn(T * w, 40 + c.hd + c.T, 2.f), qn = randn(c.hd, 41, 0.1f, 1.f),
+               kn = randn(c.hd, 42, 0.1f, 1.f), cs = randn(T * c.hd / 2, 43), sn = randn(T * c.hd / 2, 44),
+               ps = randn(kvd, 45, 0.2f, 1.f), cache0 = randn(slots * max_len * kvd, 46);
+    auto dqkv = dev(qkv), dqn = dev(qn), dkn = dev(kn), dcs = dev(cs), dsn = dev(sn), dps = dev(ps);
+    auto dslot = dev(slot), dpos = dev(pos);
+    const float* pre = c.prescale ? dps.data() : nullptr;
+    // the reference: split, then the in-place kernel
+    DeviceArray<float> q0(T * qd), k0(T * kvd), v0(T * kvd);
+    auto kc0 = dev(cache0), vc0 = dev(cache0);
+    cuda::kern::split_cols3(dqkv.data(), T, qd, kvd, kvd, q0.data(), k0.data(), v0.data(), nullptr);
+    cuda::kern::qk_norm_rope_store(q0.data(), k0.data(), v0.data(), dqn.data(), dkn.data(), 1e-6f, dcs.data(),
+                                   dsn.data(), dslot.data(), dpos.data(), T, c.nh, c.nkv, c.hd, kc0.data(), vc0.data(),
+                                   max_len, nullptr, pre);
+    const auto qw = q0.download(), kw = kc0.download(), vw = vc0.download();
+    EXPECT_NE(first_float_mismatch(kw, cache0), -1) << "the keys were stored";
+    for (const int64_t pad : {int64_t(0), int64_t(12)}) {
+      const int64_t ld = w + pad;
+      std::vector<float> padded(T * ld, 777.f);
+      for (int64_t t = 0; t < T; ++t) std::copy(qkv.begin() + t * w, qkv.begin() + (t + 1) * w, padded.begin() + t * ld);
+      auto dpad = dev(padded);
+      DeviceArray<float> q1(T * qd);
+      q1.fill_bytes(0xFF);
+      auto kc1 = dev(cache0), vc1 = dev(cache0);
+      cuda::kern::qk_norm_rope_store_qkv(dpad.data(), ld, q1.data(), dqn.data(), dkn.data(), 1e-6f, dcs.data(),
+                                         dsn.data(), dslot.data(), dpos.data(), T, c.nh, c.nkv, c.hd, kc1.data(),
+                                         vc1.data(), max_len, nullptr, pre);
+      const std::string what = "hd " + std::to_string(c.hd) + " T " + std::to_string(c.T) + " ld " + std::to_string(ld);
+      EXPECT_EQ(first_float_mismatch(q1.download(), qw), -1) << "q, " << what;
+      EXPECT_EQ(first_float_mismatch(kc1.download(), kw), -1) << "k cache, " << what;
+      EXPECT_EQ(first_float_mismatch(vc1.download(), vw), -1) << "v cache, " << what;
+      EXPECT_EQ(first_float_mismatch(dpad.download(), padded), -1) << "the product is read only, " << what;
+    }
+  }
+}
+
+// rmsnorm with its BF16 copy vs rmsnorm + to_bf16 (register rows of 1..16 per thread, ragged
+// tails, the generic kernel past 4096), and without the copy.
+TEST(CudaDecodeFused, RmsnormBf16SameBitsAsTwoKernels) {
+  QUADS_REQUIRE_GPU();
+  cuda::kern::set_legacy_decode_kernels(false);
+  for (int64_t D : {16, 100, 2048, 2051, 4096, 5000}) {
+    for (int64_t rows : {1, 3, 37}) {
+      const auto x = randn(rows * D, 17 + D + rows, 3.f), w = randn(D, 18 + D, 0.1f, 1.f);
+      auto dx = dev(x), dw = dev(w);
+      DeviceArray<float> y0(rows * D), y1(rows * D), y2(rows * D);
+      DeviceArray<uint16_t> b0(rows * D), b1(rows * D);
+      cuda::kern::rmsnorm(dx.data(), dw.data(), rows, D, 1e-6f, y0.data(), nullptr);
+      cuda::kern::to_bf16(y0.data(), b0.data(), rows * D, nullptr);
+      cuda::kern::rmsnorm_bf16(dx.data(), dw.data(), rows, D, 1e-6f, y1.data(), b1.data(), nullptr);
+      cuda::kern::rmsnorm_bf16(dx.data(), dw.data(), rows, D, 1e-6f, y2.data(), nullptr, nullptr);
+      const auto want = y0.download();
+      EXPECT_EQ(first_float_mismatch(y1.download(), want), -1) << "D " << D << " rows " << rows;
+      EXPECT_EQ(first_float_mismatch(y2.download(), want), -1) << "D " << D << " rows " << rows << " (no copy)";
+      EXPECT_EQ(first_mismatch(download_u16(b1), download_u16(b0)), -1) << "bf16, D " << D << " rows " << rows;
+    }
+  }
+}
+
+// x += MoE combine (or a plain addend), then the norm with its BF16 copy, vs moe_combine_add /
+// add_inplace + rmsnorm + to_bf16: the peer model's k = 8 rows of 2048 at T = 1, 16, 64, other
+// top-k counts and widths, 256 and 1024 threads a row.
+TEST(CudaDecodeFused, ResidualRmsnormSameBitsAsTwoKernels) {
+  QUADS_REQUIRE_GPU();
+  cuda::kern::set_legacy_decode_kernels(false);
+  struct Case {
+    int64_t T;
+    int k;
+    int64_t D;
+  };
+  for (const int threads : {0, 256, 1024}) {
+    NormThreads knob(threads);
+    for (const Case c : {Case{1, 8, 2048}, Case{16, 8, 2048}, Case{64, 8, 2048}, Case{5, 1, 2048}, Case{3, 3, 100},
+                         Case{2, 9, 2051}, Case{7, 17, 4096}, Case{2, 8, 5000}, Case{200, 2, 64}}) {
+      const int64_t n = c.T * c.k, D = c.D;
+      const auto x = randn(c.T * D, 91 + D + c.T, 2.f), ye = randn(n * D, 92 + c.k), wn = randn(D, 93, 0.1f, 1.f),
+                 cw = randn(n, 94 + c.T, 0.3f, 0.2f), add = randn(c.T * D, 95);
+      std::vector<int32_t> inv(n);
+      std::iota(inv.begin(), inv.end(), 0);
+      std::shuffle(inv.begin(), inv.end(), std::mt19937_64(96 + n));
+      auto dye = dev(ye), dwn = dev(wn), dcw = dev(cw), dadd = dev(add);
+      auto dinv = dev(inv);
+      const std::string what = "T " + std::to_string(c.T) + " k " + std::to_string(c.k) + " D " + std::to_string(D) +
+                               " threads " + std::to_string(threads);
+      for (const bool moe : {true, false}) {
+        auto x0 = dev(x), x1 = dev(x);
+        DeviceArray<float> y0(c.T * D), y1(c.T * D);
+        DeviceArray<uint16_t> b0(c.T * D), b1(c.T * D);
+        if (moe) {
+          cuda::kern::moe_combine_add(dye.data(), dinv.data(), dcw.data(), c.T, c.k, D, x0.data(), nullptr);
+          cuda::kern::moe_combine_add_rmsnorm(dye.data(), dinv.data(), dcw.data(), c.T, c.k, D, x1.data(), dwn.data(),
+                                              1e-6f, y1.data(), b1.data(), nullptr);
+        } else {
+          cuda::kern::add_inplace(x0.data(), dadd.data(), c.T * D, nullptr);
+          cuda::kern::add_rmsnorm(x1.data(), dadd.data(), c.T, D, dwn.data(), 1e-6f, y1.data(), b1.data(), nullptr);
+        }
+        cuda::kern::rmsnorm(x0.data(), dwn.data(), c.T, D, 1e-6f, y0.data(), nullptr);
+        cuda::kern::to_bf16(y0.data(), b0.data(), c.T * D, nullptr);
+        const char* kind = moe ? "moe " : "add ";
+        const auto xw = x0.download();
+        EXPECT_EQ(first_float_mismatch(x1.download(), xw), -1) << kind << "x, " << what;
+        EXPECT_NE(first_float_mismatch(xw, x), -1) << kind << "x was updated, " << what;
+        EXPECT_EQ(first_float_mismatch(y1.download(), y0.download()), -1) << kind << "y, " << what;
+        EXPECT_EQ(first_mismatch(download_u16(b1), download_u16(b0)), -1) << kind << "bf16, " << what;
+      }
+      // without the BF16 copy
+      auto x2 = dev(x), x3 = dev(x);
+      DeviceArray<float> y2(c.T * D), y3(c.T * D);
+      DeviceArray<uint16_t> b3(c.T * D);
+      cuda::kern::moe_combine_add_rmsnorm(dye.data(), dinv.data(), dcw.data(), c.T, c.k, D, x2.data(), dwn.data(), 1e-6f,
+                                          y2.data(), nullptr, nullptr);
+      cuda::kern::moe_combine_add_rmsnorm(dye.data(), dinv.data(), dcw.data(), c.T, c.k, D, x3.data(), dwn.data(), 1e-6f,
+                                          y3.data(), b3.data(), nullptr);
+      EXPECT_EQ(first_float_mismatch(y2.download(), y3.download()), -1) << "no copy, " << what;
+    }
+  }
+}
+
+// The CPU's combine + add + norm agrees with the fused kernel to rounding (a check of the reference
+// sequence's semantics, not only of the fusion).
+TEST(CudaDecodeFused, ResidualRmsnormMatchesCpu) {
+  QUADS_REQUIRE_GPU();
+  constexpr int64_t T = 4, D = 2048;
+  constexpr int k = 8;
+  const auto x = randn(T * D, 101, 2.f), ye = randn(T * k * D, 102), wn = randn(D, 103, 0.1f, 1.f),
+             cw = randn(T * k, 104, 0.3f, 0.2f);
+  std::vector<int32_t> inv(T * k);
+  std::iota(inv.begin(), inv.end(), 0);
+  std::shuffle(inv.begin(), inv.end(), std::mt19937_64(105));
+  auto dx = dev(x), dye = dev(ye), dwn = dev(wn), dcw = dev(cw);
+  auto dinv = dev(inv);
+  DeviceArray<float> dy(T * D);
+  cuda::kern::moe_combine_add_rmsnorm(dye.data(), dinv.data(), dcw.data(), T, k, D, dx.data(), dwn.data(), 1e-6f,
+                                      dy.data(), nullptr, nullptr);
+  std::vector<float> xc(x), comb(T * D), y(T * D);
+  cpu::moe_combine_forward(ye.data(), inv.data(), cw.data(), T, k, D, comb.data());
+  for (int64_t i = 0; i < T * D; ++i) xc[i] += comb[i];
+  cpu::rmsnorm_forward(xc.data(), wn.data(), T, D, 1e-6f, y.data(), nullptr);
+  EXPECT_EQ(first_float_mismatch(dx.download(), xc), -1) << "x: the same operations as the CPU";
+  EXPECT_LT(rel_l2(dy.download(), y), 3e-7);
+}
