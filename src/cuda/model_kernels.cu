@@ -423,44 +423,105 @@ attention_decode_split_kernel(const float* __restrict__ q, const float* __restri
   }
 }
 
-// Merges the splits of (token, head) th in split order: a warp, lane l owns dimensions l*nd ..
-// l*nd + nd - 1 (nd <= NDMAX). CG: loads through L2 only (the fused kernel reads partials that other
-// CTAs wrote during the same launch, which this SM's L1 may hold stale from an earlier launch).
-template <bool CG>
-__device__ __forceinline__ float dec_ld(const float* p) {
-  if constexpr (CG) return __ldcg(p);
-  else return *p;
-}
-template <int NDMAX, bool CG>
-__device__ __forceinline__ void decode_merge_row(const float* part_o, const float* part_ml, int64_t th, int nsplit,
-                                                 int nd, int lane, float* out) {
-  const int hd = 32 * nd;
-  const float* ml = part_ml + 2 * th * nsplit;
-  float M = -INFINITY;
-  for (int s = 0; s < nsplit; ++s) M = fmaxf(M, dec_ld<CG>(ml + 2 * s));
-  float lsum = 0.f, o[NDMAX];
-#pragma unroll
-  for (int i = 0; i < NDMAX; ++i) o[i] = 0.f;
-  for (int s = 0; s < nsplit; ++s) {
-    const float ms = dec_ld<CG>(ml + 2 * s);
-    if (ms == -INFINITY) continue;
-    const float w = expf(ms - M);
-    lsum = __fmaf_rn(w, dec_ld<CG>(ml + 2 * s + 1), lsum);
-    const float* po = part_o + (th * nsplit + s) * hd + lane * nd;
-#pragma unroll
-    for (int i = 0; i < NDMAX; ++i)
-      if (i < nd) o[i] = __fmaf_rn(w, dec_ld<CG>(po + i), o[i]);
-  }
-  const float inv = 1.f / lsum;
-#pragma unroll
-  for (int i = 0; i < NDMAX; ++i)
-    if (i < nd) out[th * hd + lane * nd + i] = __fmul_rn(o[i], inv);
-}
-
+// Merges the splits of one (token, head) in split order: a warp, lane l owns hd/32 dimensions.
 __global__ void attention_decode_merge_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                               int nsplit, int hd, float* __restrict__ out) {
   pdl_begin();
-  decode_merge_row<8, false>(part_o, part_ml, blockIdx.x, nsplit, hd / 32, threadIdx.x, out);
+  const int64_t th = blockIdx.x;
+  const int lane = threadIdx.x, nd = hd / 32;
+  const float* ml = part_ml + 2 * th * nsplit;
+  float M = -INFINITY;
+  for (int s = 0; s < nsplit; ++s) M = fmaxf(M, ml[2 * s]);
+  float lsum = 0.f, o[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) o[i] = 0.f;
+  for (int s = 0; s < nsplit; ++s) {
+    if (ml[2 * s] == -INFINITY) continue;
+    const float w = expf(ml[2 * s] - M);
+    lsum = __fmaf_rn(w, ml[2 * s + 1], lsum);
+    const float* po = part_o + (th * nsplit + s) * hd + lane * nd;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (i < nd) o[i] = __fmaf_rn(w, po[i], o[i]);
+  }
+  const float inv = 1.f / lsum;
+  for (int i = 0; i < nd; ++i) out[th * hd + lane * nd + i] = o[i] * inv;
+}
+
+// The fused kernel's merge of heads th0 .. th0 + NHW - 1 by one warp: attention_decode_merge_kernel's
+// operations in its order, but with the loads issued up front (through L2: the partials were written by other
+// CTAs of the same launch). Lane s holds split s's (m, l) and weight expf(m - M); the partial rows
+// of JC splits are loaded before they are summed in split order. A few memory round trips instead
+// of two per split, which is what the merge costs when it runs in the last CTA of a (token, kv head).
+// M: the max over the splits, as the merge kernel's running fmaxf (the same value; where it is a
+// zero its sign does not change any m - M).
+template <int ND, int NHW>
+__device__ __forceinline__ void decode_merge_heads(const float* part_o, const float* part_ml, int64_t th0, int nsplit,
+                                                   int lane, float* out) {
+  constexpr int HD = 32 * ND, JC = NHW * ND >= 16 ? 4 : 8;
+  float M[NHW], ms0[NHW], ls0[NHW], lsum[NHW], o[NHW][ND];
+#pragma unroll
+  for (int u = 0; u < NHW; ++u) {
+    const float* ml = part_ml + 2 * (th0 + u) * nsplit;
+    ms0[u] = lane < nsplit ? __ldcg(ml + 2 * lane) : -INFINITY;
+    ls0[u] = lane < nsplit ? __ldcg(ml + 2 * lane + 1) : 0.f;
+    float m = ms0[u];
+    for (int s = lane + 32; s < nsplit; s += 32) m = fmaxf(m, __ldcg(ml + 2 * s));
+    M[u] = warp_max(m);
+    lsum[u] = 0.f;
+#pragma unroll
+    for (int i = 0; i < ND; ++i) o[u][i] = 0.f;
+  }
+  for (int s0 = 0; s0 < nsplit; s0 += 32) {
+    float ms[NHW], ls[NHW], ws[NHW];
+#pragma unroll
+    for (int u = 0; u < NHW; ++u) {
+      if (s0 == 0) {
+        ms[u] = ms0[u];
+        ls[u] = ls0[u];
+      } else {
+        const float* ml = part_ml + 2 * (th0 + u) * nsplit;
+        const int s = s0 + lane;
+        ms[u] = s < nsplit ? __ldcg(ml + 2 * s) : -INFINITY;
+        ls[u] = s < nsplit ? __ldcg(ml + 2 * s + 1) : 0.f;
+      }
+      ws[u] = ms[u] == -INFINITY ? 0.f : expf(ms[u] - M[u]);
+    }
+    const int n = min(32, nsplit - s0);
+    for (int j0 = 0; j0 < n; j0 += JC) {
+      float pv[NHW][JC][ND];
+#pragma unroll
+      for (int u = 0; u < NHW; ++u)
+#pragma unroll
+        for (int j = 0; j < JC; ++j) {
+          const int sj = min(s0 + j0 + j, nsplit - 1);  // rows past n are loaded (in bounds) but not used
+          const float* po = part_o + ((th0 + u) * nsplit + sj) * HD + lane * ND;
+#pragma unroll
+          for (int i = 0; i < ND; ++i) pv[u][j][i] = __ldcg(po + i);
+        }
+#pragma unroll
+      for (int j = 0; j < JC; ++j) {
+#pragma unroll
+        for (int u = 0; u < NHW; ++u) {
+          // (j0 + j < 32: the shuffles read a valid lane; the conditions below are warp-uniform)
+          const float msj = __shfl_sync(0xffffffffu, ms[u], j0 + j);
+          const float wj = __shfl_sync(0xffffffffu, ws[u], j0 + j);
+          const float lj = __shfl_sync(0xffffffffu, ls[u], j0 + j);
+          if (j0 + j < n && msj != -INFINITY) {  // skip rows past n and splits past the context
+            lsum[u] = __fmaf_rn(wj, lj, lsum[u]);
+#pragma unroll
+            for (int i = 0; i < ND; ++i) o[u][i] = __fmaf_rn(wj, pv[u][j][i], o[u][i]);
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < NHW; ++u) {
+    const float inv = 1.f / lsum[u];
+#pragma unroll
+    for (int i = 0; i < ND; ++i) out[(th0 + u) * HD + lane * ND + i] = __fmul_rn(o[u][i], inv);
+  }
 }
 
 __global__ void swiglu_kernel(const float* __restrict__ g, const float* __restrict__ u, int64_t ld, int64_t n,
@@ -883,7 +944,7 @@ qk_norm_rope_store_wide_kernel(const float* qsrc, int64_t ldq, float* qdst, cons
 // partial sum of exp, summed over the warp at the end). P.V: the tile's probabilities go through
 // shared memory; lane l owns dimensions l*ND .. l*ND + ND - 1. Fixed order everywhere: the same
 // bits for the same inputs whatever the scheduling.
-template <int ND, int HPW>
+template <int ND, int HPW, bool FUSED>
 __global__ void __launch_bounds__(512)
 attention_decode_pipe_kernel(const float* __restrict__ q, const float* __restrict__ kcache,
                              const float* __restrict__ vcache, const int32_t* __restrict__ slot,
@@ -1041,27 +1102,27 @@ attention_decode_pipe_kernel(const float* __restrict__ q, const float* __restric
       }
     }
   }
-  // Fused merge (counters non-null): the last CTA of (t, g) to finish merges the group's heads,
-  // exactly as attention_decode_merge_kernel would, and leaves its counter at 0 for the next launch
-  // (a CUDA graph replays the same counters).
-  if (counters == nullptr || nsplit == 1) return;
-  __shared__ unsigned last_s;
-  __threadfence();  // this CTA's partials are visible device-wide before it is counted
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned* cnt = counters + t * nkv + g;
-    const unsigned done = atomicAdd(cnt, 1u);
-    last_s = done + 1 == unsigned(nsplit);
-    if (last_s) {
-      *cnt = 0u;
-      __threadfence();
+  // FUSED (attention_decode_fused): the last CTA of (t, g) to finish merges the group's heads, as
+  // attention_decode_merge_kernel would, and leaves its counter at 0 for the next launch (a CUDA
+  // graph replays the same counters). The unfused instances compile none of this.
+  if constexpr (FUSED) {
+    if (nsplit == 1) return;
+    __shared__ unsigned last_s;
+    __threadfence();  // this CTA's partials are visible device-wide before it is counted
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      unsigned* cnt = counters + t * nkv + g;
+      const unsigned done = atomicAdd(cnt, 1u);
+      last_s = done + 1 == unsigned(nsplit);
+      if (last_s) {
+        *cnt = 0u;
+        __threadfence();
+      }
     }
+    __syncthreads();
+    if (!last_s) return;
+    decode_merge_heads<ND, HPW>(part_o, part_ml, t * nh + int64_t(g) * G + warp * HPW, nsplit, lane, out);
   }
-  __syncthreads();
-  if (!last_s) return;
-#pragma unroll
-  for (int u = 0; u < HPW; ++u)
-    decode_merge_row<ND, true>(part_o, part_ml, t * nh + int64_t(g) * G + warp * HPW + u, nsplit, ND, lane, out);
 }
 
 }  // namespace
@@ -1262,13 +1323,13 @@ namespace {
 // The pipelined kernel's instance for (ND, HPW), or nullptr where only the old kernel serves.
 using DecodePipeFn = void (*)(const float*, const float*, const float*, const int32_t*, const int32_t*, int, int, float,
                               int64_t, int64_t, float*, float*, float*, unsigned*);
-template <int HPW>
+template <int HPW, bool FUSED>
 DecodePipeFn decode_pipe_fn(int nd) {
   switch (nd) {
-    case 1: return attention_decode_pipe_kernel<1, HPW>;
-    case 2: return attention_decode_pipe_kernel<2, HPW>;
-    case 4: return attention_decode_pipe_kernel<4, HPW>;
-    case 8: return attention_decode_pipe_kernel<8, HPW>;
+    case 1: return attention_decode_pipe_kernel<1, HPW, FUSED>;
+    case 2: return attention_decode_pipe_kernel<2, HPW, FUSED>;
+    case 4: return attention_decode_pipe_kernel<4, HPW, FUSED>;
+    case 8: return attention_decode_pipe_kernel<8, HPW, FUSED>;
     default: return nullptr;
   }
 }
@@ -1307,7 +1368,7 @@ namespace {
 // How a decode attention launch runs: the pipelined kernel (pipe, when it has an instance and fits)
 // or the old one, the CTA shape, and the split of the keys (nsplit splits of chunk keys).
 struct DecodePlan {
-  DecodePipeFn pipe = nullptr;
+  DecodePipeFn pipe = nullptr, pipe_fused = nullptr;  // unfused and fused instances
   int pthreads = 0;
   size_t psmem = 0;
   int64_t nsplit = 1, chunk = 0;
@@ -1327,7 +1388,7 @@ DecodePlan decode_plan(int64_t T, int nh, int nkv, int hd, int64_t max_ctx, int 
   // The pipelined kernel where it has an instance: two heads per warp for even groups, at most 16
   // warps, its shared memory within the device's limit.
   const int hpw = G % 2 == 0 ? 2 : 1;
-  DecodePipeFn pipe = !allow_pipe ? nullptr : hpw == 2 ? decode_pipe_fn<2>(nd) : decode_pipe_fn<1>(nd);
+  DecodePipeFn pipe = !allow_pipe ? nullptr : hpw == 2 ? decode_pipe_fn<2, false>(nd) : decode_pipe_fn<1, false>(nd);
   const int pthreads = 32 * G / hpw;
   const size_t psmem = sizeof(float) * (size_t(G) * (hd + kDecTile) + 2 * size_t(kDecTile) * (2 * hd + 4));
   int occ = 0;
@@ -1355,6 +1416,20 @@ DecodePlan decode_plan(int64_t T, int nh, int nkv, int hd, int64_t max_ctx, int 
     p.pipe = pipe;
     p.pthreads = pthreads;
     p.psmem = psmem;
+    // The fused instance runs the same split plan (so the same bits as split + merge); it needs
+    // its own shared memory opt-in, and must fit once per SM (its merge adds registers).
+    static int fused_ok[2][9][33] = {};
+    int& fo = fused_ok[hpw - 1][nd][G];
+    DecodePipeFn fused = hpw == 2 ? decode_pipe_fn<2, true>(nd) : decode_pipe_fn<1, true>(nd);
+    if (fo == 0) {
+      QUADS_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(fused),
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(psmem)));
+      int blocks = 0;
+      QUADS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, reinterpret_cast<const void*>(fused),
+                                                                     pthreads, psmem));
+      fo = blocks > 0 ? 1 : -1;
+    }
+    if (fo > 0) p.pipe_fused = fused;
   }
 
   // Splits: the old kernel aims at about two CTAs per SM; the pipelined one at no more than one
@@ -1426,7 +1501,7 @@ size_t attention_decode_fused_workspace(int64_t T, int nh, int nkv, int hd, int6
   size_t most = 0;
   for (int64_t t = 1; t <= T; ++t) {
     const DecodePlan p = decode_plan(t, nh, nkv, hd, max_ctx, splits, true);
-    if (p.pipe) most = std::max(most, decode_ws_bytes(t, nh, nkv, hd, p.nsplit_bound));
+    if (p.pipe_fused) most = std::max(most, decode_ws_bytes(t, nh, nkv, hd, p.nsplit_bound));
   }
   return most;
 }
@@ -1437,7 +1512,7 @@ int attention_decode_fused(const float* q, const float* kcache, const float* vca
                            int splits) {
   if (T == 0) return 0;
   const DecodePlan p = decode_plan(T, nh, nkv, hd, max_ctx, splits, true);
-  if (!p.pipe) {  // no pipelined instance for this shape: the two kernels (current or legacy)
+  if (!p.pipe_fused) {  // no pipelined instance for this shape: the two kernels (current or legacy)
     return attention_decode_split_n(q, kcache, vcache, slot, pos, T, nh, nkv, hd, scale, max_len, max_ctx, out, s,
                                     splits);
   }
@@ -1456,8 +1531,8 @@ int attention_decode_fused(const float* q, const float* kcache, const float* vca
                                       ws_round(sizeof(float) * 2 * size_t(T) * nh * nsplit));
   }
   const dim3 grid(static_cast<unsigned>(nsplit), static_cast<unsigned>(nkv), static_cast<unsigned>(T));
-  launch_pdl(p.pipe, grid, p.pthreads, p.psmem, s, q, kcache, vcache, slot, pos, nh, nkv, scale, max_len, p.chunk,
-             part_o, part_ml, out, counters);
+  launch_pdl(p.pipe_fused, grid, p.pthreads, p.psmem, s, q, kcache, vcache, slot, pos, nh, nkv, scale, max_len,
+             p.chunk, part_o, part_ml, out, counters);
   return static_cast<int>(nsplit);
 }
 

@@ -108,8 +108,9 @@ int attention_decode_split_n(const float* q, const float* kcache, const float* v
 
 // The pipelined split-key kernel with the merge fused into it: the last CTA of each (token, kv
 // head) to finish (a device counter per pair, counted after a __threadfence) merges that group's
-// splits in split order, so the output is bit-identical to attention_decode_split_n (current
-// kernels) with the same split count, in one launch. Returns the split count. Where the pipelined
+// splits in split order (all its loads issued up front: a few memory round trips, not two per
+// split), so the output is bit-identical to attention_decode_split_n (current kernels), which
+// chooses the same split count, in one launch. Returns the split count. Where the pipelined
 // kernel has no instance for the shape, it runs attention_decode_split_n (two kernels).
 // workspace: device memory of at least attention_decode_fused_workspace(T, ...) bytes, ZEROED ONCE
 // by the caller after allocating it (cudaMemset); every launch leaves its counters at zero again, so
