@@ -2,7 +2,8 @@
 // bandwidth, W4A4 GEMM (emulated) against cuBLAS BF16 and cuBLASLt FP8 at the peer model's shapes
 // (Qwen3-30B-A3B: hidden 2048, moe_intermediate 768), and the decode GEMV's weight-stream rate.
 // Times are CUDA-event medians over repeated batches after a warm-up; inputs are random.
-// `bench_cuda --gemv`: the copy bandwidth and the decode GEMV table (GEMV vs 16-row tile) alone.
+// `bench_cuda --gemv`: the copy bandwidth, the decode GEMV table (GEMV vs 16-row tile) and the fused
+// quantizer + GEMV table (fused vs quantize + GEMM) alone.
 // `bench_cuda --decode-kernels`: the decode step's small kernels, old vs new (decode_kernels_bench.h).
 // `bench_cuda --fp8`: the copy bandwidth and the FP8 table (GEMV vs W8A8 tiles vs SGEMM) alone.
 #include <cuda_runtime.h>
@@ -21,6 +22,7 @@
 #include "cuda/device.h"
 #include "cuda/fp8_gemm.h"
 #include "cuda/gemm.h"
+#include "cuda/model_kernels.h"
 #include "cuda/quant.h"
 #include "decode_kernels_bench.h"
 #include "route_bench.h"
@@ -241,6 +243,209 @@ void gemv_table(double copy_gbs) {
   }
 }
 
+// The GEMV with the activation quantizer fused into it (w4a4_gemv_fused*) against the decode
+// sequence it replaces, per call at the peer model's shapes for decode batches 1, 4, 16: dense
+// q/k/v (N 5120) and o_proj (K 4096, accumulating into the residual), the routed experts' gate/up
+// (the MoE gather fused) and down (the SwiGLU fused). Each variant is captured as one CUDA graph
+// of `calls` launches rotating over weights worth more than 150 MB (read from HBM, as in decode),
+// and us is the median graph time / calls, so launch gaps count as they do in the decode graph.
+// Paths: "gemv only" (X already quantized: the floor), "quantize + auto" and "+ gemv" / "+ 16x128/4w"
+// (the unfused sequences: gather_rows / swiglu, quantize(), the GEMM; GemvTileLoop::Auto), "fused",
+// and "fused early" (dense, FusedAct::weights_ready: the weight stream starts before the previous
+// kernel ends); "gemv only" and "fused" with the tile loop Off, ", tile loop" with it On.
+void fused_table(double copy_gbs) {
+  const double kRotateBytes = 150e6;
+  std::printf("\n| W4A4 decode, fused quantizer | weight N x K | batch | path | us per call | weight GB/s | %% of copy |\n");
+  std::printf("|---|---|---|---|---|---|---|\n");
+  auto print = [&](const char* what, int64_t n, int64_t k, int64_t m, const char* path, double us, double bytes) {
+    const double gbs = bytes / us / 1e3;
+    std::printf("| %s | %lldx%lld | %lld | %s | %.2f | %.0f | %.0f |\n", what, static_cast<long long>(n),
+                static_cast<long long>(k), static_cast<long long>(m), path, us, gbs, 100.0 * gbs / copy_gbs);
+  };
+  cudaStream_t st;  // blocking: time_us's events on the legacy stream order around it
+  QUADS_CUDA_CHECK(cudaStreamCreate(&st));
+  const int calls = 24;
+  auto graph_us = [&](const std::function<void(int)>& body) {
+    for (int i = 0; i < 2; ++i) body(i);  // one-time setup (shared-memory opt-ins) outside the capture
+    QUADS_CUDA_CHECK(cudaStreamSynchronize(st));
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    QUADS_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < calls; ++i) body(i);
+    QUADS_CUDA_CHECK(cudaStreamEndCapture(st, &g));
+    QUADS_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+    const double us = time_us([&] { QUADS_CUDA_CHECK(cudaGraphLaunch(ge, st)); }) / calls;
+    QUADS_CUDA_CHECK(cudaGraphExecDestroy(ge));
+    QUADS_CUDA_CHECK(cudaGraphDestroy(g));
+    return us;
+  };
+  num::QConfig xc = num::QConfig::nvfp4_act();
+  xc.global = num::Global::PerRow;
+  W4A4Options gemv_opt;
+  gemv_opt.tile = W4A4Tile::Gemv;
+
+  struct D {
+    const char* name;
+    int64_t n, k;
+    bool accumulate;
+  };
+  for (const D& d : {D{"dense q/k/v", 5120, 2048, false}, D{"dense o_proj (+= residual)", 2048, 4096, true}}) {
+    const double wbytes = d.n * d.k * (0.5 + 1.0 / 16);
+    const int copies = static_cast<int>(kRotateBytes / wbytes) + 1;
+    DeviceArray<float> w(d.n * d.k);
+    fill_device(w, randn(std::min<int64_t>(d.n * d.k, 1 << 22), 21, 0.02f));
+    std::vector<DeviceQTensor> wq;
+    for (int c = 0; c < copies; ++c) {
+      wq.push_back(make_qtensor(d.n, d.k, num::QConfig::nvfp4_weight(true)));
+      quantize(w.data(), wq.back());
+    }
+    for (int64_t M : {1, 4, 16}) {
+      DeviceArray<float> x(M * d.k), y(M * d.n);
+      fill_device(x, randn(M * d.k, 22));
+      y.fill_bytes(0);
+      DeviceQTensor xq = make_qtensor(M, d.k, xc);
+      quantize(x.data(), xq, st);
+      for (bool loop : {false, true}) {
+        set_gemv_tile_loop(loop ? GemvTileLoop::On : GemvTileLoop::Off);
+        const double us = graph_us([&](int i) {
+          w4a4_gemm_emulated(nvfp4_view(xq), nvfp4_view(wq[i % copies]), y.data(), d.accumulate, st, gemv_opt);
+        });
+        print(d.name, d.n, d.k, M, loop ? "gemv only, tile loop" : "gemv only", us, wbytes);
+      }
+      set_gemv_tile_loop(GemvTileLoop::Auto);
+      const double us_auto = graph_us([&](int i) {
+        quantize(x.data(), xq, st);
+        w4a4_gemm_emulated(nvfp4_view(xq), nvfp4_view(wq[i % copies]), y.data(), d.accumulate, st);
+      });
+      print(d.name, d.n, d.k, M, M <= kGemvAutoMaxRows ? "quantize + auto (gemv)" : "quantize + auto (16x128/4w)",
+            us_auto, wbytes);
+      if (M > kGemvAutoMaxRows) {
+        const double us = graph_us([&](int i) {
+          quantize(x.data(), xq, st);
+          w4a4_gemm_emulated(nvfp4_view(xq), nvfp4_view(wq[i % copies]), y.data(), d.accumulate, st, gemv_opt);
+        });
+        print(d.name, d.n, d.k, M, "quantize + gemv", us, wbytes);
+      }
+      for (int v = 0; v < 3; ++v) {  // fused, early, early + tile loop
+        const bool early = v > 0;
+        set_gemv_tile_loop(v == 2 ? GemvTileLoop::On : GemvTileLoop::Off);
+        FusedAct a;
+        a.x = x.data();
+        a.ld = d.k;
+        a.rows = M;
+        a.k = d.k;
+        a.cfg = xc;
+        a.weights_ready = early;
+        const double us = graph_us([&](int i) { w4a4_gemv_fused(a, nvfp4_view(wq[i % copies]), y.data(), d.accumulate, st); });
+        print(d.name, d.n, d.k, M, v == 0 ? "fused" : v == 1 ? "fused early" : "fused early, tile loop", us, wbytes);
+      }
+      set_gemv_tile_loop(GemvTileLoop::Auto);
+    }
+  }
+
+  // routed experts: 64, top-8 at random; 8 routings rotate with the weight layers
+  for (const D& g : {D{"experts gate/up (gather)", 1536, 2048, false}, D{"experts down (swiglu)", 2048, 768, false}}) {
+    const int E = 64, topk = 8;
+    const bool swiglu = g.k == 768;
+    const double ebytes = g.n * g.k * (0.5 + 1.0 / 16);
+    const int layers = static_cast<int>(kRotateBytes / (E * ebytes)) + 1;
+    DeviceArray<float> w(g.n * g.k);
+    fill_device(w, randn(std::min<int64_t>(g.n * g.k, 1 << 22), 23, 0.02f));
+    std::vector<DeviceQTensor> wq;
+    std::vector<DeviceArray<Nvfp4Weight>> tabs;
+    for (int l = 0; l < layers; ++l) {
+      std::vector<Nvfp4Weight> tab;
+      for (int e = 0; e < E; ++e) {
+        wq.push_back(make_qtensor(g.n, g.k, num::QConfig::nvfp4_weight(true)));
+        quantize(w.data(), wq.back());
+        const Nvfp4View v = nvfp4_view(wq.back());
+        tab.push_back({v.codes, v.scales, v.amax});
+      }
+      tabs.emplace_back();
+      tabs.back().upload(tab);
+    }
+    std::mt19937 rng(29);
+    for (int64_t T : {1, 4, 16}) {
+      const int64_t R = T * topk;
+      const int ns = 8;
+      std::vector<DeviceArray<int32_t>> deoff(ns), dperm(ns);
+      double experts = 0;
+      for (int s = 0; s < ns; ++s) {
+        std::vector<std::vector<int32_t>> rows(E);
+        for (int64_t t = 0; t < T; ++t) {
+          std::vector<int> perm(E);
+          for (int e = 0; e < E; ++e) perm[e] = e;
+          std::shuffle(perm.begin(), perm.end(), rng);
+          for (int j = 0; j < topk; ++j) rows[perm[j]].push_back(static_cast<int32_t>(t * topk + j));
+        }
+        std::vector<int32_t> off(E + 1, 0), pm;
+        for (int e = 0; e < E; ++e) {
+          off[e + 1] = off[e] + static_cast<int32_t>(rows[e].size());
+          pm.insert(pm.end(), rows[e].begin(), rows[e].end());
+          experts += rows[e].empty() ? 0.0 : 1.0 / ns;
+        }
+        deoff[s].upload(off);
+        dperm[s].upload(pm);
+      }
+      const double bytes = experts * ebytes;
+      // sources: normed hidden rows [T, K] (gather), or the gate/up product [R, 2K] (swiglu)
+      DeviceArray<float> src(swiglu ? R * 2 * g.k : T * g.k), xe(R * g.k), y(R * g.n);
+      fill_device(src, randn(std::min<int64_t>(static_cast<int64_t>(src.size()), 1 << 22), 24));
+      DeviceQTensor xq = make_qtensor(R, g.k, xc);
+      auto prologue = [&](int s) {  // the unfused X: kern::gather_rows or kern::swiglu, then quantize()
+        if (swiglu) kern::swiglu(src.data(), src.data() + g.k, 2 * g.k, R, g.k, xe.data(), st);
+        else kern::gather_rows(src.data(), dperm[s].data(), R, topk, g.k, xe.data(), st);
+        quantize(xe.data(), xq, st);
+      };
+      prologue(0);
+      for (bool loop : {false, true}) {
+        set_gemv_tile_loop(loop ? GemvTileLoop::On : GemvTileLoop::Off);
+        const double us = graph_us([&](int i) {
+          w4a4_gemm_grouped(nvfp4_view(xq), tabs[i % layers].data(), false, g.n, E, deoff[(i / layers) % ns].data(), T,
+                            y.data(), st, 0, W4A4Tile::Gemv);
+        });
+        print(g.name, g.n, g.k, T, loop ? "gemv only, tile loop" : "gemv only", us, bytes);
+      }
+      set_gemv_tile_loop(GemvTileLoop::Auto);
+      for (W4A4Tile t : {W4A4Tile::Auto, W4A4Tile::Gemv, W4A4Tile::M16W4}) {
+        const double us = graph_us([&](int i) {
+          const int s = (i / layers) % ns;
+          prologue(s);
+          w4a4_gemm_grouped(nvfp4_view(xq), tabs[i % layers].data(), false, g.n, E, deoff[s].data(), T, y.data(), st,
+                            0, t);
+        });
+        const std::string path = std::string(swiglu ? "swiglu + " : "gather + ") + "quantize + " +
+                                 (t == W4A4Tile::Auto ? (gemv_auto_grouped(T, g.k) ? "auto (gemv)" : "auto (16x128/4w)")
+                                                      : tile_name(t));
+        print(g.name, g.n, g.k, T, path.c_str(), us, bytes);
+      }
+      for (bool loop : {false, true}) {
+        set_gemv_tile_loop(loop ? GemvTileLoop::On : GemvTileLoop::Off);
+        const double us_fused = graph_us([&](int i) {
+          const int s = (i / layers) % ns;
+          FusedAct a;
+          a.x = src.data();
+          a.rows = R;
+          a.k = g.k;
+          a.cfg = xc;
+          if (swiglu) {
+            a.u = src.data() + g.k;
+            a.ld = 2 * g.k;
+          } else {
+            a.ld = g.k;
+            a.map = dperm[s].data();
+            a.map_div = topk;
+          }
+          w4a4_gemv_fused_grouped(a, tabs[i % layers].data(), false, g.n, E, deoff[s].data(), T, y.data(), st);
+        });
+        print(g.name, g.n, g.k, T, loop ? "fused, tile loop" : "fused", us_fused, bytes);
+      }
+      set_gemv_tile_loop(GemvTileLoop::Auto);
+    }
+  }
+  QUADS_CUDA_CHECK(cudaStreamDestroy(st));
+}
+
 // FP8 (E4M3, the `fp8` preset: 128x128 weight blocks, 1x128 activation blocks) at the peer
 // model's shapes: the CUDA-core GEMV on X_eff against the W8A8 tensor-core tiles on codes, and
 // (dense) W_eff dequantized + cuBLAS SGEMM, the old prefill path. Experts: 64, top-8 routed at
@@ -400,6 +605,7 @@ int main(int argc, char** argv) {
     src.reset();
     dst.reset();
     gemv_table(copy_gbs);
+    fused_table(copy_gbs);
     return 0;
   }
   if (argc > 1 && std::string(argv[1]) == "--fp8") {  // the FP8 GEMV / tile table alone

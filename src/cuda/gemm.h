@@ -113,6 +113,67 @@ void w4a4_gemm_grouped_gather(const Nvfp4View& xr, const Nvfp4Weight* w_table, b
 // little work per CTA: 37 vs 29 us at batch 4.
 constexpr int64_t kGemvAutoMaxRows = 4;
 bool gemv_auto_grouped(int64_t max_rows, int64_t k);
+// The GEMV's grid: one CTA per tile of weight rows (Off), or about one wave of CTAs that loop
+// over the tiles (On: X is decoded once per CTA, and the weight loads run on from one tile into
+// the next). Same bits either way. Auto (the default) takes the loop for dense and fused calls and
+// for grouped calls with at most one row per group, not for the RAC gather. H200, graph-timed
+// (bench_cuda --gemv): grouped batch 1 gate/up 12.9 -> 11.4 us, down 10.1 -> 8.6, fused 16.9 ->
+// 14.5 and 14.0 -> 10.6; dense a tie at 1 and 4 rows, o_proj at 16 rows 25.4 -> 23.6; but plain
+// grouped calls with more rows lose (routed batch 4 gate/up 41.1 -> 42.1, batch 16 99 -> 127).
+// Read at each launch (a captured graph keeps its grid); QUADS_GEMV_TILE_LOOP=0 / 1 in the
+// environment sets Off / On.
+enum class GemvTileLoop : uint8_t { Auto, Off, On };
+void set_gemv_tile_loop(GemvTileLoop mode);
+GemvTileLoop gemv_tile_loop();
+
+// ---- The GEMV with the activation quantizer fused into it (decode) ----
+// Y (+)= quantize(X) . W^T where X is given as FP32 rows and each CTA quantizes the rows it needs
+// (NVFP4 E2M1 1x16, the config's per-row or static amax) in its prologue, straight into the GEMV's
+// shared-memory operand: no codes in global memory, no quantize() launch, and the gather of MoE
+// rows and the SwiGLU of the expert MLP happen in the same loads. The quantizer is quantize()'s
+// row kernel step for step (cuda/quant_row.cuh), and the GEMV is W4A4Tile::Gemv, so y is bit for
+// bit what (gather_rows / swiglu ->) quantize() -> w4a4_gemm_emulated / w4a4_gemm_grouped with
+// tile Gemv give (tests/cuda/test_w4a4_fused.cpp).
+// The rows of X (r < rows, K = k columns):
+//   source row s = map ? map[r] / map_div : r   (map: int32 on the device; kern::gather_rows'
+//                                               idx / div, e.g. the MoE permutation and top-k)
+//   X[r][c] = x[s * ld + c], or with u: kern::swiglu1(x[s * ld + c], u[s * ld + c]) (the fused
+//   gate/up product [R, 2I]: x = gu, u = gu + I, ld = 2I, k = I).
+// x and u 16-byte aligned, ld a multiple of 4, and neither may alias y.
+struct FusedAct {
+  const float* x = nullptr;
+  const float* u = nullptr;
+  int64_t ld = 0;
+  const int32_t* map = nullptr;
+  int map_div = 1;
+  int64_t rows = 0, k = 0;
+  num::QConfig cfg;
+  // Dense calls: the weights were not written by the kernel just before this one in the stream,
+  // so the GEMV may start streaming them before that kernel has finished (programmatic dependent
+  // launch; X and y are touched only after it). True for a model's decode graph, whose weights
+  // change only between steps; leave false after a kernel that writes W (requantization).
+  bool weights_ready = false;
+};
+// Rows per weight (a dense call's rows, a grouped call's max_rows) up to which a caller should
+// take the fused GEMV. H200, graph-timed per call (bench_cuda --gemv), fused vs (gather_rows /
+// swiglu +) quantize() + Auto at batch 1: q/k/v 10.3 -> 7.2 us (weights_ready), o_proj 12.4 ->
+// 8.8, experts gate/up 17.9 -> 14.5, down 14.0 -> 10.6. At batch 4 it loses (q/k/v 13.0 vs 13.5,
+// o_proj 15.5 vs 18.8, down 27.5 vs 43.5 against the tiles; gate/up ties): every CTA quantizes
+// its 4 rows again. Batch 2 is not measured yet.
+constexpr int64_t kGemvFusedMaxRows = 1;
+// True when the fused GEMV reproduces quantize() for act (NVFP4 E2M1 1x16, Global::PerRow or
+// Static, no stochastic rounding), K is a multiple of 64 that fits the GEMV's shared memory, and
+// 1 <= max_rows_per_weight <= kGemvFusedMaxRows. Otherwise: quantize() and the GEMM.
+bool w4a4_gemv_fused_supported(const num::QConfig& act, int64_t k, int64_t max_rows_per_weight);
+// Dense: y [x.rows, w.rows] (+)= X . W^T.
+void w4a4_gemv_fused(const FusedAct& x, const Nvfp4View& w, float* y, bool accumulate = false,
+                     cudaStream_t stream = nullptr);
+// Grouped over experts as w4a4_gemm_grouped (eoff, w_table on the device, max_rows a host bound
+// on a group's rows): rows eoff[e] .. eoff[e+1] of X times W_e^T into the same rows of y
+// [x.rows, n]; x.weights_ready is ignored (the weight comes from the table, after eoff).
+void w4a4_gemv_fused_grouped(const FusedAct& x, const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n,
+                             int groups, const int32_t* eoff, int64_t max_rows, float* y,
+                             cudaStream_t stream = nullptr);
 
 // out[m, 16 i + j] = x[m, 16 blocks[i] + j] for i < nsel, zeros up to out_cols (a multiple of 16):
 // the compact input of w4a4_gemm_gather's quantizer.

@@ -14,6 +14,7 @@
 #include "cuda/codecs.cuh"
 #include "cuda/pdl.cuh"
 #include "cuda/quant.h"
+#include "cuda/quant_row.cuh"
 
 namespace quads::cuda {
 
@@ -27,33 +28,7 @@ namespace {
 
 using namespace dev;
 
-// ---- 16-byte vectors of float32 (4) or bf16 bits (8) ----------------------------------------
-template <typename T>
-struct Vec {
-  static constexpr int N = 16 / sizeof(T);
-};
-
-template <typename T>
-__device__ __forceinline__ float vget(const uint4& r, int i) {
-  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
-  if constexpr (sizeof(T) == 4) {
-    return u2f(w[i]);
-  } else {
-    return u2f((i & 1) ? (w[i >> 1] & 0xFFFF0000u) : (w[i >> 1] << 16));
-  }
-}
-// max |x| of the vector as float bits (NaN largest)
-template <typename T>
-__device__ __forceinline__ uint32_t vabsmax(const uint4& r) {
-  if constexpr (sizeof(T) == 4) {
-    return max(max(r.x & 0x7FFFFFFFu, r.y & 0x7FFFFFFFu), max(r.z & 0x7FFFFFFFu, r.w & 0x7FFFFFFFu));
-  } else {
-    const uint32_t a = max(max((r.x << 16) & 0x7FFF0000u, (r.y << 16) & 0x7FFF0000u),
-                           max((r.z << 16) & 0x7FFF0000u, (r.w << 16) & 0x7FFF0000u));
-    const uint32_t b = max(max(r.x & 0x7FFF0000u, r.y & 0x7FFF0000u), max(r.z & 0x7FFF0000u, r.w & 0x7FFF0000u));
-    return max(a, b);
-  }
-}
+// 16-byte vectors (Vec, vget, vabsmax) and the NVFP4 steps: quant_row.cuh.
 template <typename T>
 __device__ __forceinline__ uint4 vpack(const float* v) {
   if constexpr (sizeof(T) == 4) {
@@ -195,8 +170,9 @@ __global__ void __launch_bounds__(32 * kRowWarps) row_block_kernel(const RowArgs
         dq = ue8m0_decode(sf);
         enc = __fdiv_rn(1.f, dq);  // exact: a power of two (or NaN), so x*enc == x/X
       } else {
-        sf = nv_scale_code(u2f(m), g);
-        enc = nv_encode_factor(sf, g);
+        const NvBlockScale bs = nv_block_scale(m, g);
+        sf = bs.sf;
+        enc = bs.enc;
         dq = nv_decode_factor<K == kNvE1M2>(sf, g.amax);
       }
       uint32_t packed[BLK / 8];
@@ -208,9 +184,10 @@ __global__ void __launch_bounds__(32 * kRowWarps) row_block_kernel(const RowArgs
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           const int e = q * VEC + j;  // element of the block
-          const float t = __fmul_rn(vget<T>(buf[i][q], j), enc);
-          const uint32_t c = a.sr ? encode4_sr(t, K == kNvE1M2, a.seed, static_cast<uint64_t>((row * nblk + b) * BLK + e))
-                                  : encode4(K, t);
+          const float x = vget<T>(buf[i][q], j);
+          const uint32_t c = a.sr ? encode4_sr(nv_scaled(x, enc), K == kNvE1M2, a.seed,
+                                               static_cast<uint64_t>((row * nblk + b) * BLK + e))
+                                  : nv_encode<K == kNvE1M2>(x, enc);
           packed[e / 8] |= c << (4 * (e % 8));
           if constexpr (FAKE) y[j] = __fmul_rn(decode4(K, c), dq);
         }

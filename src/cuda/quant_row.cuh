@@ -1,0 +1,85 @@
+#pragma once
+// The NVFP4 row quantizer's steps as device functions, shared by quant.cu's row kernel
+// (quantize / fake_quantize) and the W4A4 GEMV that quantizes its activation rows in its prologue
+// (w4a4_gemm.cu): both compose these same functions, so the fused GEMV's codes, block scales and
+// global amax are quantize()'s bit for bit by construction. Steps, in the order of
+// numerics/quantize.h:
+//   amax  = max |x| over the row (or the static / per-tensor value): absmax bits of 16-byte
+//           vectors, NaN largest, combined with integer max;
+//   g     = nv_global(amax)                       (codecs.cuh)
+//   block = nv_block_scale(block amax, g)         scale code and encoding factor
+//   code  = nv_encode(x, block.enc)               round to nearest even
+#include <cstdint>
+
+#include "cuda/codecs.cuh"
+
+namespace quads::cuda::dev {
+
+// 16-byte vectors of float32 (4) or bf16 bits (8).
+template <typename T>
+struct Vec {
+  static constexpr int N = 16 / sizeof(T);
+};
+
+template <typename T>
+__device__ __forceinline__ float vget(const uint4& r, int i) {
+  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+  if constexpr (sizeof(T) == 4) {
+    return u2f(w[i]);
+  } else {
+    return u2f((i & 1) ? (w[i >> 1] & 0xFFFF0000u) : (w[i >> 1] << 16));
+  }
+}
+// max |x| of the vector as float bits (NaN largest: its bits exceed inf's)
+template <typename T>
+__device__ __forceinline__ uint32_t vabsmax(const uint4& r) {
+  if constexpr (sizeof(T) == 4) {
+    return max(max(r.x & 0x7FFFFFFFu, r.y & 0x7FFFFFFFu), max(r.z & 0x7FFFFFFFu, r.w & 0x7FFFFFFFu));
+  } else {
+    const uint32_t a = max(max((r.x << 16) & 0x7FFF0000u, (r.y << 16) & 0x7FFF0000u),
+                           max((r.z << 16) & 0x7FFF0000u, (r.w << 16) & 0x7FFF0000u));
+    const uint32_t b = max(max(r.x & 0x7FFF0000u, r.y & 0x7FFF0000u), max(r.z & 0x7FFF0000u, r.w & 0x7FFF0000u));
+    return max(a, b);
+  }
+}
+__device__ __forceinline__ uint32_t vabsmax(const float4& v) {
+  return vabsmax<float>(make_uint4(f2u(v.x), f2u(v.y), f2u(v.z), f2u(v.w)));
+}
+
+// The scale of one NVFP4 block: E4M3 scale code and the factor its elements are multiplied by
+// before rounding to the element grid.
+struct NvBlockScale {
+  uint32_t sf;
+  float enc;
+};
+__device__ __forceinline__ NvBlockScale nv_block_scale(uint32_t block_amax_bits, const NvGlobal& g) {
+  const uint32_t sf = nv_scale_code(u2f(block_amax_bits), g);
+  return {sf, nv_encode_factor(sf, g)};
+}
+// x * enc, the value that is rounded to the 4-bit grid (stochastic rounding starts from it too).
+__device__ __forceinline__ float nv_scaled(float x, float enc) { return __fmul_rn(x, enc); }
+// The element's 4-bit code, round to nearest even.
+template <bool E1M2>
+__device__ __forceinline__ uint32_t nv_encode(float x, float enc) {
+  const float t = nv_scaled(x, enc);
+  return E1M2 ? e1m2_encode(t) : e2m1_encode(t);
+}
+
+// One NVFP4 E2M1 block of 16 float32 (four vectors) as quantize() stores it: the 16 codes packed
+// two per byte in element order (elements 0..7 in .x, element 0 in the low nibble), and its scale
+// code in sf. block_amax_bits: the vabsmax of the four vectors.
+__device__ __forceinline__ uint2 nv_quant_block16(const float4 (&v)[4], uint32_t block_amax_bits, const NvGlobal& g,
+                                                  uint32_t& sf) {
+  const NvBlockScale s = nv_block_scale(block_amax_bits, g);
+  sf = s.sf;
+  uint32_t w[2] = {0u, 0u};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float e[4] = {v[q].x, v[q].y, v[q].z, v[q].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) w[q >> 1] |= nv_encode<false>(e[j], s.enc) << (4 * ((q & 1) * 4 + j));
+  }
+  return make_uint2(w[0], w[1]);
+}
+
+}  // namespace quads::cuda::dev
