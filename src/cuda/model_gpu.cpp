@@ -201,6 +201,8 @@ struct GpuModel::Impl {
   DeviceQTensor xrq;              // RAC: the quantized residual (W4A4 linears)
   DeviceArray<int32_t> idx, perm, inv, argmax;
   DeviceArray<uint16_t> bop;
+  DeviceArray<uint16_t> xnb;     // BF16 copy of a norm's output (fused kernels), for the BF16 GEMM reading it
+  DeviceArray<uint8_t> attn_ws;  // kern::attention_decode_fused's counters (zeroed once, left at zero)
   DeviceQTensor xq;  // W4A4 activation operand (rows set per use)
 
   // MoE on the device (default): routing by kern::moe_route, one grouped GEMM per projection per
@@ -213,6 +215,11 @@ struct GpuModel::Impl {
   // a batch-1 step otherwise ran 4 CTAs). QUADS_GPU_ATTN_DECODE=warp keeps kern::attention (the
   // CPU's summation order), =tiled kern::attention_tiled (its bits, K/V staged in shared memory).
   bool attn_tiled_decode = false, attn_split_decode = true;
+  // Fused decode-step kernels (kern::rmsnorm_bf16, add_rmsnorm, moe_combine_add_rmsnorm,
+  // qk_norm_rope_store_qkv, router_route, attention_decode_fused): fewer launches, the same bits.
+  // QUADS_GPU_FUSED=0 (or QUADS_DECODE_KERNELS=old) runs the unfused sequence; QUADS_GPU_ATTN_FUSED=0
+  // keeps the split + merge attention only.
+  bool fused_on = true, attn_fused_on = true;
   // Prefills of fresh slots (every item from position 0, at least kGemmAttnTokens tokens): the
   // attention as FP32 SGEMMs per sequence (AttentionTc::set_fp32: the CPU's arithmetic up to
   // summation order, ~6x the one-warp-per-row kernel at 16 x 1024); QUADS_GPU_ATTN=direct keeps
@@ -248,6 +255,7 @@ struct GpuModel::Impl {
   };
   std::vector<Grouped> grouped;  // per layer
   DeviceArray<int32_t> ecount, eoff_d, bad_d;
+  DeviceArray<uint32_t> route_ticket;  // kern::router_route's last-CTA ticket (left at zero by every call)
   int32_t* bad_host = nullptr;  // pinned copy of bad_d, queued at the end of every step
   uint8_t* in_host = nullptr;   // pinned staging of a step's inputs (tokens, slots, positions, rows, RoPE)
   size_t in_host_bytes = 0;
@@ -292,6 +300,8 @@ struct GpuModel::Impl {
     attn_tiled_decode = env_is("QUADS_GPU_ATTN_DECODE", "tiled");
     attn_split_decode = !attn_tiled_decode && !env_is("QUADS_GPU_ATTN_DECODE", "warp");
     attn_gemm_on = !attn_tiled && !env_is("QUADS_GPU_ATTN", "direct");
+    fused_on = !env_is("QUADS_GPU_FUSED", "0");
+    attn_fused_on = !env_is("QUADS_GPU_ATTN_FUSED", "0");
     if (attn_gemm_on) {  // now, not in the first prefill: creating its cuBLAS handle takes ~0.1 s
       attn_gemm = std::make_unique<AttentionTc>();
       attn_gemm->set_fp32(true);
@@ -305,6 +315,8 @@ struct GpuModel::Impl {
     eoff_d.resize(E + 1);
     bad_d.resize(1);
     bad_d.fill_bytes(0);
+    route_ticket.resize(1);
+    route_ticket.fill_bytes(0);
     QUADS_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&bad_host), sizeof(int32_t), cudaHostAllocDefault));
     *bad_host = 0;
     active_d.resize(std::max(cfg.num_hidden_layers, 1));
@@ -482,10 +494,36 @@ struct GpuModel::Impl {
     return resid;
   }
 
+  // The W4A4 GEMV with the activation quantizer in its prologue (w4a4_gemv_fused): for a linear in
+  // W4A4 without RAC whose activation rounding the fused quantizer reproduces, at rows per weight
+  // (a dense call's rows, a grouped call's token count) where it pays (kGemvFusedMaxRows).
+  bool fused_gemv(const DevLinear& L, int64_t rows_per_weight) const {
+    return fused_on && !kern::legacy_decode_kernels() && L.mode == GpuLinearMode::W4A4 && L.rac_nsel == 0 &&
+           w4a4_gemv_fused_supported(L.act_cfg(), L.in, rows_per_weight);
+  }
+  static FusedAct fused_act(const float* x, int64_t ld, int64_t rows, const DevLinear& L, bool dense) {
+    FusedAct a;
+    a.x = x;
+    a.ld = ld;
+    a.rows = rows;
+    a.k = L.in;
+    a.cfg = L.act_cfg();
+    a.weights_ready = dense;  // in a step no kernel writes weights (requantize() runs between steps)
+    return a;
+  }
+  // Sparse layer l's gate/up reads the normed rows through the routing permutation (no gathered
+  // copy): W4A4 experts, gate and up fused, no grouped RAC.
+  bool moe_gate_up_fused(int l, int64_t T) const {
+    const LayerIdx& li = layers[l];
+    return li.fused_gu && !grouped[l].rac[0].on && !grouped[l].rac[1].on && fused_gemv(lin[li.mlp], T) &&
+           grouped[l].gu.mode == GpuLinearMode::W4A4;
+  }
+
   // The MLP of sparse layer l over the R = T * k rows X in expert order (eoff_d on the device):
   // one GEMM launch per projection. Same operands and per-row rounding as mlp(); each expert's
   // rows come out as a per-expert GEMM's (the W4A4 kernel without split K, BF16/FP32 our own sum).
-  void mlp_grouped(int l, int64_t T, const float* X, int64_t R, float* Y) {
+  // xn (moe_gate_up_fused): X is not gathered; row r is xn's row perm[r] / k.
+  void mlp_grouped(int l, int64_t T, const float* X, int64_t R, float* Y, const float* xn = nullptr) {
     const LayerIdx& li = layers[l];
     const Grouped& Gt = grouped[l];
     const int E = li.nexperts;
@@ -511,20 +549,40 @@ struct GpuModel::Impl {
       stats.expert_gemms += 1;
     };
     const int need_f = T <= fp8_grouped_gemv_tokens ? 1 : 0;  // FP8: X_eff for the grouped GEMV
-    const Operand all = prepare(lin[li.mlp], X, R, need_f);
+    if (xn) {
+      FusedAct a = fused_act(xn, H, R, lin[li.mlp], false);
+      a.map = perm.data();
+      a.map_div = cfg.num_experts_per_tok;
+      w4a4_gemv_fused_grouped(a, Gt.gu.q.data(), Gt.gu.amax_row, 2 * I, E, eo, T, gp, stream);
+      stats.expert_gemms += 1;
+    }
+    const DevLinear& D0 = lin[li.mlp + 2];
+    const bool down_fused = !Gt.rac[2].on && fused_gemv(D0, T) && Gt.d.mode == GpuLinearMode::W4A4;
     if (li.fused_gu) {
-      run(Gt.gu, all, 2 * I, H, gp);
-      const float* res = grouped_rac(l, 0, X, R, T, gp, 2 * I);
-      grouped_rac(l, 1, X, R, T, gp + I, 2 * I, res);
-      kern::swiglu(gp, gp + I, 2 * I, R, I, hp, stream);
+      if (!xn) {
+        const Operand all = prepare(lin[li.mlp], X, R, need_f);
+        run(Gt.gu, all, 2 * I, H, gp);
+        const float* res = grouped_rac(l, 0, X, R, T, gp, 2 * I);
+        grouped_rac(l, 1, X, R, T, gp + I, 2 * I, res);
+      }
+      if (!down_fused) kern::swiglu(gp, gp + I, 2 * I, R, I, hp, stream);
     } else {
+      QUADS_CHECK(!xn, "GpuModel: layer {}: the fused gate/up GEMV needs fused gate/up weights", l);
+      const Operand all = prepare(lin[li.mlp], X, R, need_f);
       run(Gt.g, all, I, H, gp);
       run(Gt.u, all, I, H, up);
       const float* res = grouped_rac(l, 0, X, R, T, gp, I);
       grouped_rac(l, 1, X, R, T, up, I, res);
-      kern::swiglu(gp, up, I, R, I, hp, stream);
+      if (!down_fused) kern::swiglu(gp, up, I, R, I, hp, stream);
     }
-    const Operand od = prepare(lin[li.mlp + 2], hp, R, need_f);
+    if (down_fused) {  // SwiGLU and the quantizer in the down GEMV's prologue
+      FusedAct a = fused_act(gp, li.fused_gu ? 2 * I : I, R, D0, false);
+      a.u = li.fused_gu ? gp + I : up;
+      w4a4_gemv_fused_grouped(a, Gt.d.q.data(), Gt.d.amax_row, H, E, eo, T, Y, stream);
+      stats.expert_gemms += 1;
+      return;
+    }
+    const Operand od = prepare(D0, hp, R, need_f);
     run(Gt.d, od, H, I, Y);
     grouped_rac(l, 2, hp, R, T, Y, H);
   }
@@ -845,7 +903,8 @@ struct GpuModel::Impl {
 
   // FP8 with E4M3 activations: codes + scales for the tiles, or X_eff in FP32 for the GEMVs where
   // every GEMM of the operand runs one (need_f: 1 yes, 0 no, -1 when M is at most a GEMV's rows).
-  Operand prepare(const DevLinear& L, const float* X, int64_t M, int need_f = -1) {
+  // xb: X's BF16 bits when a fused norm already wrote them (BF16 linears then convert nothing).
+  Operand prepare(const DevLinear& L, const float* X, int64_t M, int need_f = -1, const uint16_t* xb = nullptr) {
     Operand op;
     op.mode = L.mode;
     op.rows = M;
@@ -854,6 +913,10 @@ struct GpuModel::Impl {
     const int64_t n = M * L.in;
     switch (L.mode) {
       case GpuLinearMode::BF16:
+        if (xb) {
+          op.b = xb;
+          break;
+        }
         op.b = grow(bop, n);
         kern::to_bf16(X, bop.data(), n, stream);
         break;
@@ -1188,35 +1251,90 @@ struct GpuModel::Impl {
       max_ctx = std::max(max_ctx, std::min(c, max_len));
     }
 
+    // Fused kernels: every RMSNorm runs in the kernel that last wrote the residual stream (the MoE
+    // combine or the residual add; the first layer's after the embedding), with a BF16 copy where a
+    // BF16 GEMM reads it; the final norm too when every row gives logits, in order (decode).
+    const bool fuse = fused_on && !kern::legacy_decode_kernels();
+    bool final_in_layers = fuse && nout == T && cfg.num_hidden_layers > 0;
+    for (int64_t i = 0; i < nout && final_in_layers; ++i) final_in_layers = hsel[i] == i;
+    uint16_t* xnbp = fuse ? grow(xnb, size_t(T * H)) : nullptr;
+    auto bf_in = [&](int l) -> uint16_t* { return fuse && lin[layers[l].q].mode == GpuLinearMode::BF16 ? xnbp : nullptr; };
+    auto bf_post = [&](int l) -> uint16_t* {
+      return fuse && layers[l].sparse && lin[layers[l].router].mode == GpuLinearMode::BF16 ? xnbp : nullptr;
+    };
+    uint16_t* bf_final = fuse && lin[lm_head].mode == GpuLinearMode::BF16 ? xnbp : nullptr;
+    const bool attn_fused = fuse && attn_fused_on && decode && !tiled && attn_split_decode &&
+                            kern::attention_decode_split_supported(nh, nkv, hd);
+    size_t attn_ws_bytes = 0;
+    if (attn_fused) {
+      attn_ws_bytes = kern::attention_decode_fused_workspace(T, nh, nkv, hd, max_ctx);
+      if (attn_ws.size() < attn_ws_bytes) {
+        grow(attn_ws, attn_ws_bytes);
+        attn_ws.fill_bytes(0);
+      }
+    }
+
     auto body = [&]() {
     kern::embedding(M + lay.embed, d_tok, T, H, xp, stream);
+    if (fuse && cfg.num_hidden_layers > 0)
+      kern::rmsnorm_bf16(xp, M + lay.layers[0].input_norm, T, H, eps, xnp, bf_in(0), stream);
+    // The MoE output or dense MLP output ye enters the residual stream; with fused kernels the next
+    // norm (next layer's input norm, or the final norm) runs in the same kernel.
+    auto finish_layer = [&](int l, const float* ye, bool moe) {
+      const float* wn = nullptr;
+      float* y = xnp;
+      uint16_t* yb = nullptr;
+      if (fuse && l + 1 < cfg.num_hidden_layers) {
+        wn = M + lay.layers[l + 1].input_norm;
+        yb = bf_in(l + 1);
+      } else if (final_in_layers && l + 1 == cfg.num_hidden_layers) {
+        wn = M + lay.final_norm;
+        y = xfp;
+        yb = bf_final;
+      }
+      if (moe && wn) kern::moe_combine_add_rmsnorm(ye, inv.data(), w.data(), T, K, H, xp, wn, eps, y, yb, stream);
+      else if (moe) kern::moe_combine_add(ye, inv.data(), w.data(), T, K, H, xp, stream);
+      else if (wn) kern::add_rmsnorm(xp, ye, T, H, wn, eps, y, yb, stream);
+      else kern::add_inplace(xp, ye, T * H, stream);
+    };
     for (int l = 0; l < cfg.num_hidden_layers; ++l) {
       const model::LayerOffsets& o = lay.layers[l];
       const LayerIdx& li = layers[l];
-      kern::rmsnorm(xp, M + o.input_norm, T, H, eps, xnp, stream);
+      if (!fuse) kern::rmsnorm(xp, M + o.input_norm, T, H, eps, xnp, stream);
       const DevLinear &Lq = lin[li.q], &Lk = lin[li.k], &Lv = lin[li.v], &Lo = lin[li.o];
-      if (li.fused_qkv && Lq.rac_nsel == 0 && Lk.rac_nsel == 0 && Lv.rac_nsel == 0) {
-        const Operand oq = prepare(Lq, xnp, T);
-        const int64_t rows = qd + 2 * kvd;
-        stats.weight_bytes += Lq.bytes() + Lk.bytes() + Lv.bytes();
-        if (Lq.mode == GpuLinearMode::BF16)
-          gemm_bf16(*blas, oq.b, qkv[l].b.data(), qkvp, T, rows, H, stream);
-        else
-          w4a4_gemm_emulated(oq.v, qkv[l].v, qkvp, false, stream);
-        kern::split_cols3(qkvp, T, qd, kvd, kvd, qp, kp, vp, stream);
-      } else {
-        const Operand oq = prepare(Lq, xnp, T);
-        gemm(Lq, oq, 0, T, qp);
-        const Operand ok = same_operand(Lk, Lq) ? oq : prepare(Lk, xnp, T);
-        gemm(Lk, ok, 0, T, kp);
-        const Operand ov = same_operand(Lv, Lk) ? ok : prepare(Lv, xnp, T);
-        gemm(Lv, ov, 0, T, vp);
-      }
       float* kcl = kc.data() + l * cache_layer;
       float* vcl = vc.data() + l * cache_layer;
       const float* kvf = l < int(kv_factor.size()) && kv_factor[l].size() ? kv_factor[l].data() : nullptr;
-      kern::qk_norm_rope_store(qp, kp, vp, M + o.q_norm, M + o.k_norm, eps, d_cos, d_sin, d_slot, d_pos, T, nh, nkv,
-                               hd, kcl, vcl, max_len, stream, kvf);
+      if (li.fused_qkv && Lq.rac_nsel == 0 && Lk.rac_nsel == 0 && Lv.rac_nsel == 0) {
+        const int64_t rows = qd + 2 * kvd;
+        stats.weight_bytes += Lq.bytes() + Lk.bytes() + Lv.bytes();
+        if (fused_gemv(Lq, T)) {
+          w4a4_gemv_fused(fused_act(xnp, H, T, Lq, true), qkv[l].v, qkvp, false, stream);
+        } else {
+          const Operand oq = prepare(Lq, xnp, T, -1, bf_in(l));
+          if (Lq.mode == GpuLinearMode::BF16)
+            gemm_bf16(*blas, oq.b, qkv[l].b.data(), qkvp, T, rows, H, stream);
+          else
+            w4a4_gemm_emulated(oq.v, qkv[l].v, qkvp, false, stream);
+        }
+        if (fuse) {
+          kern::qk_norm_rope_store_qkv(qkvp, rows, qp, M + o.q_norm, M + o.k_norm, eps, d_cos, d_sin, d_slot, d_pos, T,
+                                       nh, nkv, hd, kcl, vcl, max_len, stream, kvf);
+        } else {
+          kern::split_cols3(qkvp, T, qd, kvd, kvd, qp, kp, vp, stream);
+          kern::qk_norm_rope_store(qp, kp, vp, M + o.q_norm, M + o.k_norm, eps, d_cos, d_sin, d_slot, d_pos, T, nh,
+                                   nkv, hd, kcl, vcl, max_len, stream, kvf);
+        }
+      } else {
+        const Operand oq = prepare(Lq, xnp, T, -1, bf_in(l));
+        gemm(Lq, oq, 0, T, qp);
+        const Operand ok = same_operand(Lk, Lq) ? oq : prepare(Lk, xnp, T, -1, bf_in(l));
+        gemm(Lk, ok, 0, T, kp);
+        const Operand ov = same_operand(Lv, Lk) ? ok : prepare(Lv, xnp, T, -1, bf_in(l));
+        gemm(Lv, ov, 0, T, vp);
+        kern::qk_norm_rope_store(qp, kp, vp, M + o.q_norm, M + o.k_norm, eps, d_cos, d_sin, d_slot, d_pos, T, nh, nkv,
+                                 hd, kcl, vcl, max_len, stream, kvf);
+      }
       if (kv_post) {  // ReQAT: the new rows out of the cache (keys shifted), quantized, back
         const float* kvm = l < int(kv_shift.size()) && kv_shift[l].size() ? kv_shift[l].data() : nullptr;
         kern::kv_rows(kcl, vcl, d_slot, d_pos, T, nkv, hd, max_len, kvm, kbp, vbp, false, stream);
@@ -1233,33 +1351,57 @@ struct GpuModel::Impl {
       } else if (tiled)
         kern::attention_tiled(qp, kcl, vcl, d_slot, d_pos, d_blk, nblk, nh, nkv, hd, scale, max_len, max_ctx, attn_hpc,
                               attn_tpc, ap, stream);
+      else if (attn_fused)
+        kern::attention_decode_fused(qp, kcl, vcl, d_slot, d_pos, T, nh, nkv, hd, scale, max_len, max_ctx, ap,
+                                     attn_ws.data(), attn_ws_bytes, stream);
       else if (decode && attn_split_decode && kern::attention_decode_split_supported(nh, nkv, hd))
         kern::attention_decode_split(qp, kcl, vcl, d_slot, d_pos, T, nh, nkv, hd, scale, max_len, max_ctx, ap, stream);
       else
         kern::attention(qp, kcl, vcl, d_slot, d_pos, T, nh, nkv, hd, scale, max_len, max_ctx, decode, ap, stream,
                         attn_tokens);
-      const Operand oo = prepare(Lo, ap, T);
       if (Lo.mode == GpuLinearMode::W4A4 && Lo.rac_nsel == 0) {
         // the epilogue adds into the residual stream (x + o, the add_inplace it replaces)
         stats.weight_bytes += Lo.bytes();
-        w4a4_gemm_emulated(oo.v, Lo.wv, xp, true, stream);
+        if (fused_gemv(Lo, T)) {
+          w4a4_gemv_fused(fused_act(ap, qd, T, Lo, true), Lo.wv, xp, true, stream);
+        } else {
+          const Operand oo = prepare(Lo, ap, T);
+          w4a4_gemm_emulated(oo.v, Lo.wv, xp, true, stream);
+        }
+        if (fuse) kern::rmsnorm_bf16(xp, M + o.post_norm, T, H, eps, xnp, bf_post(l), stream);
+        else kern::rmsnorm(xp, M + o.post_norm, T, H, eps, xnp, stream);
       } else {
+        const Operand oo = prepare(Lo, ap, T);
         gemm(Lo, oo, 0, T, tp);
-        kern::add_inplace(xp, tp, T * H, stream);
+        if (fuse) {
+          kern::add_rmsnorm(xp, tp, T, H, M + o.post_norm, eps, xnp, bf_post(l), stream);
+        } else {
+          kern::add_inplace(xp, tp, T * H, stream);
+          kern::rmsnorm(xp, M + o.post_norm, T, H, eps, xnp, stream);
+        }
       }
-      kern::rmsnorm(xp, M + o.post_norm, T, H, eps, xnp, stream);
       if (li.sparse) {
         const DevLinear& Lr = lin[li.router];
-        const Operand orr = prepare(Lr, xnp, T);
+        const Operand orr = prepare(Lr, xnp, T, -1, bf_post(l));
         gemm(Lr, orr, 0, T, rlogits.data());
-        kern::router_topk_fwd(rlogits.data(), T, E, K, cfg.norm_topk_prob, probs.data(), idx.data(), w.data(), nullptr,
-                              stream);
+        // top-k and routing in one launch pays at small batches (H200, bench_cuda --route: 5.7 vs
+        // 7.4 us at T = 1, a tie at 16, 0.97x at 64)
+        const bool one_launch = !legacy_moe && T <= 16;
+        if (one_launch)
+          kern::router_route(rlogits.data(), T, E, K, cfg.norm_topk_prob, probs.data(), idx.data(), w.data(),
+                             ecount.data(), eoff_d.data(), perm.data(), inv.data(),
+                             grouped_now(l, T) ? active_d.data() + l : nullptr, bad_d.data(), route_ticket.data(), stream);
+        else
+          kern::router_topk_fwd(rlogits.data(), T, E, K, cfg.norm_topk_prob, probs.data(), idx.data(), w.data(), nullptr,
+                                stream);
         if (!legacy_moe) {
-          kern::moe_route(idx.data(), T * K, E, ecount.data(), eoff_d.data(), perm.data(), inv.data(),
-                          grouped_now(l, T) ? active_d.data() + l : nullptr, bad_d.data(), stream);
-          kern::gather_rows(xnp, perm.data(), T * K, K, H, xep, stream);
+          if (!one_launch)
+            kern::moe_route(idx.data(), T * K, E, ecount.data(), eoff_d.data(), perm.data(), inv.data(),
+                            grouped_now(l, T) ? active_d.data() + l : nullptr, bad_d.data(), stream);
+          const bool gather_fused = grouped_now(l, T) && moe_gate_up_fused(l, T);
+          if (!gather_fused) kern::gather_rows(xnp, perm.data(), T * K, K, H, xep, stream);
           if (grouped_now(l, T)) {
-            mlp_grouped(l, T, xep, T * K, yep);
+            mlp_grouped(l, T, xep, T * K, yep, gather_fused ? xnp : nullptr);
           } else {
             // RAC or mixed expert numerics: the per-expert path with the offsets from the device.
             heoff.resize(E + 1);
@@ -1270,7 +1412,7 @@ struct GpuModel::Impl {
             eoff.assign(heoff.begin(), heoff.end());
             mlp(li, E, eoff, xep, T * K, yep);
           }
-          kern::moe_combine_add(yep, inv.data(), w.data(), T, K, H, xp, stream);
+          finish_layer(l, yep, true);
           continue;
         }
         QUADS_CUDA_CHECK(cudaMemcpyAsync(hidx.data(), idx.data(), sizeof(int32_t) * T * K, cudaMemcpyDeviceToHost, stream));
@@ -1282,17 +1424,19 @@ struct GpuModel::Impl {
         QUADS_CUDA_CHECK(cudaMemcpyAsync(inv.data(), hinv.data(), sizeof(int32_t) * T * K, cudaMemcpyHostToDevice, stream));
         kern::gather_rows(xnp, perm.data(), T * K, K, H, xep, stream);
         mlp(li, E, eoff, xep, T * K, yep);
-        kern::moe_combine_add(yep, inv.data(), w.data(), T, K, H, xp, stream);
+        finish_layer(l, yep, true);
       } else {
         eoff = {0, T};
         mlp(li, 1, eoff, xnp, T, yep);
-        kern::add_inplace(xp, yep, T * H, stream);
+        finish_layer(l, yep, false);
       }
     }
-    kern::gather_rows(xp, d_sel, nout, 1, H, xsp, stream);
-    kern::rmsnorm(xsp, M + lay.final_norm, nout, H, eps, xfp, stream);
+    if (!final_in_layers) {
+      kern::gather_rows(xp, d_sel, nout, 1, H, xsp, stream);
+      kern::rmsnorm(xsp, M + lay.final_norm, nout, H, eps, xfp, stream);
+    }
     const DevLinear& Llm = lin[lm_head];
-    const Operand olm = prepare(Llm, xfp, nout);
+    const Operand olm = prepare(Llm, xfp, nout, -1, final_in_layers ? bf_final : nullptr);
     gemm(Llm, olm, 0, nout, lg);
     };
 
