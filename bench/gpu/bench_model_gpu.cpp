@@ -95,6 +95,7 @@ struct DecodeResult {
   double bytes_per_step = 0;
   int new_tokens = 0;     // per sequence (fewer than asked when the time budget ran out)
   int64_t graph_steps = 0, steps = 0, graph_kernels = 0;
+  double gpu_us_per_step = 0, wall_us_per_step = 0;  // decode steps: device time vs wall time
 };
 
 // Greedy generation of new_tokens per sequence, stopping early after max_seconds of decoding
@@ -128,6 +129,8 @@ DecodeResult run_decode(cuda::GpuModel& g, int B, int64_t prompt_len, int new_to
   r.graph_steps = st.graph_steps;
   r.steps = st.steps;
   r.graph_kernels = st.graph_kernels;
+  r.gpu_us_per_step = 1e6 * st.gpu_seconds / std::max<int64_t>(st.steps, 1);
+  r.wall_us_per_step = 1e6 * (t2 - t1) / std::max(done - 1, 1);
   return r;
 }
 
@@ -246,9 +249,11 @@ bool bench_precision(const model::ModelConfig& cfg, const std::string& p, double
                   r.decode_tps, r.bytes_per_step / 1e9, bound, 100.0 * r.decode_tps / bound, peer[i],
                   r.e2e_tps / peer[i]);
       std::fflush(stdout);
-      std::fprintf(stderr, "%s batch %d: %lld of %lld decode steps replayed a CUDA graph of %lld kernels\n", p.c_str(),
-                   B, static_cast<long long>(r.graph_steps), static_cast<long long>(r.steps),
-                   static_cast<long long>(r.graph_kernels));
+      std::fprintf(stderr,
+                   "%s batch %d: %lld of %lld decode steps replayed a CUDA graph of %lld kernels; device %.0f us of "
+                   "%.0f us a step\n",
+                   p.c_str(), B, static_cast<long long>(r.graph_steps), static_cast<long long>(r.steps),
+                   static_cast<long long>(r.graph_kernels), r.gpu_us_per_step, r.wall_us_per_step);
     }
     const int pb = quick ? 4 : 16;
     const double tps = run_prefill(g, pb, 1024);

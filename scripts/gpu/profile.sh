@@ -11,6 +11,18 @@ source "$(dirname "$0")/env.sh"
 gpu_build bench_model_gpu || exit 1
 ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 [ -n "$ncu" ] || { echo "no ncu on this machine"; exit 1; }
+# QUADS_NCU_DETAIL=REGEX: instead, Nsight Compute's speed-of-light, warp-state, occupancy and memory
+# sections for the first 3 decode-step kernels whose names match REGEX (what limits one kernel).
+if [ -n "${QUADS_NCU_DETAIL:-}" ]; then
+  for p in "${@:-nvfp4}"; do
+    out=$logdir/ncu_detail_${p//+/_}_b${QUADS_NCU_DECODE_BATCH:-64}.txt
+    timeout 300 "$ncu" --profile-from-start off --clock-control none --kernel-name "regex:$QUADS_NCU_DETAIL" \
+      --launch-count 3 --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
+      --section MemoryWorkloadAnalysis "$build/bench_model_gpu" --ncu-decode "$p" >"$out" 2>&1 || echo "ncu failed for $p"
+    grep -E "^  [a-z_:]+.*\(|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Issue Slots|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Size|Grid Size|Waves Per SM|Stall|Warp Cycles Per Issued" "$out" | head -60
+  done
+  exit 0
+fi
 precisions=("$@")
 [ ${#precisions[@]} -gt 0 ] || precisions=(nvfp4 bf16)
 for p in "${precisions[@]}"; do

@@ -178,6 +178,7 @@ struct GpuModel::Impl {
   int64_t fp8_grouped_gemv_tokens = 2;
   DeviceQTensor xq8;  // FP8 activation codes and scales (rows set per use)
   cudaStream_t stream = nullptr;
+  cudaEvent_t ev_begin = nullptr, ev_end = nullptr;  // a step's device time (stats.gpu_seconds)
   cublasHandle_t cublas = nullptr;
   std::unique_ptr<Blas> blas;
   GpuModelStats stats;
@@ -288,6 +289,8 @@ struct GpuModel::Impl {
     // A stream of our own (graphs cannot capture the legacy default stream); a blocking one, so
     // synchronous copies on the default stream still wait for it.
     QUADS_CUDA_CHECK(cudaStreamCreate(&stream));
+    QUADS_CUDA_CHECK(cudaEventCreate(&ev_begin));
+    QUADS_CUDA_CHECK(cudaEventCreate(&ev_end));
     legacy_moe = env_is("QUADS_GPU_MOE", "legacy");
     graphs_on = !env_is("QUADS_GPU_GRAPHS", "0");
     rac_grouped_on = !env_is("QUADS_GPU_RAC_GROUPED", "0");
@@ -326,6 +329,8 @@ struct GpuModel::Impl {
     clear_graphs();
     if (cublas) cublasDestroy(cublas);
     if (stream) cudaStreamDestroy(stream);
+    if (ev_begin) cudaEventDestroy(ev_begin);
+    if (ev_end) cudaEventDestroy(ev_end);
     if (bad_host) cudaFreeHost(bad_host);
     if (in_host) cudaFreeHost(in_host);
   }
@@ -598,6 +603,16 @@ struct GpuModel::Impl {
       fail("GpuModel: a router chose an expert outside 0..{} (NaN logits?)", cfg.num_experts - 1);
     }
   }
+  // A step's device time, from its input copy to its last kernel (mark_end, queued before the
+  // results' copy), added once the copy has synchronized: the benchmark's "device busy" share.
+  void mark_end() { QUADS_CUDA_CHECK(cudaEventRecord(ev_end, stream)); }
+  void add_gpu_time(bool ran) {
+    if (!ran) return;
+    QUADS_CUDA_CHECK(cudaEventSynchronize(ev_end));
+    float ms = 0;
+    if (cudaEventElapsedTime(&ms, ev_begin, ev_end) == cudaSuccess) stats.gpu_seconds += ms * 1e-3;
+  }
+
   void queue_route_flag() {
     if (legacy_moe || cfg.num_experts == 0) return;
     QUADS_CUDA_CHECK(cudaMemcpyAsync(bad_host, bad_d.data(), sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
@@ -1179,6 +1194,7 @@ struct GpuModel::Impl {
     std::memcpy(in_host + o_sin, hsin.data(), 4 * hsin.size());
     if (!hblk.empty()) std::memcpy(in_host + o_blk, hblk.data(), 4 * hblk.size());
     uint8_t* in_dev = grow(inbuf, in_bytes);
+    QUADS_CUDA_CHECK(cudaEventRecord(ev_begin, stream));
     QUADS_CUDA_CHECK(cudaMemcpyAsync(in_dev, in_host, in_bytes, cudaMemcpyHostToDevice, stream));
     const int32_t* d_tok = reinterpret_cast<const int32_t*>(in_dev + o_tok);
     const int32_t* d_slot = reinterpret_cast<const int32_t*>(in_dev + o_slot);
@@ -1263,7 +1279,10 @@ struct GpuModel::Impl {
       return fuse && layers[l].sparse && lin[layers[l].router].mode == GpuLinearMode::BF16 ? xnbp : nullptr;
     };
     uint16_t* bf_final = fuse && lin[lm_head].mode == GpuLinearMode::BF16 ? xnbp : nullptr;
-    const bool attn_fused = fuse && attn_fused_on && decode && !tiled && attn_split_decode &&
+    // One-kernel attention only at batch 1: H200, bench_cuda --decode-kernels, fused vs split +
+    // merge at a context bound of 256: 1.06x at T = 1, 0.64x at 16, 0.96x at 64 (model decode at
+    // batch 1: nvfp4 1519 vs 1489 tok/s; at 16: 9817 vs 10032).
+    const bool attn_fused = fuse && attn_fused_on && decode && T == 1 && !tiled && attn_split_decode &&
                             kern::attention_decode_split_supported(nh, nkv, hd);
     size_t attn_ws_bytes = 0;
     if (attn_fused) {
@@ -1689,10 +1708,12 @@ void GpuModel::copy(int src, int dst) {
 std::vector<float> GpuModel::step(const std::vector<model::StepItem>& items) {
   Impl& m = *impl_;
   const int64_t nout = m.run(items);
+  m.mark_end();
   std::vector<float> out(size_t(nout) * m.cfg.vocab_size);
   if (nout)
     QUADS_CUDA_CHECK(cudaMemcpy(out.data(), m.logits.data(), sizeof(float) * out.size(), cudaMemcpyDeviceToHost));
   m.check_route(nout > 0);
+  m.add_gpu_time(nout > 0);
   return out;
 }
 
@@ -1703,9 +1724,11 @@ std::vector<int32_t> GpuModel::step_greedy(const std::vector<model::StepItem>& i
   if (nout) {
     grow(m.argmax, size_t(nout));
     kern::argmax_rows(m.logits.data(), nout, m.cfg.vocab_size, m.argmax.data(), m.stream);
+    m.mark_end();
     QUADS_CUDA_CHECK(cudaMemcpy(out.data(), m.argmax.data(), sizeof(int32_t) * nout, cudaMemcpyDeviceToHost));
   }
   m.check_route(nout > 0);
+  m.add_gpu_time(nout > 0);
   return out;
 }
 
