@@ -118,6 +118,34 @@ int profile() {
   return 0;
 }
 
+// NVFP4 expert weights [n, k] of E experts for enough layers that calls rotating over them read
+// weights that are not in L2 (more than rotate_bytes), and each layer's device table.
+struct ExpertLayers {
+  std::vector<DeviceQTensor> wq;
+  std::vector<DeviceArray<Nvfp4Weight>> tabs;
+  double ebytes = 0;  // one expert's codes and scales
+  int layers = 0;
+};
+ExpertLayers expert_layers(int64_t n, int64_t k, int E, uint64_t seed, double rotate_bytes = 150e6) {
+  ExpertLayers el;
+  el.ebytes = n * k * (0.5 + 1.0 / 16);
+  el.layers = static_cast<int>(rotate_bytes / (E * el.ebytes)) + 1;
+  DeviceArray<float> w(n * k);
+  fill_device(w, randn(std::min<int64_t>(n * k, 1 << 22), seed, 0.02f));
+  for (int l = 0; l < el.layers; ++l) {
+    std::vector<Nvfp4Weight> tab;
+    for (int e = 0; e < E; ++e) {
+      el.wq.push_back(make_qtensor(n, k, num::QConfig::nvfp4_weight(true)));
+      quantize(w.data(), el.wq.back());
+      const Nvfp4View v = nvfp4_view(el.wq.back());
+      tab.push_back({v.codes, v.scales, v.amax});
+    }
+    el.tabs.emplace_back();
+    el.tabs.back().upload(tab);
+  }
+  return el;
+}
+
 // Decode GEMV against the 16-row tile at the peer model's shapes (hidden 2048, 64 experts top-8,
 // moe_intermediate 768, q/k/v fused N = 6144, o_proj K = 4096). Every call reads weights that are
 // not in L2: the calls rotate over copies (dense) or over layers x disjoint sets of 8 experts
@@ -170,23 +198,10 @@ void gemv_table(double copy_gbs) {
   // batch of T tokens (top-8 of 64 at random: 8T rows, max_rows = T)
   for (const S& g : {S{"experts gate/up", 1536, 2048}, S{"experts down", 2048, 768}}) {
     const int E = 64, active = 8;
-    const double ebytes = g.n * g.k * (0.5 + 1.0 / 16);
-    const int layers = static_cast<int>(kRotateBytes / (E * ebytes)) + 1;
-    DeviceArray<float> w(g.n * g.k);
-    fill_device(w, randn(std::min<int64_t>(g.n * g.k, 1 << 22), 13, 0.02f));
-    std::vector<DeviceQTensor> wq;
-    std::vector<DeviceArray<Nvfp4Weight>> tabs;
-    for (int l = 0; l < layers; ++l) {
-      std::vector<Nvfp4Weight> tab;
-      for (int e = 0; e < E; ++e) {
-        wq.push_back(make_qtensor(g.n, g.k, num::QConfig::nvfp4_weight(true)));
-        quantize(w.data(), wq.back());
-        const Nvfp4View v = nvfp4_view(wq.back());
-        tab.push_back({v.codes, v.scales, v.amax});
-      }
-      tabs.emplace_back();
-      tabs.back().upload(tab);
-    }
+    ExpertLayers el = expert_layers(g.n, g.k, E, 13);
+    const double ebytes = el.ebytes;
+    const int layers = el.layers;
+    std::vector<DeviceArray<Nvfp4Weight>>& tabs = el.tabs;
     // eoff sets: sets[s] for one call; `experts` non-empty groups each
     auto run = [&](const char* what, int64_t rows, int64_t max_rows, const std::vector<std::vector<int32_t>>& sets,
                    int64_t show_m, int experts) {
@@ -347,23 +362,10 @@ void fused_table(double copy_gbs) {
   for (const D& g : {D{"experts gate/up (gather)", 1536, 2048, false}, D{"experts down (swiglu)", 2048, 768, false}}) {
     const int E = 64, topk = 8;
     const bool swiglu = g.k == 768;
-    const double ebytes = g.n * g.k * (0.5 + 1.0 / 16);
-    const int layers = static_cast<int>(kRotateBytes / (E * ebytes)) + 1;
-    DeviceArray<float> w(g.n * g.k);
-    fill_device(w, randn(std::min<int64_t>(g.n * g.k, 1 << 22), 23, 0.02f));
-    std::vector<DeviceQTensor> wq;
-    std::vector<DeviceArray<Nvfp4Weight>> tabs;
-    for (int l = 0; l < layers; ++l) {
-      std::vector<Nvfp4Weight> tab;
-      for (int e = 0; e < E; ++e) {
-        wq.push_back(make_qtensor(g.n, g.k, num::QConfig::nvfp4_weight(true)));
-        quantize(w.data(), wq.back());
-        const Nvfp4View v = nvfp4_view(wq.back());
-        tab.push_back({v.codes, v.scales, v.amax});
-      }
-      tabs.emplace_back();
-      tabs.back().upload(tab);
-    }
+    ExpertLayers el = expert_layers(g.n, g.k, E, 23);
+    const double ebytes = el.ebytes;
+    const int layers = el.layers;
+    std::vector<DeviceArray<Nvfp4Weight>>& tabs = el.tabs;
     std::mt19937 rng(29);
     for (int64_t T : {1, 4, 16}) {
       const int64_t R = T * topk;
