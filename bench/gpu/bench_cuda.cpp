@@ -95,6 +95,7 @@ const char* tile_name(W4A4Tile t) {
     case W4A4Tile::Gemv: return "gemv";
     case W4A4Tile::M16W4: return "16x128/4w";
     case W4A4Tile::M16N64: return "16x64";
+    case W4A4Tile::M16W4S3: return "16x128/4w/3st";
     default: return "auto";
   }
 }
@@ -180,7 +181,8 @@ void gemv_table(double copy_gbs) {
       fill_device(x, randn(M * d.k, 12));
       DeviceQTensor xq = make_qtensor(M, d.k, xc);
       quantize(x.data(), xq);
-      std::vector<W4A4Tile> tiles = {W4A4Tile::M16, W4A4Tile::M16W4, W4A4Tile::M16N64, W4A4Tile::Auto};
+      std::vector<W4A4Tile> tiles = {W4A4Tile::M16, W4A4Tile::M16W4, W4A4Tile::M16N64, W4A4Tile::M16W4S3,
+                                     W4A4Tile::Auto};
       if (M <= 16) tiles.insert(tiles.begin() + 3, W4A4Tile::Gemv);
       if (M > 16) tiles.insert(tiles.begin() + 3, W4A4Tile::M64);
       for (W4A4Tile t : tiles) {
@@ -212,7 +214,8 @@ void gemv_table(double copy_gbs) {
       DeviceQTensor xq = make_qtensor(rows, g.k, xc);
       quantize(x.data(), xq);
       const int ns = static_cast<int>(sets.size());
-      std::vector<W4A4Tile> tiles = {W4A4Tile::M16, W4A4Tile::M16W4, W4A4Tile::M16N64, W4A4Tile::Auto};
+      std::vector<W4A4Tile> tiles = {W4A4Tile::M16, W4A4Tile::M16W4, W4A4Tile::M16N64, W4A4Tile::M16W4S3,
+                                     W4A4Tile::Auto};
       if (max_rows <= 16) tiles.insert(tiles.begin() + 3, W4A4Tile::Gemv);
       for (W4A4Tile t : tiles) {
         int i = 0;

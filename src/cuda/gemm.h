@@ -45,13 +45,14 @@ Nvfp4View nvfp4_view(const DeviceQTensor& q, const char* what = "operand");
 // block terms are summed in FP32 per lane in K order, then over the lanes by a fixed shuffle tree.
 // So the GEMV differs from the tile kernels only in the FP32 summation order, and an output's
 // bits do not depend on M, on how many rows a CTA takes at once, or on a grouped call's grouping.
-// It ignores `splits`. Auto picks the GEMV for M <= kGemvAutoMaxRows, else M16W4 up to 32 rows,
-// M64 up to 64.
+// It ignores `splits`. Auto picks the GEMV for M <= kGemvAutoMaxRows, else M16W4 up to 32 rows
+// (M16W4S3 where K <= 1024), M64 up to 64.
 // M16 variants (same sums in the same order, so the same bits; they differ in warps per CTA and
 // columns per CTA, i.e. in how many warps an SM has to hide the dequantization's latency):
 // M16 16x128 with 2 warps of 16x64, M16W4 16x128 with 4 warps of 16x32, M16N64 16x64 with 2 warps
-// of 16x32. bench_cuda --gemv compares them at decode shapes.
-enum class W4A4Tile : uint8_t { Auto, M16, M64, M128, Gemv, M16W4, M16N64 };
+// of 16x32, M16W4S3 as M16W4 with 3 pipeline stages and at most 72 registers a thread, so that 7
+// CTAs (28 warps) fit an SM instead of 5. bench_cuda --gemv compares them at decode shapes.
+enum class W4A4Tile : uint8_t { Auto, M16, M64, M128, Gemv, M16W4, M16N64, M16W4S3 };
 struct W4A4Options {
   W4A4Tile tile = W4A4Tile::Auto;
   int splits = 0;  // K splits of the tile kernels; 0 = choose (enough CTAs to fill the GPU)

@@ -62,8 +62,9 @@ struct Smem {
   static constexpr int STAGE = A + B + AS + BS;
 };
 
-template <int BM, int BN, int WM, int WN, int STAGES, bool GATHER, bool GROUPED>
-__global__ void __launch_bounds__(32 * (BM / WM) * (BN / WN))
+// MINB: CTAs an SM must hold (caps the registers a thread).
+template <int BM, int BN, int WM, int WN, int STAGES, bool GATHER, bool GROUPED, int MINB = 1>
+__global__ void __launch_bounds__(32 * (BM / WM) * (BN / WN), MINB)
 w4a4_kernel(const Params p) {
   pdl_begin();
   constexpr int NWN = BN / WN;
@@ -341,11 +342,11 @@ __global__ void gather_blocks_grouped_kernel(const float* x, int64_t m, int64_t 
 }
 
 
-template <int BM, int BN, int WM, int WN, int STAGES, bool GATHER, bool GROUPED = false>
+template <int BM, int BN, int WM, int WN, int STAGES, bool GATHER, bool GROUPED = false, int MINB = 1>
 void launch(Params p, int splits_req, cudaStream_t s, int groups = 1) {
   constexpr int threads = 32 * (BM / WM) * (BN / WN);
   const int smem = Smem<BM, BN, GATHER>::STAGE * STAGES;
-  auto kern = w4a4_kernel<BM, BN, WM, WN, STAGES, GATHER, GROUPED>;
+  auto kern = w4a4_kernel<BM, BN, WM, WN, STAGES, GATHER, GROUPED, MINB>;
   static bool checked = false;  // per instantiation
   if (!checked) {
     // The code the driver picked for this GPU must be sm_80 or newer (else the kernel is a trap).
@@ -416,17 +417,23 @@ void launch(Params p, int splits_req, cudaStream_t s, int groups = 1) {
   }
 }
 
+// Auto's 16-row tile. The 3-stage, 7-CTAs-per-SM variant wins where K is short (bench_cuda --gemv,
+// H200, routed decode: down (K 768) 39.6 -> 34.3 us at batch 16, 48.3 -> 43.7 at 64) and loses on
+// the longer K of q/k/v, o_proj and gate/up (gate/up 70.5 -> 79.2 at batch 16).
+W4A4Tile auto_m16(int64_t k) { return k <= 1024 ? W4A4Tile::M16W4S3 : W4A4Tile::M16W4; }
+
 template <bool GATHER>
 void dispatch(const Params& p, const W4A4Options& opt, cudaStream_t s) {
   W4A4Tile tile = opt.tile;
   if (tile == W4A4Tile::Auto && p.M <= kGemvAutoMaxRows && gemv_plan(p.K, p.M, p.N).R > 0) tile = W4A4Tile::Gemv;
   // M = 17..32 runs two 16-row tiles over the same weights (measured faster than one 64-row tile);
   // 4 warps per 16-row tile beat 2 by 0-13% at M 8..32 on the H200 (bench_cuda --gemv).
-  if (tile == W4A4Tile::Auto) tile = p.M <= 32 ? W4A4Tile::M16W4 : p.M <= 64 ? W4A4Tile::M64 : W4A4Tile::M128;
+  if (tile == W4A4Tile::Auto) tile = p.M <= 32 ? auto_m16(p.K) : p.M <= 64 ? W4A4Tile::M64 : W4A4Tile::M128;
   switch (tile) {
     case W4A4Tile::Gemv: launch_gemv<GATHER, false>(p, gemv_plan(p.K, p.M, p.N), 1, s); break;
     case W4A4Tile::M16: launch<16, 128, 16, 64, 4, GATHER>(p, opt.splits, s); break;
     case W4A4Tile::M16W4: launch<16, 128, 16, 32, 4, GATHER>(p, opt.splits, s); break;
+    case W4A4Tile::M16W4S3: launch<16, 128, 16, 32, 3, GATHER, false, 7>(p, opt.splits, s); break;
     case W4A4Tile::M16N64: launch<16, 64, 16, 32, 4, GATHER>(p, opt.splits, s); break;
     case W4A4Tile::M64: launch<64, 128, 32, 64, 4, GATHER>(p, opt.splits, s); break;
     default: launch<128, 128, 64, 64, 3, GATHER>(p, opt.splits, s); break;
@@ -447,10 +454,11 @@ void dispatch_grouped(Params p, int groups, int splits, W4A4Tile tile, cudaStrea
   // p.M is the largest group: decode has a few rows per expert, M16 tiles stream the weights. With
   // 4 warps per tile (H200, routed decode batches, bench_cuda --gemv): gate/up 70 vs 82 us at batch
   // 16, 87 vs 87 at 64; down 40 vs 37 at 16, 46 vs 55 at 64.
-  if (tile == W4A4Tile::Auto) tile = p.M <= 64 ? W4A4Tile::M16W4 : p.M <= 256 ? W4A4Tile::M64 : W4A4Tile::M128;
+  if (tile == W4A4Tile::Auto) tile = p.M <= 64 ? auto_m16(p.K) : p.M <= 256 ? W4A4Tile::M64 : W4A4Tile::M128;
   switch (tile) {
     case W4A4Tile::M16: launch<16, 128, 16, 64, 4, GATHER, true>(p, splits, s, groups); break;
     case W4A4Tile::M16W4: launch<16, 128, 16, 32, 4, GATHER, true>(p, splits, s, groups); break;
+    case W4A4Tile::M16W4S3: launch<16, 128, 16, 32, 3, GATHER, true, 7>(p, splits, s, groups); break;
     case W4A4Tile::M16N64: launch<16, 64, 16, 32, 4, GATHER, true>(p, splits, s, groups); break;
     case W4A4Tile::M64: launch<64, 128, 32, 64, 4, GATHER, true>(p, splits, s, groups); break;
     default: launch<128, 128, 64, 64, 3, GATHER, true>(p, splits, s, groups); break;

@@ -90,8 +90,8 @@ TEST(CudaGemm, W4A4MatchesDequantizedCpuGemm) {
         ref_gemm(dequant_cpu(xq), dequant_cpu(wq), s.m, s.n, s.k, ref, absref);
         DeviceQTensor dxq = to_device(xq), dwq = to_device(wq);
         DeviceArray<float> y(s.m * s.n);
-        for (W4A4Tile tile : {W4A4Tile::M16, W4A4Tile::M16W4, W4A4Tile::M16N64, W4A4Tile::M64, W4A4Tile::M128,
-                              W4A4Tile::Gemv})
+        for (W4A4Tile tile : {W4A4Tile::M16, W4A4Tile::M16W4, W4A4Tile::M16N64, W4A4Tile::M16W4S3, W4A4Tile::M64,
+                              W4A4Tile::M128, W4A4Tile::Gemv})
           for (int splits : {1, 0, 3}) {
             if (tile == W4A4Tile::Gemv && splits != 1) continue;  // the GEMV does not split K
             const std::string what = "M=" + std::to_string(s.m) + " N=" + std::to_string(s.n) + " K=" +
@@ -121,7 +121,7 @@ TEST(CudaGemm, W4A4M16VariantsAgreeBitwise) {
   DeviceQTensor dxq = to_device(xq), dwq = to_device(wq);
   for (int splits : {1, 3}) {
     std::vector<std::vector<float>> out;
-    for (W4A4Tile tile : {W4A4Tile::M16, W4A4Tile::M16W4, W4A4Tile::M16N64}) {
+    for (W4A4Tile tile : {W4A4Tile::M16, W4A4Tile::M16W4, W4A4Tile::M16N64, W4A4Tile::M16W4S3}) {
       DeviceArray<float> y(M * N);
       y.fill_bytes(0xFF);
       W4A4Options opt;
