@@ -96,16 +96,6 @@ struct Nvfp4Weight {
 void w4a4_gemm_grouped(const Nvfp4View& x, const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n, int groups,
                        const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t stream = nullptr, int splits = 0,
                        W4A4Tile tile = W4A4Tile::Auto);
-// w4a4_gemm_grouped over `rows` product rows whose X rows repeat rows of x: row r reads x's row
-// map[r] / map_div (codes, scales and amax; map on the device), e.g. the MoE's T token rows
-// quantized once and read in expert order through the routing permutation (map = perm, map_div =
-// top-k) instead of a gathered copy of T * k rows. With per-row X scales this is bit for bit
-// w4a4_gemm_grouped over the gathered rows. Tile kernels only: Auto never picks the GEMV, tile Gemv
-// is an error. eoff[groups] == rows.
-void w4a4_gemm_grouped_mapped(const Nvfp4View& x, const int32_t* map, int map_div, int64_t rows,
-                              const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n, int groups,
-                              const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t stream = nullptr,
-                              int splits = 0, W4A4Tile tile = W4A4Tile::Auto);
 
 // RAC on grouped experts (one launch for all experts' residual GEMMs, no host sync): y[r, :]
 // (row stride ldy) += Xr[r] . W_e[:, S_e]^T for the rows r of group e (eoff as w4a4_gemm_grouped),

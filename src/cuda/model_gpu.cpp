@@ -516,19 +516,12 @@ struct GpuModel::Impl {
     a.weights_ready = dense;  // in a step no kernel writes weights (requantize() runs between steps)
     return a;
   }
-  // Sparse layer l's gate/up reads the normed token rows through the routing permutation instead
-  // of a gathered copy of T * k rows: W4A4 experts with one per-row activation rounding, gate and
-  // up fused, no grouped RAC; at batch 1 the fused GEMV quantizes them, where the tiles run (Auto's
-  // choice without the map) the T token rows are quantized once and read through the map
-  // (w4a4_gemm_grouped_mapped); batches whose Auto pick is the plain GEMV keep the gather.
+  // Sparse layer l's gate/up reads the normed rows through the routing permutation (no gathered
+  // copy): W4A4 experts, gate and up fused, no grouped RAC.
   bool moe_gate_up_fused(int l, int64_t T) const {
     const LayerIdx& li = layers[l];
-    const DevLinear& G0 = lin[li.mlp];
-    if (!(li.fused_gu && !grouped[l].rac[0].on && !grouped[l].rac[1].on && grouped[l].gu.mode == GpuLinearMode::W4A4))
-      return false;
-    if (fused_gemv(G0, T)) return true;
-    return fused_on && !kern::legacy_decode_kernels() && li.experts_uniform && G0.num.act.row_local() &&
-           !gemv_auto_grouped(T, G0.in);
+    return li.fused_gu && !grouped[l].rac[0].on && !grouped[l].rac[1].on && fused_gemv(lin[li.mlp], T) &&
+           grouped[l].gu.mode == GpuLinearMode::W4A4;
   }
 
   // The MLP of sparse layer l over the R = T * k rows X in expert order (eoff_d on the device):
@@ -561,16 +554,11 @@ struct GpuModel::Impl {
       stats.expert_gemms += 1;
     };
     const int need_f = T <= fp8_grouped_gemv_tokens ? 1 : 0;  // FP8: X_eff for the grouped GEMV
-    if (xn && fused_gemv(lin[li.mlp], T)) {
+    if (xn) {
       FusedAct a = fused_act(xn, H, R, lin[li.mlp], false);
       a.map = perm.data();
       a.map_div = cfg.num_experts_per_tok;
       w4a4_gemv_fused_grouped(a, Gt.gu.q.data(), Gt.gu.amax_row, 2 * I, E, eo, T, gp, stream);
-      stats.expert_gemms += 1;
-    } else if (xn) {
-      const Operand tok = prepare(lin[li.mlp], xn, T);
-      w4a4_gemm_grouped_mapped(tok.v, perm.data(), cfg.num_experts_per_tok, R, Gt.gu.q.data(), Gt.gu.amax_row,
-                               2 * I, E, eo, T, gp, stream);
       stats.expert_gemms += 1;
     }
     const DevLinear& D0 = lin[li.mlp + 2];

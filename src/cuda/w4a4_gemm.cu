@@ -62,11 +62,6 @@ struct Smem {
   static constexpr int STAGE = A + B + AS + BS;
 };
 
-// The row of X's codes, scales and amax that row r of the product reads.
-__device__ __forceinline__ int64_t x_src_row(const Params& p, int64_t r) {
-  return p.fmap ? static_cast<int64_t>(__ldg(p.fmap + r) / p.fmap_div) : r;
-}
-
 // MINB: CTAs an SM must hold (caps the registers a thread).
 template <int BM, int BN, int WM, int WN, int STAGES, bool GATHER, bool GROUPED, int MINB = 1>
 __global__ void __launch_bounds__(32 * (BM / WM) * (BN / WN), MINB)
@@ -123,13 +118,13 @@ w4a4_kernel(const Params p) {
       const int r = c >> 2, part = c & 3;
       const int64_t gr = m0 + r, kc = k0 + part * 32;
       const bool ok = gr < mend && kc < p.K;
-      cp_async16(sa + r * 64 + part * 16, p.xq + (ok ? x_src_row(p, gr) * xrow + kc / 2 : 0), ok ? 16 : 0);
+      cp_async16(sa + r * 64 + part * 16, p.xq + (ok ? gr * xrow + kc / 2 : 0), ok ? 16 : 0);
     }
     for (int c = tid; c < BM * 2; c += NT) {
       const int r = c >> 1, h = c & 1;
       const int64_t gr = m0 + r, kc = k0 + h * 64;
       const bool ok = gr < mend && kc < p.K;
-      cp_async4(sas + r * 8 + h * 4, p.xs + (ok ? x_src_row(p, gr) * xsrow + kc / 16 : 0), ok ? 4 : 0);
+      cp_async4(sas + r * 8 + h * 4, p.xs + (ok ? gr * xsrow + kc / 16 : 0), ok ? 4 : 0);
     }
     if constexpr (!GATHER) {
       for (int c = tid; c < BN * 4; c += NT) {
@@ -268,7 +263,7 @@ w4a4_kernel(const Params p) {
     for (int hr = 0; hr < 2; ++hr) {
       const int64_t row = m0 + wm * WM + i * 16 + g + 8 * hr;
       if (row >= mend) continue;
-      const float rf = p.partial ? 0.f : p.xamax[p.xamax_row ? x_src_row(p, row) : 0] * kInv * 16384.f;
+      const float rf = p.partial ? 0.f : p.xamax[p.xamax_row ? row : 0] * kInv * 16384.f;
 #pragma unroll
       for (int j = 0; j < NTL; ++j)
 #pragma unroll
@@ -309,8 +304,7 @@ __global__ void splitk_reduce_kernel(const Params p, int splits, int groups) {
       }
       wamax = p.wtab[lo].amax;
     }
-    const float out =
-        s * (p.xamax[p.xamax_row ? x_src_row(p, row) : 0] * kInv * 16384.f) * (wamax[p.wamax_row ? col : 0] * kInv);
+    const float out = s * (p.xamax[p.xamax_row ? row : 0] * kInv * 16384.f) * (wamax[p.wamax_row ? col : 0] * kInv);
     float* dst = p.y + row * p.ldy + col;
     *dst = p.accumulate ? *dst + out : out;
   }
@@ -450,9 +444,7 @@ void dispatch(const Params& p, const W4A4Options& opt, cudaStream_t s) {
 template <bool GATHER>
 void dispatch_grouped(Params p, int groups, int splits, W4A4Tile tile, cudaStream_t s) {
   p.groups = groups;
-  // the GEMV reads X's rows directly: mapped rows (p.fmap) take the tiles
-  QUADS_CHECK(!(p.fmap && tile == W4A4Tile::Gemv), "w4a4_gemm_grouped_mapped: the GEMV does not read rows through a map");
-  if (tile == W4A4Tile::Auto && splits <= 0 && !p.fmap && gemv_auto_grouped(p.M, p.K) &&
+  if (tile == W4A4Tile::Auto && splits <= 0 && gemv_auto_grouped(p.M, p.K) &&
       gemv_plan_grouped(p, groups).R > 0)
     tile = W4A4Tile::Gemv;
   if (tile == W4A4Tile::Gemv) {
@@ -545,28 +537,6 @@ void w4a4_gemm_grouped(const Nvfp4View& x, const Nvfp4Weight* w_table, bool w_am
   p.Mtot = x.rows;
   p.eoff = eoff;
   p.wtab = w_table;
-  dispatch_grouped<false>(p, groups, splits, tile, s);
-}
-
-void w4a4_gemm_grouped_mapped(const Nvfp4View& x, const int32_t* map, int map_div, int64_t rows,
-                              const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n, int groups,
-                              const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t s, int splits,
-                              W4A4Tile tile) {
-  QUADS_CHECK(x.k % 64 == 0, "w4a4_gemm_grouped_mapped: K = {} must be a multiple of 64", x.k);
-  QUADS_CHECK(groups > 0 && groups <= 65535, "w4a4_gemm_grouped_mapped: {} groups (1..65535)", groups);
-  QUADS_CHECK(map && map_div > 0, "w4a4_gemm_grouped_mapped: needs a row map and a divisor > 0");
-  if (x.rows == 0 || rows == 0 || n == 0 || max_rows <= 0) return;
-  Nvfp4View w;
-  w.rows = n;
-  w.k = x.k;
-  w.amax_per_row = w_amax_per_row;
-  Params p = make_params(x, w, y, false);
-  p.M = std::min(max_rows, rows);
-  p.Mtot = rows;
-  p.eoff = eoff;
-  p.wtab = w_table;
-  p.fmap = map;
-  p.fmap_div = map_div;
   dispatch_grouped<false>(p, groups, splits, tile, s);
 }
 

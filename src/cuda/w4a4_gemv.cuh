@@ -47,8 +47,7 @@ struct Params {
   const float* fx;
   const float* fu;        // SwiGLU source: X = swiglu1(fx, fu)
   int64_t fld;            // row stride of fx and fu
-  const int32_t* fmap;    // X row r is source row fmap[r] / fmap_div (null: r); the tile kernels
-                          // read X's codes, scales and amax through it too (w4a4_gemm_grouped_mapped)
+  const int32_t* fmap;    // X row r is source row fmap[r] / fmap_div (null: r)
   int fmap_div;
   int fstatic;            // Global::Static: amax fstatic_amax, else per row
   float fstatic_amax;

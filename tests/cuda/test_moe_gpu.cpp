@@ -2,7 +2,6 @@
 // against per-expert GEMMs (ragged groups, empty experts), and CUDA graph replay against eager steps.
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -653,78 +652,6 @@ TEST(CudaModelGpu, GroupedRacEqualsPerExpertRac) {
 // Prefills of fresh slots run their attention as FP32 SGEMMs (cuda/attention_tc.h): the logits of
 // every prompt token agree with the one-warp-per-row kernel (QUADS_GPU_ATTN=direct) to FP32
 // summation-order noise, and decode continues from the cache the same way.
-// The MoE's token rows quantized once and read in expert order through the routing permutation
-// (w4a4_gemm_grouped_mapped) give the same bits as the gathered T * k rows quantized row by row
-// and multiplied by w4a4_gemm_grouped, for every tile and split count; the GEMV is refused.
-TEST(CudaMoe, GroupedMappedRowsEqualGatheredRows) {
-  QUADS_REQUIRE_GPU();
-  struct Case {
-    int64_t T;
-    int E, k;
-    int64_t N, K;
-  };
-  for (const Case c : {Case{16, 64, 8, 256, 512}, Case{64, 16, 4, 136, 768}, Case{5, 8, 2, 64, 1024}}) {
-    const int64_t T = c.T, R = T * c.k, N = c.N, K = c.K;
-    std::mt19937 rng(static_cast<uint32_t>(T * 131 + c.E));
-    std::vector<int32_t> idx(static_cast<size_t>(R));
-    for (int64_t t = 0; t < T; ++t) {  // k distinct experts per token
-      std::vector<int32_t> all(c.E);
-      for (int e = 0; e < c.E; ++e) all[e] = e;
-      std::shuffle(all.begin(), all.end(), rng);
-      for (int j = 0; j < c.k; ++j) idx[size_t(t * c.k + j)] = all[j];
-    }
-    std::vector<int64_t> off64(c.E + 1);
-    std::vector<int32_t> perm(static_cast<size_t>(R)), inv(static_cast<size_t>(R));
-    cpu::moe_permute(idx.data(), T, c.k, c.E, off64.data(), perm.data(), inv.data());
-    const std::vector<int32_t> off(off64.begin(), off64.end());
-    int64_t max_rows = 0;
-    for (int e = 0; e < c.E; ++e) max_rows = std::max<int64_t>(max_rows, off[e + 1] - off[e]);
-
-    const std::vector<float> x = random_matrix(T, K, 41);
-    std::vector<float> xg(static_cast<size_t>(R * K));
-    for (int64_t r = 0; r < R; ++r)
-      std::copy(x.begin() + (perm[r] / c.k) * K, x.begin() + (perm[r] / c.k + 1) * K, xg.begin() + r * K);
-    num::QConfig xc = num::QConfig::nvfp4_act();
-    xc.global = num::Global::PerRow;
-    DeviceArray<float> dx = dev(x), dxg = dev(xg);
-    cuda::DeviceQTensor xq = cuda::make_qtensor(T, K, xc), xgq = cuda::make_qtensor(R, K, xc);
-    cuda::quantize(dx.data(), xq);
-    cuda::quantize(dxg.data(), xgq);
-    std::vector<cuda::DeviceQTensor> wq;
-    std::vector<cuda::Nvfp4Weight> tab;
-    for (int e = 0; e < c.E; ++e) {
-      DeviceArray<float> dw = dev(random_matrix(N, K, 500 + e));
-      wq.push_back(cuda::make_qtensor(N, K, num::QConfig::nvfp4_weight(false)));
-      cuda::quantize(dw.data(), wq.back());
-      const cuda::Nvfp4View v = cuda::nvfp4_view(wq.back(), "w");
-      tab.push_back({v.codes, v.scales, v.amax});
-    }
-    DeviceArray<cuda::Nvfp4Weight> dtab = dev(tab);
-    DeviceArray<int32_t> deoff = dev(off), dperm = dev(perm);
-    DeviceArray<float> y(R * N), ym(R * N);
-    const std::string what = "T " + std::to_string(T) + " E " + std::to_string(c.E) + " K " + std::to_string(K);
-    auto both = [&](cuda::W4A4Tile tile, int splits, const std::string& how) {
-      y.fill_bytes(0xFF);
-      ym.fill_bytes(0xFF);  // NaN: every row must be written
-      cuda::w4a4_gemm_grouped(cuda::nvfp4_view(xgq, "xg"), dtab.data(), false, N, c.E, deoff.data(), max_rows,
-                              y.data(), nullptr, splits, tile);
-      cuda::w4a4_gemm_grouped_mapped(cuda::nvfp4_view(xq, "x"), dperm.data(), c.k, R, dtab.data(), false, N, c.E,
-                                     deoff.data(), max_rows, ym.data(), nullptr, splits, tile);
-      const std::vector<float> a = y.download(), b = ym.download();
-      EXPECT_EQ(first_float_mismatch(a, b), -1) << what << how;
-      for (float v : b) ASSERT_TRUE(std::isfinite(v)) << what << how << ": a row was not written";
-    };
-    for (cuda::W4A4Tile tile : {cuda::W4A4Tile::M16W4, cuda::W4A4Tile::M16W4S3, cuda::W4A4Tile::M64})
-      for (int splits : {1, 3}) both(tile, splits, " tile " + std::to_string(int(tile)) + " splits " + std::to_string(splits));
-    // Auto, splits chosen: the same tile and split count as the unmapped call (where that is no GEMV)
-    if (!cuda::gemv_auto_grouped(max_rows, K)) both(cuda::W4A4Tile::Auto, 0, " Auto");
-    EXPECT_THROW(cuda::w4a4_gemm_grouped_mapped(cuda::nvfp4_view(xq, "x"), dperm.data(), c.k, R, dtab.data(), false, N,
-                                                c.E, deoff.data(), max_rows, ym.data(), nullptr, 0,
-                                                cuda::W4A4Tile::Gemv),
-                 Error);
-  }
-}
-
 TEST(CudaModelGpu, GemmPrefillAttentionMatchesDirectKernel) {
   QUADS_REQUIRE_GPU();
   const model::Weights w = model::Weights::random(small_moe_config(), 23, 0.05f);
