@@ -11,6 +11,7 @@
 #include "cuda/check.h"
 #include "cuda/codecs.cuh"
 #include "cuda/kernel_util.cuh"
+#include "cuda/mma_util.cuh"  // cp_async_commit / cp_async_wait
 #include "cuda/model_kernels.h"
 #include "cuda/pdl.cuh"
 #include "cuda/train_kernels.h"
@@ -712,17 +713,6 @@ __device__ __forceinline__ void dec_cp16(float* smem, const float* gmem, bool ok
   *reinterpret_cast<float4*>(smem) = ok ? *reinterpret_cast<const float4*>(gmem) : make_float4(0.f, 0.f, 0.f, 0.f);
 #endif
 }
-__device__ __forceinline__ void dec_cp_commit() {
-#ifdef QUADS_DEC_CP_ASYNC
-  asm volatile("cp.async.commit_group;\n" ::);
-#endif
-}
-template <int N>
-__device__ __forceinline__ void dec_cp_wait() {
-#ifdef QUADS_DEC_CP_ASYNC
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-#endif
-}
 
 // rmsnorm with the row in registers: thread i holds elements i, i + 256, ... (the old kernel's
 // strided partials, summed in the same order), w is fetched before the reduction, and every warp
@@ -979,7 +969,7 @@ attention_decode_pipe_kernel(const float* __restrict__ q, const float* __restric
       dec_cp16(ks + r * KS + 4 * c, kb + off, ok);
       dec_cp16(vs + r * HD + 4 * c, vb + off, ok);
     }
-    dec_cp_commit();
+    cp_async_commit();
   };
   float m[HPW], lsum[HPW], acc[HPW][ND];
 #pragma unroll
@@ -999,9 +989,9 @@ attention_decode_pipe_kernel(const float* __restrict__ q, const float* __restric
     const int n = static_cast<int>(min(int64_t(TILE), j1 - jt));
     if (it + 1 < ntiles) {
       load((it + 1) & 1, jt + TILE);
-      dec_cp_wait<1>();
+      cp_async_wait<1>();
     } else {
-      dec_cp_wait<0>();
+      cp_async_wait<0>();
     }
     __syncthreads();  // tile `it` (and q) visible to every thread
     const float* ks = kt + (it & 1) * TILE * KS;
