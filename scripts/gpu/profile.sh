@@ -12,13 +12,23 @@ gpu_build bench_model_gpu || exit 1
 ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 [ -n "$ncu" ] || { echo "no ncu on this machine"; exit 1; }
 # QUADS_NCU_DETAIL=REGEX: instead, Nsight Compute's speed-of-light, warp-state, occupancy and memory
-# sections for the first 3 decode-step kernels whose names match REGEX (what limits one kernel).
+# sections for the first 3 decode-step kernels whose names match REGEX (what limits one kernel);
+# QUADS_NCU_STALLS=1 adds the stall reasons (cycles a warp waits per issued instruction, by reason)
+# and the instructions executed.
+stall_metrics=smsp__inst_executed.sum,smsp__thread_inst_executed_per_inst_executed.ratio
+for r in long_scoreboard short_scoreboard wait math_pipe_throttle mio_throttle lg_throttle barrier not_selected \
+  selected dispatch_stall no_instruction tex_throttle branch_resolving drain membar sleeping imc_miss misc; do
+  stall_metrics+=,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
+done
 if [ -n "${QUADS_NCU_DETAIL:-}" ]; then
+  extra=(); [ "${QUADS_NCU_STALLS:-0}" = 1 ] && extra=(--metrics "$stall_metrics")
   for p in "${@:-nvfp4}"; do
     out=$logdir/ncu_detail_${p//+/_}_b${QUADS_NCU_DECODE_BATCH:-64}.txt
     timeout 300 "$ncu" --profile-from-start off --clock-control none --kernel-name "regex:$QUADS_NCU_DETAIL" \
       --launch-count 3 --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
-      --section MemoryWorkloadAnalysis "$build/bench_model_gpu" --ncu-decode "$p" >"$out" 2>&1 || echo "ncu failed for $p"
+      --section MemoryWorkloadAnalysis "${extra[@]}" "$build/bench_model_gpu" --ncu-decode "$p" >"$out" 2>&1 \
+      || echo "ncu failed for $p"
+    [ "${QUADS_NCU_STALLS:-0}" = 1 ] && grep -E "stalled|inst_executed" "$out" | head -40
     grep -E "^  [a-z_:]+.*\(|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Issue Slots|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Size|Grid Size|Waves Per SM|Stall|Warp Cycles Per Issued" "$out" | head -60
   done
   exit 0
