@@ -96,6 +96,7 @@ const char* tile_name(W4A4Tile t) {
     case W4A4Tile::M16W4: return "16x128/4w";
     case W4A4Tile::M16N64: return "16x64";
     case W4A4Tile::M16W4S3: return "16x128/4w/3st";
+    case W4A4Tile::Skinny: return "skinny";
     default: return "auto";
   }
 }
@@ -185,6 +186,7 @@ void gemv_table(double copy_gbs) {
                                      W4A4Tile::Auto};
       if (M <= 16) tiles.insert(tiles.begin() + 3, W4A4Tile::Gemv);
       if (M > 16) tiles.insert(tiles.begin() + 3, W4A4Tile::M64);
+      if (M <= kSkinnyAutoMaxRows) tiles.insert(tiles.end() - 1, W4A4Tile::Skinny);
       for (W4A4Tile t : tiles) {
         W4A4Options o;
         o.tile = t;
@@ -217,6 +219,7 @@ void gemv_table(double copy_gbs) {
       std::vector<W4A4Tile> tiles = {W4A4Tile::M16, W4A4Tile::M16W4, W4A4Tile::M16N64, W4A4Tile::M16W4S3,
                                      W4A4Tile::Auto};
       if (max_rows <= 16) tiles.insert(tiles.begin() + 3, W4A4Tile::Gemv);
+      if (max_rows <= kSkinnyAutoMaxRows) tiles.insert(tiles.end() - 1, W4A4Tile::Skinny);
       for (W4A4Tile t : tiles) {
         int i = 0;
         const double us = time_us([&] {
@@ -225,6 +228,16 @@ void gemv_table(double copy_gbs) {
                             max_rows, y.data(), nullptr, 0, t);
         });
         print(what, g.n, g.k, show_m, tile_name(t), us, experts * ebytes);
+      }
+      for (int ks : {2, 4}) {  // the skinny tiles with ks warps a row tile
+        if (max_rows > kSkinnyAutoMaxRows) break;
+        int i = 0;
+        const double us = time_us([&] {
+          const int c = i++;
+          w4a4_gemm_grouped(nvfp4_view(xq), tabs[c % layers].data(), false, g.n, E, deoff[(c / layers) % ns].data(),
+                            max_rows, y.data(), nullptr, ks, W4A4Tile::Skinny);
+        });
+        print(what, g.n, g.k, show_m, ks == 2 ? "skinny, 2 warps a tile" : "skinny, 4 warps a tile", us, experts * ebytes);
       }
     };
     for (int64_t M : {1, 4, 8, 16}) {
@@ -335,7 +348,10 @@ void fused_table(double copy_gbs) {
         quantize(x.data(), xq, st);
         w4a4_gemm_emulated(nvfp4_view(xq), nvfp4_view(wq[i % copies]), y.data(), d.accumulate, st);
       });
-      print(d.name, d.n, d.k, M, M <= kGemvAutoMaxRows ? "quantize + auto (gemv)" : "quantize + auto (16x128/4w)",
+      print(d.name, d.n, d.k, M,
+            M <= kGemvAutoMaxRows      ? "quantize + auto (gemv)"
+            : M <= kSkinnyDenseMaxRows ? "quantize + auto (skinny)"
+                                       : "quantize + auto (16x128/4w)",
             us_auto, wbytes);
       if (M > kGemvAutoMaxRows) {
         const double us = graph_us([&](int i) {
@@ -420,7 +436,9 @@ void fused_table(double copy_gbs) {
                             0, t);
         });
         const std::string path = std::string(swiglu ? "swiglu + " : "gather + ") + "quantize + " +
-                                 (t == W4A4Tile::Auto ? (gemv_auto_grouped(T, g.k) ? "auto (gemv)" : "auto (16x128/4w)")
+                                 (t == W4A4Tile::Auto ? (gemv_auto_grouped(T, g.k)     ? "auto (gemv)"
+                                                         : T <= kSkinnyAutoMaxRows ? "auto (skinny)"
+                                                                                   : "auto (16x128/4w)")
                                                       : tile_name(t));
         print(g.name, g.n, g.k, T, path.c_str(), us, bytes);
       }

@@ -52,7 +52,14 @@ Nvfp4View nvfp4_view(const DeviceQTensor& q, const char* what = "operand");
 // M16 16x128 with 2 warps of 16x64, M16W4 16x128 with 4 warps of 16x32, M16N64 16x64 with 2 warps
 // of 16x32, M16W4S3 as M16W4 with 3 pipeline stages and at most 72 registers a thread, so that 7
 // CTAs (28 warps) fit an SM instead of 5. bench_cuda --gemv compares them at decode shapes.
-enum class W4A4Tile : uint8_t { Auto, M16, M64, M128, Gemv, M16W4, M16N64, M16W4S3 };
+// Skinny (decode batches): the weight as the MMA's A operand, 16 weight rows a warp streamed into
+// registers, X as the B operand (8 or 16 rows at a time, dequantized once per CTA into shared
+// memory); `splits` is the number of warps (1, 2, 4, 8) that share a row tile's K, 0 = choose.
+// With one warp a tile every output is M16's MMA chain with the operands' roles swapped, and the
+// bits are M16's (one split). Auto takes it from kGemvAutoMaxRows + 1 rows per weight up to
+// kSkinnyDenseMaxRows (dense) and kSkinnyAutoMaxRows (grouped: the bound on a group's rows, the
+// decode batch). QUADS_W4A4_SKINNY=0 keeps Auto off it (=grouped: grouped calls only).
+enum class W4A4Tile : uint8_t { Auto, M16, M64, M128, Gemv, M16W4, M16N64, M16W4S3, Skinny };
 struct W4A4Options {
   W4A4Tile tile = W4A4Tile::Auto;
   int splits = 0;  // K splits of the tile kernels; 0 = choose (enough CTAs to fill the GPU)
@@ -108,11 +115,13 @@ void w4a4_gemm_grouped_gather(const Nvfp4View& xr, const Nvfp4Weight* w_table, b
                               W4A4Tile tile = W4A4Tile::Auto);
 
 // Auto's choices (measured on the H200, bench_cuda --gemv), exposed for tests and benchmarks: the
-// dense GEMV up to this many rows (at 8 it ties the 16-row tile), and whether a grouped call with
-// at most max_rows rows per group and K = k takes it: decode batch 1 always; up to 4 rows per
-// group for K >= 2048 (gate/up: 38 vs 52 us at batch 4, a tie at 16). Short K (down, 768) has too
-// little work per CTA: 37 vs 29 us at batch 4.
-constexpr int64_t kGemvAutoMaxRows = 4;
+// dense GEMV up to kGemvAutoMaxRows rows, the skinny tiles up to kSkinnyDenseMaxRows (4 rows:
+// q/k/v 8.6 vs 9.6 us, o_proj 7.7 vs 10.3; 8 rows: 9.1 vs 12.3 for the 16-row tile), the 16-row
+// tiles beyond (16 rows: a tie within the run-to-run spread). Grouped: the GEMV at decode batch 1
+// (gemv_auto_grouped), the skinny tiles for bounds up to kSkinnyAutoMaxRows (routed batch 4 / 16 /
+// 64 gate/up 25 / 44 / 60 us against the GEMV's 42 / 98 and the tiles' 43 / 71 / 79).
+constexpr int64_t kGemvAutoMaxRows = 3;
+constexpr int64_t kSkinnyAutoMaxRows = 64, kSkinnyDenseMaxRows = 8;
 bool gemv_auto_grouped(int64_t max_rows, int64_t k);
 // The GEMV's grid: one CTA per tile of weight rows (Off), or about one wave of CTAs that loop
 // over the tiles (On: X is decoded once per CTA, and the weight loads run on from one tile into

@@ -91,9 +91,10 @@ TEST(CudaGemm, W4A4MatchesDequantizedCpuGemm) {
         DeviceQTensor dxq = to_device(xq), dwq = to_device(wq);
         DeviceArray<float> y(s.m * s.n);
         for (W4A4Tile tile : {W4A4Tile::M16, W4A4Tile::M16W4, W4A4Tile::M16N64, W4A4Tile::M16W4S3, W4A4Tile::M64,
-                              W4A4Tile::M128, W4A4Tile::Gemv})
+                              W4A4Tile::M128, W4A4Tile::Gemv, W4A4Tile::Skinny})
           for (int splits : {1, 0, 3}) {
             if (tile == W4A4Tile::Gemv && splits != 1) continue;  // the GEMV does not split K
+            if (tile == W4A4Tile::Skinny && splits == 3) continue;  // 1, 2, 4 or 8 warps a row tile
             const std::string what = "M=" + std::to_string(s.m) + " N=" + std::to_string(s.n) + " K=" +
                                      std::to_string(s.k) + " tile=" + std::to_string(static_cast<int>(tile)) +
                                      " splits=" + std::to_string(splits) + (x_row ? " x per-row" : "") +
@@ -134,6 +135,74 @@ TEST(CudaGemm, W4A4M16VariantsAgreeBitwise) {
       ASSERT_EQ(0, std::memcmp(out[0].data(), out[v].data(), out[0].size() * sizeof(float)))
           << "variant " << v << " splits " << splits;
   }
+}
+
+// The skinny tiles (weights as the MMA's A operand) against float64 GEMM of the CPU-dequantized
+// operands: rows of X from 1 to several 16-row chunks, N not a multiple of a CTA's rows (warps
+// without rows), K with a half last stage (192) and up to 4096, K split over 1, 2, 4 and 8 warps,
+// per-row and per-tensor amax, overwrite and accumulate. Without a K split every output is the 16-row
+// tile's MMA chain with the operands' roles swapped: the same bits as M16 with one split. Two runs
+// give the same bits, and Auto takes the skinny tiles from kGemvAutoMaxRows + 1 to kSkinnyDenseMaxRows rows.
+TEST(CudaGemm, SkinnyMatchesDequantizedCpuGemm) {
+  QUADS_REQUIRE_GPU();
+  uint64_t seed = 700;
+  for (int64_t K : {64, 192, 768, 2048, 4096})
+    for (int64_t M : {1, 5, 8, 9, 16, 17, 40}) {
+      const bool w2d = M % 2 == 1;
+      const int64_t N = w2d ? 144 : K >= 2048 ? 67 : 200;
+      const bool per_row = (M + K / 64) % 2 == 0;
+      QConfig xc = QConfig::nvfp4_act(), wc = QConfig::nvfp4_weight(w2d);
+      xc.global = per_row ? Global::PerRow : Global::PerTensor;
+      if (per_row && !w2d) wc.global = Global::PerRow;
+      const std::vector<float> x = random_matrix(M, K, seed++), w = random_matrix(N, K, seed++);
+      const std::vector<float> y0 = random_matrix(M, N, seed++);
+      const num::QTensor xq = num::quantize(x.data(), M, K, xc), wq = num::quantize(w.data(), N, K, wc);
+      std::vector<double> ref, absref;
+      ref_gemm(dequant_cpu(xq), dequant_cpu(wq), M, N, K, ref, absref);
+      std::vector<double> refa = ref, absa = absref;
+      for (size_t i = 0; i < refa.size(); ++i) {
+        refa[i] += y0[i];
+        absa[i] += std::fabs(y0[i]);
+      }
+      DeviceQTensor dxq = to_device(xq), dwq = to_device(wq);
+      DeviceArray<float> y(M * N);
+      const std::string shape = "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) +
+                                (per_row ? " per-row amax" : " per-tensor amax") + (w2d ? " w 16x16" : "");
+      std::vector<float> one_split;
+      for (int ks : {1, 2, 4, 8}) {
+        const std::string what = shape + " ks=" + std::to_string(ks);
+        W4A4Options opt;
+        opt.tile = W4A4Tile::Skinny;
+        opt.splits = ks;
+        y.fill_bytes(0xFF);  // NaN poison: every output must be written
+        w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), y.data(), false, nullptr, opt);
+        const std::vector<float> first = y.download();
+        expect_close(first, ref, absref, 1e-5, 1e-4, what);
+        y.fill_bytes(0xFF);
+        w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), y.data(), false, nullptr, opt);
+        EXPECT_EQ(first_float_mismatch(first, y.download()), -1) << what << ": repeat run differs";
+        y.upload(y0);
+        w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), y.data(), true, nullptr, opt);
+        expect_close(y.download(), refa, absa, 1e-5, 1e-4, what + " accumulate");
+        if (ks == 1) one_split = first;
+      }
+      W4A4Options m16;
+      m16.tile = W4A4Tile::M16;
+      m16.splits = 1;
+      y.fill_bytes(0xFF);
+      w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), y.data(), false, nullptr, m16);
+      EXPECT_EQ(first_float_mismatch(one_split, y.download()), -1) << shape << ": skinny (1 warp a tile) vs M16 (1 split)";
+      if (M > kGemvAutoMaxRows && M <= kSkinnyDenseMaxRows) {
+        W4A4Options chosen;
+        chosen.tile = W4A4Tile::Skinny;  // splits 0: the kernel's own choice, as Auto's
+        y.fill_bytes(0xFF);
+        w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), y.data(), false, nullptr, chosen);
+        const std::vector<float> want = y.download();
+        y.fill_bytes(0xFF);
+        w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), y.data(), false, nullptr, {});
+        EXPECT_EQ(first_float_mismatch(want, y.download()), -1) << shape << ": Auto is not the skinny tiles";
+      }
+    }
 }
 
 TEST(CudaGemm, W4A4AccumulatesAndIsDeterministic) {

@@ -620,6 +620,93 @@ TEST(CudaMoe, GroupedGemvEqualsPerExpertGemv) {
   }
 }
 
+// The grouped skinny tiles give each expert's dense skinny bits (the same warps a row tile): over
+// more than 32 groups, empty groups, groups of more than one 16-row chunk, per-row weight amax;
+// and agree with the 16-row tiles to FP32 summation order. Auto takes them for decode batches.
+TEST(CudaMoe, GroupedSkinnyEqualsPerExpertSkinny) {
+  QUADS_REQUIRE_GPU();
+  struct Case {
+    std::vector<int> sizes;
+    int64_t N, K;
+    bool w_row;
+  };
+  std::vector<int> many(70, 0);
+  many[0] = 3, many[5] = 1, many[33] = 9, many[40] = 2, many[69] = 16;
+  for (const Case& c : {Case{many, 200, 256, false}, Case{{3, 0, 17, 1, 0, 40}, 77, 1152, true},
+                        Case{{8, 8, 0, 5}, 96, 2048, false}}) {
+    const std::vector<int>& sizes = c.sizes;
+    const int64_t N = c.N, K = c.K;
+    const int E = static_cast<int>(sizes.size());
+    const std::vector<int32_t> off = offsets_of(sizes);
+    const int64_t R = off[E];
+    int max_rows = 0;
+    for (int s : sizes) max_rows = std::max(max_rows, s);
+    num::QConfig xc = num::QConfig::nvfp4_act();
+    xc.global = num::Global::PerRow;
+    cuda::DeviceArray<float> dx = dev(random_matrix(R, K, 37));
+    cuda::DeviceQTensor xq = cuda::make_qtensor(R, K, xc);
+    cuda::quantize(dx.data(), xq);
+    const cuda::Nvfp4View xv = cuda::nvfp4_view(xq, "x");
+    num::QConfig wc = num::QConfig::nvfp4_weight(false);
+    if (c.w_row) wc.global = num::Global::PerRow;
+    std::vector<cuda::DeviceQTensor> wq;
+    std::vector<cuda::Nvfp4Weight> tab;
+    for (int e = 0; e < E; ++e) {
+      DeviceArray<float> dw = dev(random_matrix(N, K, 400 + e));
+      wq.push_back(cuda::make_qtensor(N, K, wc));
+      cuda::quantize(dw.data(), wq.back());
+      QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+      const cuda::Nvfp4View v = cuda::nvfp4_view(wq.back(), "w");
+      tab.push_back({v.codes, v.scales, v.amax});
+    }
+    DeviceArray<cuda::Nvfp4Weight> dtab = dev(tab);
+    DeviceArray<int32_t> deoff = dev(off);
+    const std::string what = std::to_string(E) + " groups, N " + std::to_string(N) + " K " + std::to_string(K);
+    DeviceArray<float> y(R * N), yref(R * N);
+    for (int ks : {1, 4}) {
+      y.fill_bytes(0xFF);  // NaN: every row must be written
+      yref.fill_bytes(0xFF);
+      cuda::w4a4_gemm_grouped(xv, dtab.data(), c.w_row, N, E, deoff.data(), max_rows, y.data(), nullptr, ks,
+                              cuda::W4A4Tile::Skinny);
+      cuda::W4A4Options opt;
+      opt.tile = cuda::W4A4Tile::Skinny;
+      opt.splits = ks;
+      for (int e = 0; e < E; ++e) {
+        if (sizes[e] == 0) continue;
+        cuda::Nvfp4View xe = xv;
+        xe.codes += off[e] * K / 2;
+        xe.scales += off[e] * K / 16;
+        xe.amax += off[e];
+        xe.rows = sizes[e];
+        cuda::w4a4_gemm_emulated(xe, cuda::nvfp4_view(wq[e], "w"), yref.data() + off[e] * N, false, nullptr, opt);
+      }
+      const std::vector<float> got = y.download(), ref = yref.download();
+      EXPECT_EQ(first_float_mismatch(got, ref), -1) << what << " ks " << ks;
+      // against the 16-row tiles: the same products, summed in another grouping
+      cuda::w4a4_gemm_grouped(xv, dtab.data(), c.w_row, N, E, deoff.data(), max_rows, y.data(), nullptr, 1,
+                              cuda::W4A4Tile::M16);
+      const std::vector<float> tiled = y.download();
+      double err = 0, mag = 0;
+      for (size_t i = 0; i < ref.size(); ++i) {
+        err = std::max(err, std::fabs(double(tiled[i]) - ref[i]));
+        mag = std::max(mag, std::fabs(double(ref[i])));
+      }
+      EXPECT_LE(err, 1e-5 * mag) << what << " ks " << ks;
+      EXPECT_GT(mag, 0.0);
+    }
+    // Auto with the decode batch as the bound: the skinny tiles, with their own split choice
+    y.fill_bytes(0xFF);
+    cuda::w4a4_gemm_grouped(xv, dtab.data(), c.w_row, N, E, deoff.data(), max_rows, y.data(), nullptr, 0,
+                            cuda::W4A4Tile::Skinny);
+    const std::vector<float> chosen = y.download();
+    if (!cuda::gemv_auto_grouped(max_rows, K) && max_rows <= cuda::kSkinnyAutoMaxRows) {
+      y.fill_bytes(0xFF);
+      cuda::w4a4_gemm_grouped(xv, dtab.data(), c.w_row, N, E, deoff.data(), max_rows, y.data());
+      EXPECT_EQ(first_float_mismatch(y.download(), chosen), -1) << what << ": Auto is not the skinny tiles";
+    }
+  }
+}
+
 // nvfp4+RAC on a model whose expert projections are all W4A4: the experts' RAC runs grouped (no
 // host sync, so decode steps become graphs) and agrees with the per-expert RAC path.
 TEST(CudaModelGpu, GroupedRacEqualsPerExpertRac) {
