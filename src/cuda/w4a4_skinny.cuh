@@ -1,0 +1,306 @@
+#pragma once
+// The skinny W4A4 tiles (decode batches) and what they share with the 16-row tile kernels of
+// w4a4_gemm.cu: the E2M1 -> FP16 dequantization (see w4a4_gemm.cu's header for the numerics) and
+// the per-kernel launch check. Included by w4a4_gemm.cu (codes from quantize()) and
+// w4a4_gemv_fused.cu (the quantizer in the prologue); internal linkage, as w4a4_gemv.cuh.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/mma_util.cuh"
+#include "cuda/w4a4_gemv.cuh"  // Params, sm_count, quant_row.cuh
+
+namespace quads::cuda {
+
+namespace {
+
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+// Nibbles 0 and 4 of x as FP16 (value * 2^-14) in the low and high halves.
+__device__ __forceinline__ uint32_t fp4x2_raw(uint32_t x) {
+  const uint32_t y = x & 0x1E001E00u;  // x is pre-shifted: nibble bits at 9..12 and 25..28
+  return y + (y & 0x10001000u) * 7u;   // sign bit 12 -> 15 (0x1000 + 0x7000 = 0x8000)
+}
+// Two E4M3 scales (low byte: block 2t) as FP16 * 2^7.
+__device__ __forceinline__ uint32_t scales_f16x2(uint32_t two_bytes) {
+  return hmul2(e4m3x2_f16x2(two_bytes), 0x58005800u);  // * 128
+}
+__device__ __forceinline__ uint32_t lo2(uint32_t v) { return __byte_perm(v, 0, 0x1010); }
+__device__ __forceinline__ uint32_t hi2(uint32_t v) { return __byte_perm(v, 0, 0x3232); }
+
+
+// Dequantized pair from word w at nibble shift s (0, 4, 8, 12), times the scale pair.
+template <int S>
+__device__ __forceinline__ uint32_t deq(uint32_t w, uint32_t sc) {
+  const uint32_t x = S <= 9 ? (w << (9 - S)) : (w >> (S - 9));
+  return hmul2(fp4x2_raw(x), sc);
+}
+
+// Once per kernel: the code the driver picked for this GPU must be sm_80 or newer (else the
+// kernel is a trap), and the kernel may use smem_max bytes of dynamic shared memory.
+template <auto Kern>
+void prepare_mma_kernel(int64_t smem_max) {
+  static bool checked = false;
+  if (checked) return;
+  cudaFuncAttributes fa{};
+  QUADS_CUDA_CHECK(cudaFuncGetAttributes(&fa, Kern));
+  QUADS_CHECK(fa.binaryVersion >= 80 && fa.ptxVersion >= 80,
+              "w4a4_gemm: quads_cuda holds code for sm_{} only; the W4A4 kernels need sm_80 or newer "
+              "(configure with -DCMAKE_CUDA_ARCHITECTURES=90)", fa.ptxVersion);
+  QUADS_CUDA_CHECK(cudaFuncSetAttribute(Kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_max)));
+  checked = true;
+}
+
+// ---- Skinny tiles (decode batches: a few rows per weight, many weight rows) ----
+// The 16-row tiles put X's few rows in the MMA's 16-row A operand (mostly padding) and dequantize
+// both operands between shared-memory loads and MMAs, behind a barrier per stage. Here the weight
+// is the A operand (16 weight rows a warp) and X the B operand (8 rows of X an n-tile), so an
+// m16n8k16 uses all 16 rows of its weight fragment however few rows X has, and a weight is
+// dequantized once for up to 8 * NT rows of X. A lane loads its two 16-byte pieces of codes (rows g
+// and g + 8 of the warp's 16, blocks 2t and 2t + 1 of a 128-wide stage: the tile kernels' K-slot
+// order) straight into registers, kSkinnyPF stages ahead: no shared memory and no barrier in the K
+// loop. X's rows (8 * NT at a time) are copied into shared memory at once (cp.async) and
+// dequantized there once per CTA, in fragment order (one 16-byte read a lane per stage, word and
+// n-tile). The 8 warps of a CTA take 8 / ks row tiles, ks warps splitting each tile's stages;
+// their sums are added in warp order through shared memory. The products are the tile kernels'
+// (the same FP16 operands in the same K slots); with ks = 1 the sums are M16's too (same bits).
+// Two stages in flight a lane: ptxas keeps a stage's operands live ahead of its MMAs, and 3 or 4
+// stages spill under the launch bounds below.
+constexpr int kSkinnyWarps = 8, kSkinnyPF = 2;
+__host__ __device__ constexpr int64_t skinny_frag_bytes(int nt, int64_t k) { return (k + 127) / 128 * 4 * nt * 32 * 16; }
+__host__ __device__ constexpr int64_t skinny_smem(int nt, int64_t k) {
+  return skinny_frag_bytes(nt, k) + 8 * nt * (k / 2 + k / 16);
+}
+
+// 8 rows of X at a time fit 80 registers without spills (3 CTAs an SM); 16 rows take ~110 (2 CTAs:
+// capped at 80 they spill, and ran 7% slower at routed batch 64).
+template <int NT, bool GROUPED>
+__global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2) w4a4_skinny_kernel(const Params p, int ks) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ float4 s_red[kSkinnyWarps][NT][32];
+#ifndef QUADS_MMA_SM80
+  __trap();
+#endif
+  // X's fragments, then its raw codes and scales (8 NT rows)
+  uint4* sx = reinterpret_cast<uint4*>(smem);
+  uint8_t* raw = smem + skinny_frag_bytes(NT, p.K);
+  uint8_t* raw_s = raw + 8 * NT * (p.K / 2);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int64_t K = p.K;
+  const int nb = static_cast<int>(K / 16), nst = static_cast<int>((K + 127) / 128);
+  const int tiles_per_cta = kSkinnyWarps / ks, kidx = warp % ks;
+  const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * tiles_per_cta + warp / ks) * 16;
+  const int per = (nst + ks - 1) / ks, s_beg = min(nst, kidx * per), s_end = min(nst, s_beg + per);
+  // This lane's codes and scales of rows n0 + g (a) and n0 + g + 8 (b) at stage s_beg. Rows past
+  // N read row N - 1 (their outputs are not stored: a row's sums never meet another row's).
+  const uint8_t *pa = nullptr, *pb = nullptr, *qa = nullptr, *qb = nullptr;
+  const float* wamax = p.wamax;
+  auto set_weight = [&](const uint8_t* wq, const uint8_t* ws) {
+    const int64_t wrow = p.Kw / 2, wsrow = p.Kw / 16;
+    const int64_t na = min(n0 + g, p.N - 1), nb8 = min(n0 + g + 8, p.N - 1);
+    pa = wq + na * wrow + t * 16 + s_beg * 64;
+    pb = wq + nb8 * wrow + t * 16 + s_beg * 64;
+    qa = ws + na * wsrow + 2 * t + s_beg * 8;
+    qb = ws + nb8 * wsrow + 2 * t + s_beg * 8;
+  };
+  // Where K % 128 == 64 the last stage holds blocks 0..3 only: lanes t >= 2 take zeros there.
+  const int s_data = (K % 128 != 0 && t >= 2 && s_end == nst) ? s_end - 1 : s_end;
+
+  uint4 ca[kSkinnyPF], cb[kSkinnyPF];
+  uint32_t sca[kSkinnyPF], scb[kSkinnyPF];
+  // stage s (j stages past the stage pa points at) into ring slot i
+  auto load = [&](int s, int j, int i) {
+    if (s >= s_end) return;
+    if (s < s_data) {
+      ca[i] = __ldg(reinterpret_cast<const uint4*>(pa + j * 64));
+      cb[i] = __ldg(reinterpret_cast<const uint4*>(pb + j * 64));
+      sca[i] = __ldg(reinterpret_cast<const uint16_t*>(qa + j * 8));
+      scb[i] = __ldg(reinterpret_cast<const uint16_t*>(qb + j * 8));
+    } else {
+      ca[i] = cb[i] = make_uint4(0, 0, 0, 0);
+      sca[i] = scb[i] = 0;
+    }
+  };
+  if (!GROUPED) set_weight(p.wq, p.ws);
+
+  pdl_begin();
+  int64_t row0 = 0, rows = p.M;
+  if constexpr (GROUPED) {
+    // CTA row j of the grid takes the j-th non-empty group (as the grouped GEMV)
+    const int j = blockIdx.y;
+    int e = -1, seen = 0;
+    for (int base = 0; base < p.groups && e < 0; base += 32) {
+      const int gi = base + lane;
+      const bool ne = gi < p.groups && p.eoff[gi + 1] > p.eoff[gi];
+      uint32_t m = __ballot_sync(0xFFFFFFFFu, ne);
+      const int cnt = __popc(m);
+      if (j < seen + cnt) {
+        for (int i = 0; i < j - seen; ++i) m &= m - 1;
+        e = base + __ffs(m) - 1;
+      }
+      seen += cnt;
+    }
+    if (e < 0) return;
+    row0 = p.eoff[e];
+    rows = p.eoff[e + 1] - row0;
+    set_weight(p.wtab[e].codes, p.wtab[e].scales);
+    wamax = p.wtab[e].amax;
+  }
+
+  const float kInv = 1.f / 2688.f;
+  for (int64_t c0 = 0; c0 < rows; c0 += 8 * NT) {
+    const int ntu = static_cast<int>(min(static_cast<int64_t>(NT), (rows - c0 + 7) / 8));  // n-tiles with rows
+    if (c0 > 0) __syncthreads();  // the last chunk's readers are done
+    const uint8_t *pa0 = pa, *pb0 = pb, *qa0 = qa, *qb0 = qb;  // stage s_beg, for the next chunk
+#pragma unroll
+    for (int j = 0; j < kSkinnyPF; ++j) load(s_beg + j, j, j);
+    // X rows c0 .. c0 + nrow (consecutive rows of X) copied raw into shared memory, all at once
+    const int nrow = static_cast<int>(min(static_cast<int64_t>(8 * ntu), rows - c0));
+    {
+      const int64_t xbytes = nrow * (K / 2), sbytes = nrow * (K / 16);
+      const uint8_t* src = p.xq + (row0 + c0) * (K / 2);
+      for (int64_t i = threadIdx.x * 16; i < xbytes; i += blockDim.x * 16) cp_async16(raw + i, src + i, 16);
+      const uint8_t* ssrc = p.xs + (row0 + c0) * (K / 16);
+      for (int64_t i = threadIdx.x * 4; i < sbytes; i += blockDim.x * 4) cp_async4(raw_s + i, ssrc + i, 4);
+      cp_async_commit();
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    // ... then as FP16 fragments: entry ((s * 4 + hw) * NT + nt) * 32 + g * 4 + t holds word hw
+    // (elements 8 hw .. 8 hw + 7 of blocks 2t, 2t + 1 of stage s) of row nt * 8 + g, times the
+    // block scale, as the B fragments of the word's two k-steps. A warp reads 128 consecutive
+    // bytes of codes (16 words a stage and row).
+    for (int q = threadIdx.x; q < nst * 8 * ntu * 16; q += blockDim.x) {
+      const int wi = q & 15, qt = wi >> 2, hw = wi & 3, u = q >> 4, s = u % nst, r = u / nst;
+      const int blk = s * 8 + 2 * qt + (hw >> 1);
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (r < nrow && blk < nb) {
+        const uint32_t w = *reinterpret_cast<const uint32_t*>(raw + r * (K / 2) + s * 64 + wi * 4);
+        const uint32_t sc = lo2(scales_f16x2(raw_s[r * (K / 16) + blk]));
+        v = make_uint4(deq<0>(w, sc), deq<4>(w, sc), deq<8>(w, sc), deq<12>(w, sc));
+      }
+      sx[((s * 4 + hw) * NT + (r >> 3)) * 32 + (r & 7) * 4 + qt] = v;
+    }
+    __syncthreads();
+
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[nt][q] = 0.f;
+    // the K loop for NTU n-tiles with rows (a compile-time count: no branch per MMA)
+    auto k_loop = [&](auto ntu_c) {
+      constexpr int NTU = decltype(ntu_c)::value;
+#pragma unroll 1
+      for (int s0 = s_beg; s0 < s_end; s0 += kSkinnyPF) {
+#pragma unroll
+        for (int j = 0; j < kSkinnyPF; ++j) {
+          const int s = s0 + j;
+          if (s >= s_end) break;  // uniform
+          const uint4 A = ca[j], B = cb[j];
+          const uint32_t fa = scales_f16x2(sca[j]), fb = scales_f16x2(scb[j]);
+          load(s + kSkinnyPF, j + kSkinnyPF, j);
+          const uint4* xs_s = sx + s * 4 * NT * 32 + lane;
+          const uint32_t wa[4] = {A.x, A.y, A.z, A.w}, wb[4] = {B.x, B.y, B.z, B.w};
+#pragma unroll
+          for (int hw = 0; hw < 4; ++hw) {
+            const uint32_t sa = hw >> 1 ? hi2(fa) : lo2(fa), sb = hw >> 1 ? hi2(fb) : lo2(fb);
+            const uint32_t a0[4] = {deq<0>(wa[hw], sa), deq<0>(wb[hw], sb), deq<4>(wa[hw], sa), deq<4>(wb[hw], sb)};
+            const uint32_t a1[4] = {deq<8>(wa[hw], sa), deq<8>(wb[hw], sb), deq<12>(wa[hw], sa), deq<12>(wb[hw], sb)};
+#pragma unroll
+            for (int nt = 0; nt < NTU; ++nt) {
+              const uint4 xf = xs_s[(hw * NT + nt) * 32];
+              mma16816(acc[nt], a0, xf.x, xf.y);
+              mma16816(acc[nt], a1, xf.z, xf.w);
+            }
+          }
+        }
+        pa += kSkinnyPF * 64;
+        pb += kSkinnyPF * 64;
+        qa += kSkinnyPF * 8;
+        qb += kSkinnyPF * 8;
+      }
+    };
+    if (NT == 2 && ntu == 2) k_loop(std::integral_constant<int, 2>{});
+    else k_loop(std::integral_constant<int, 1>{});
+    pa = pa0, pb = pb0, qa = qa0, qb = qb0;
+
+    if (ks > 1) {  // the tile's other warps hand their sums to its first, added in warp order
+      if (kidx > 0) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) s_red[warp][nt][lane] = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
+      }
+      __syncthreads();
+      if (kidx > 0) continue;
+      for (int w = warp + 1; w < warp + ks; ++w)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const float4 v = s_red[w][nt][lane];
+          acc[nt][0] += v.x;
+          acc[nt][1] += v.y;
+          acc[nt][2] += v.z;
+          acc[nt][3] += v.w;
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      if (nt >= ntu) break;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int64_t n = n0 + g + 8 * (q >> 1), r = c0 + nt * 8 + 2 * t + (q & 1);
+        if (n >= p.N || r >= rows) continue;
+        const int64_t row = row0 + r;
+        const float rf = p.xamax[p.xamax_row ? row : 0] * kInv * 16384.f;
+        const float out = acc[nt][q] * rf * (wamax[p.wamax_row ? n : 0] * kInv);
+        float* dst = p.y + row * p.ldy + n;
+        *dst = p.accumulate ? *dst + out : out;
+      }
+    }
+  }
+}
+
+// The skinny tiles' shared memory is X's rows dequantized (4 KB a 128-wide stage for 16 rows) and
+// raw: 82 KB for K 2048 and 16 rows, up to 164 KB (K 4096, 16 rows; longer K takes 8 rows at a time).
+constexpr int64_t kSkinnySmemMax = 164 * 1024;
+// Warps sharing a row tile's K: more while the row tiles leave SMs short of about 3 CTAs of 8
+// warps, as long as every warp keeps at least 2 stages.
+int skinny_ks(int64_t row_tiles, int64_t k) {
+  const int64_t nst = (k + 127) / 128;
+  int ks = 1;
+  while (ks < kSkinnyWarps && row_tiles * ks < 3LL * kSkinnyWarps * sm_count() && nst >= 4LL * ks) ks *= 2;
+  return ks;
+}
+template <int NT, bool GROUPED>
+void launch_skinny_nt(const Params& p, int ks, dim3 grid, cudaStream_t s) {
+  constexpr auto kern = w4a4_skinny_kernel<NT, GROUPED>;
+  prepare_mma_kernel<kern>(kSkinnySmemMax);
+  launch_pdl(kern, grid, 32 * kSkinnyWarps, static_cast<size_t>(skinny_smem(NT, p.K)), s, p, ks);
+}
+// rows: rows of X per weight (dense: M; grouped: the bound on a group's rows); active: weights
+// with rows (dense 1; grouped min(groups, rows of X)); splits: warps per row tile (0: choose).
+template <bool GROUPED>
+void launch_skinny(const Params& p, int64_t rows, int64_t active, int splits, cudaStream_t s) {
+  // 16 rows of X at a time where the calls have more than 8 (dense) or their bound says groups of
+  // more than 8 rows are common (grouped: above 16, the decode batch; 8 rows at a time have more
+  // resident warps).
+  const int nt = rows <= (GROUPED ? 16 : 8) || skinny_smem(2, p.K) > kSkinnySmemMax ? 1 : 2;
+  QUADS_CHECK(skinny_smem(nt, p.K) <= kSkinnySmemMax, "w4a4_gemm: K = {} is too long for the skinny tiles", p.K);
+  const int64_t row_tiles = (p.N + 15) / 16;
+  const int ks = splits > 0 ? splits : skinny_ks(row_tiles * active, p.K);
+  QUADS_CHECK(ks == 1 || ks == 2 || ks == 4 || ks == 8,
+              "w4a4_gemm: the skinny tiles split K over 1, 2, 4 or 8 warps, not {}", ks);
+  const int64_t rows_per_cta = 16LL * (kSkinnyWarps / ks);
+  QUADS_CHECK(active <= 65535, "w4a4_gemm: {} groups are too many for the skinny tiles", active);
+  const dim3 grid(static_cast<unsigned>((p.N + rows_per_cta - 1) / rows_per_cta), static_cast<unsigned>(active));
+  if (nt == 1) launch_skinny_nt<1, GROUPED>(p, ks, grid, s);
+  else launch_skinny_nt<2, GROUPED>(p, ks, grid, s);
+}
+}  // namespace
+
+}  // namespace quads::cuda
