@@ -1,8 +1,7 @@
 #pragma once
 // The skinny W4A4 tiles (decode batches) and what they share with the 16-row tile kernels of
 // w4a4_gemm.cu: the E2M1 -> FP16 dequantization (see w4a4_gemm.cu's header for the numerics) and
-// the per-kernel launch check. Included by w4a4_gemm.cu (codes from quantize()) and
-// w4a4_gemv_fused.cu (the quantizer in the prologue); internal linkage, as w4a4_gemv.cuh.
+// the per-kernel launch check. Included by w4a4_gemm.cu; internal linkage, as w4a4_gemv.cuh.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
