@@ -63,6 +63,24 @@ int sm_count() {
   return sms;
 }
 
+// The j-th group (0-based) with rows among eoff's groups (eoff[e] < eoff[e + 1]), or -1; the
+// whole warp calls it and gets the same answer, 32 groups a ballot.
+__device__ __forceinline__ int nth_nonempty_group(const int32_t* eoff, int groups, int j, int lane) {
+  int seen = 0;
+  for (int base = 0; base < groups; base += 32) {
+    const int g = base + lane;
+    const bool ne = g < groups && eoff[g + 1] > eoff[g];
+    uint32_t m = __ballot_sync(0xFFFFFFFFu, ne);
+    const int cnt = __popc(m);
+    if (j < seen + cnt) {
+      for (int i = 0; i < j - seen; ++i) m &= m - 1;
+      return base + __ffs(m) - 1;
+    }
+    seen += cnt;
+  }
+  return -1;
+}
+
 // ---- GEMV (decode: a few rows per weight) ----
 // A CTA of kGemvWarps warps owns kGemvWarps * NW consecutive weight rows (NW per warp). Lane l
 // reads, per step of 1024 elements, the 32 elements 1024 s + 32 l .. +31 of each of its warp's
@@ -274,19 +292,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps, NW == 4 ? 2 : 3) w4a4_gemv_ke
   if constexpr (GROUPED) {
     // CTA row j of the grid takes the j-th non-empty group (every warp finds the same one, so the
     // exit is uniform for the CTA, before any barrier).
-    const int j = blockIdx.y;
-    int e = -1, seen = 0;
-    for (int base = 0; base < p.groups && e < 0; base += 32) {
-      const int g = base + lane;
-      const bool ne = g < p.groups && p.eoff[g + 1] > p.eoff[g];
-      uint32_t m = __ballot_sync(0xFFFFFFFFu, ne);
-      const int cnt = __popc(m);
-      if (j < seen + cnt) {
-        for (int i = 0; i < j - seen; ++i) m &= m - 1;
-        e = base + __ffs(m) - 1;
-      }
-      seen += cnt;
-    }
+    const int e = nth_nonempty_group(p.eoff, p.groups, blockIdx.y, lane);
     if (e < 0) return;
     row0 = p.eoff[e];
     rows = p.eoff[e + 1] - row0;

@@ -132,19 +132,7 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2) w4a4_skinn
   int64_t row0 = 0, rows = p.M;
   if constexpr (GROUPED) {
     // CTA row j of the grid takes the j-th non-empty group (as the grouped GEMV)
-    const int j = blockIdx.y;
-    int e = -1, seen = 0;
-    for (int base = 0; base < p.groups && e < 0; base += 32) {
-      const int gi = base + lane;
-      const bool ne = gi < p.groups && p.eoff[gi + 1] > p.eoff[gi];
-      uint32_t m = __ballot_sync(0xFFFFFFFFu, ne);
-      const int cnt = __popc(m);
-      if (j < seen + cnt) {
-        for (int i = 0; i < j - seen; ++i) m &= m - 1;
-        e = base + __ffs(m) - 1;
-      }
-      seen += cnt;
-    }
+    const int e = nth_nonempty_group(p.eoff, p.groups, blockIdx.y, lane);
     if (e < 0) return;
     row0 = p.eoff[e];
     rows = p.eoff[e + 1] - row0;

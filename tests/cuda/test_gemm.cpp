@@ -68,6 +68,50 @@ struct Shape {
   int64_t m, n, k;
 };
 
+// A decode-shaped W4A4 problem: X [M, K] and W [N, K] quantized on the CPU (per-row or per-tensor
+// amax of both, 1x16 or 16x16 weight blocks) and copied to the device, the float64 reference of
+// X . W^T and of y0 + X . W^T (y0 random), and a name for messages. Seeds: x, w, y0 in turn.
+struct DecodeCase {
+  int64_t M, N, K;
+  std::vector<float> y0;
+  std::vector<double> ref, absref, refa, absa;
+  DeviceQTensor dxq, dwq;
+  std::string what;
+  DecodeCase(int64_t m, int64_t n, int64_t k, bool per_row, bool w2d, uint64_t& seed) : M(m), N(n), K(k) {
+    QConfig xc = QConfig::nvfp4_act(), wc = QConfig::nvfp4_weight(w2d);
+    xc.global = per_row ? Global::PerRow : Global::PerTensor;
+    if (per_row && !w2d) wc.global = Global::PerRow;
+    const std::vector<float> x = random_matrix(M, K, seed++), w = random_matrix(N, K, seed++);
+    y0 = random_matrix(M, N, seed++);
+    const num::QTensor xq = num::quantize(x.data(), M, K, xc), wq = num::quantize(w.data(), N, K, wc);
+    ref_gemm(dequant_cpu(xq), dequant_cpu(wq), M, N, K, ref, absref);
+    refa = ref, absa = absref;
+    for (size_t i = 0; i < refa.size(); ++i) {
+      refa[i] += y0[i];
+      absa[i] += std::fabs(y0[i]);
+    }
+    dxq = to_device(xq), dwq = to_device(wq);
+    what = "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) +
+           (per_row ? " per-row amax" : " per-tensor amax") + (w2d ? " w 16x16" : "");
+  }
+  // Runs the GEMM with opt: every output written and within the reference's tolerance, a second
+  // run the same bits, and y0 + X . W^T when accumulating. Returns the first run's y.
+  std::vector<float> check(const W4A4Options& opt, const std::string& tag) {
+    DeviceArray<float> y(M * N);
+    y.fill_bytes(0xFF);  // NaN poison: every output must be written
+    w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), y.data(), false, nullptr, opt);
+    const std::vector<float> first = y.download();
+    expect_close(first, ref, absref, 1e-5, 1e-4, what + tag);
+    y.fill_bytes(0xFF);
+    w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), y.data(), false, nullptr, opt);
+    EXPECT_EQ(first_float_mismatch(first, y.download()), -1) << what << tag << ": repeat run differs";
+    y.upload(y0);
+    w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), y.data(), true, nullptr, opt);
+    expect_close(y.download(), refa, absa, 1e-5, 1e-4, what + tag + " accumulate");
+    return first;
+  }
+};
+
 }  // namespace
 
 // The emulated W4A4 GEMM against float64 GEMM of the CPU-dequantized operands, for each tile
@@ -149,41 +193,17 @@ TEST(CudaGemm, SkinnyMatchesDequantizedCpuGemm) {
   for (int64_t K : {64, 192, 768, 2048, 4096})
     for (int64_t M : {1, 5, 8, 9, 16, 17, 40}) {
       const bool w2d = M % 2 == 1;
-      const int64_t N = w2d ? 144 : K >= 2048 ? 67 : 200;
-      const bool per_row = (M + K / 64) % 2 == 0;
-      QConfig xc = QConfig::nvfp4_act(), wc = QConfig::nvfp4_weight(w2d);
-      xc.global = per_row ? Global::PerRow : Global::PerTensor;
-      if (per_row && !w2d) wc.global = Global::PerRow;
-      const std::vector<float> x = random_matrix(M, K, seed++), w = random_matrix(N, K, seed++);
-      const std::vector<float> y0 = random_matrix(M, N, seed++);
-      const num::QTensor xq = num::quantize(x.data(), M, K, xc), wq = num::quantize(w.data(), N, K, wc);
-      std::vector<double> ref, absref;
-      ref_gemm(dequant_cpu(xq), dequant_cpu(wq), M, N, K, ref, absref);
-      std::vector<double> refa = ref, absa = absref;
-      for (size_t i = 0; i < refa.size(); ++i) {
-        refa[i] += y0[i];
-        absa[i] += std::fabs(y0[i]);
-      }
-      DeviceQTensor dxq = to_device(xq), dwq = to_device(wq);
+      DecodeCase d(M, w2d ? 144 : K >= 2048 ? 67 : 200, K, (M + K / 64) % 2 == 0, w2d, seed);
+      const int64_t N = d.N;
+      DeviceQTensor &dxq = d.dxq, &dwq = d.dwq;
       DeviceArray<float> y(M * N);
-      const std::string shape = "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) +
-                                (per_row ? " per-row amax" : " per-tensor amax") + (w2d ? " w 16x16" : "");
+      const std::string& shape = d.what;
       std::vector<float> one_split;
       for (int ks : {1, 2, 4, 8}) {
-        const std::string what = shape + " ks=" + std::to_string(ks);
         W4A4Options opt;
         opt.tile = W4A4Tile::Skinny;
         opt.splits = ks;
-        y.fill_bytes(0xFF);  // NaN poison: every output must be written
-        w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), y.data(), false, nullptr, opt);
-        const std::vector<float> first = y.download();
-        expect_close(first, ref, absref, 1e-5, 1e-4, what);
-        y.fill_bytes(0xFF);
-        w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), y.data(), false, nullptr, opt);
-        EXPECT_EQ(first_float_mismatch(first, y.download()), -1) << what << ": repeat run differs";
-        y.upload(y0);
-        w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), y.data(), true, nullptr, opt);
-        expect_close(y.download(), refa, absa, 1e-5, 1e-4, what + " accumulate");
+        const std::vector<float> first = d.check(opt, " ks=" + std::to_string(ks));
         if (ks == 1) one_split = first;
       }
       W4A4Options m16;
@@ -298,43 +318,17 @@ TEST(CudaGemm, GemvMatchesDequantizedCpuGemm) {
     for (int64_t M : {1, 2, 3, 5, 8, 13}) {
       // odd N: 8 weight rows per CTA, the last CTA partly empty; 16x16 weight blocks need N % 16 == 0
       const bool w2d = M % 3 == 0;
-      const int64_t N = w2d ? 80 : K >= 2048 ? 67 : 333;
-      const bool per_row = (M + K / 64) % 2 == 0;  // both amax modes over the shapes
-      QConfig xc = QConfig::nvfp4_act(), wc = QConfig::nvfp4_weight(w2d);
-      xc.global = per_row ? Global::PerRow : Global::PerTensor;
-      if (per_row && !w2d) wc.global = Global::PerRow;
-      const std::vector<float> x = random_matrix(M, K, seed++), w = random_matrix(N, K, seed++);
-      const std::vector<float> y0 = random_matrix(M, N, seed++);
-      const num::QTensor xq = num::quantize(x.data(), M, K, xc), wq = num::quantize(w.data(), N, K, wc);
-      std::vector<double> ref, absref;
-      ref_gemm(dequant_cpu(xq), dequant_cpu(wq), M, N, K, ref, absref);
-      DeviceQTensor dxq = to_device(xq), dwq = to_device(wq);
-      const std::string what = "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) +
-                               (per_row ? " per-row amax" : " per-tensor amax");
+      DecodeCase d(M, w2d ? 80 : K >= 2048 ? 67 : 333, K, (M + K / 64) % 2 == 0, w2d, seed);  // both amax modes
+      DeviceQTensor &dxq = d.dxq, &dwq = d.dwq;
       W4A4Options opt;
       opt.tile = W4A4Tile::Gemv;
-      DeviceArray<float> y(M * N);
-      y.fill_bytes(0xFF);  // NaN poison: every output must be written
-      w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), y.data(), false, nullptr, opt);
-      const std::vector<float> first = y.download();
-      expect_close(first, ref, absref, 1e-5, 1e-4, what);
-      y.fill_bytes(0xFF);
-      w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), y.data(), false, nullptr, opt);
-      EXPECT_EQ(first_float_mismatch(first, y.download()), -1) << what << ": repeat run differs";
+      const std::vector<float> first = d.check(opt, "");
       if (M <= kGemvAutoMaxRows) {
+        DeviceArray<float> y(M * d.N);
         y.fill_bytes(0xFF);
         w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), y.data(), false, nullptr, {});
-        EXPECT_EQ(first_float_mismatch(first, y.download()), -1) << what << ": Auto is not the GEMV";
+        EXPECT_EQ(first_float_mismatch(first, y.download()), -1) << d.what << ": Auto is not the GEMV";
       }
-      // accumulate: y0 + X.W^T
-      y.upload(y0);
-      w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), y.data(), true, nullptr, opt);
-      std::vector<double> refa = ref, absa = absref;
-      for (size_t i = 0; i < refa.size(); ++i) {
-        refa[i] += y0[i];
-        absa[i] += std::fabs(y0[i]);
-      }
-      expect_close(y.download(), refa, absa, 1e-5, 1e-4, what + " accumulate");
     }
 }
 

@@ -30,6 +30,56 @@ std::vector<int32_t> offsets_of(const std::vector<int>& sizes) {
   return o;
 }
 
+// Grouped W4A4 operands: X [R, K] quantized per row (NVFP4), one random NVFP4 weight [N, K] per
+// group (w_row: per-row weight amax), the device table and offsets.
+struct GroupedW4A4 {
+  std::vector<int> sizes;
+  std::vector<int32_t> off;
+  int E = 0, max_rows = 0;
+  int64_t R = 0, N = 0, K = 0;
+  num::QConfig xc;
+  cuda::DeviceQTensor xq;
+  cuda::Nvfp4View xv;
+  std::vector<cuda::DeviceQTensor> wq;
+  DeviceArray<cuda::Nvfp4Weight> dtab;
+  DeviceArray<int32_t> deoff;
+
+  GroupedW4A4(const std::vector<int>& sz, int64_t n, int64_t k, bool w_row, uint64_t x_seed, uint64_t w_seed)
+      : sizes(sz), off(offsets_of(sz)), E(static_cast<int>(sz.size())), N(n), K(k) {
+    R = off[E];
+    for (int s : sizes) max_rows = std::max(max_rows, s);
+    xc = num::QConfig::nvfp4_act();
+    xc.global = num::Global::PerRow;
+    cuda::DeviceArray<float> dx = dev(random_matrix(R, K, x_seed));
+    xq = cuda::make_qtensor(R, K, xc);
+    cuda::quantize(dx.data(), xq);
+    xv = cuda::nvfp4_view(xq, "x");
+    num::QConfig wc = num::QConfig::nvfp4_weight(false);
+    if (w_row) wc.global = num::Global::PerRow;
+    std::vector<cuda::Nvfp4Weight> tab;
+    for (int e = 0; e < E; ++e) {
+      DeviceArray<float> dw = dev(random_matrix(N, K, w_seed + e));
+      wq.push_back(cuda::make_qtensor(N, K, wc));
+      cuda::quantize(dw.data(), wq.back());
+      QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+      const cuda::Nvfp4View v = cuda::nvfp4_view(wq.back(), "w");
+      tab.push_back({v.codes, v.scales, v.amax});
+    }
+    dtab = dev(tab);
+    deoff = dev(off);
+  }
+  // group e's rows of an operand with k columns laid out as X
+  cuda::Nvfp4View rows_of(const cuda::Nvfp4View& v, int e, int64_t k) const {
+    cuda::Nvfp4View xe = v;
+    xe.codes += off[e] * k / 2;
+    xe.scales += off[e] * k / 16;
+    xe.amax += off[e];
+    xe.rows = sizes[e];
+    return xe;
+  }
+  std::string what() const { return std::to_string(E) + " groups, N " + std::to_string(N) + " K " + std::to_string(K); }
+};
+
 // A small random MoE model whose every linear fits the W4A4 kernels (K % 64 == 0) and whose
 // head_dim the tiled attention supports (the fixture's 16 fits neither).
 model::ModelConfig small_moe_config() {
@@ -517,44 +567,20 @@ TEST(CudaMoe, GroupedGemvEqualsPerExpertGemv) {
   for (int e : {1, 7, 31, 32, 33, 50, 64, 69}) ones[e] = 1;
   for (const Case& c : {Case{many, 200, 256, false}, Case{{3, 0, 17, 1, 0, 40}, 77, 1152, true},
                         Case{ones, 96, 512, false}}) {
-    const std::vector<int>& sizes = c.sizes;
-    const int64_t N = c.N, K = c.K;
-    const int E = static_cast<int>(sizes.size());
-    const std::vector<int32_t> off = offsets_of(sizes);
-    const int64_t R = off[E];
-    int max_rows = 0;
-    for (int s : sizes) max_rows = std::max(max_rows, s);
-    num::QConfig xc = num::QConfig::nvfp4_act();
-    xc.global = num::Global::PerRow;
-    cuda::DeviceArray<float> dx = dev(random_matrix(R, K, 17));
-    cuda::DeviceQTensor xq = cuda::make_qtensor(R, K, xc);
-    cuda::quantize(dx.data(), xq);
-    const cuda::Nvfp4View xv = cuda::nvfp4_view(xq, "x");
-    num::QConfig wc = num::QConfig::nvfp4_weight(false);
-    if (c.w_row) wc.global = num::Global::PerRow;
-    std::vector<cuda::DeviceQTensor> wq;
-    std::vector<cuda::Nvfp4Weight> tab;
-    for (int e = 0; e < E; ++e) {
-      DeviceArray<float> dw = dev(random_matrix(N, K, 300 + e));
-      wq.push_back(cuda::make_qtensor(N, K, wc));
-      cuda::quantize(dw.data(), wq.back());
-      QUADS_CUDA_CHECK(cudaDeviceSynchronize());
-      const cuda::Nvfp4View v = cuda::nvfp4_view(wq.back(), "w");
-      tab.push_back({v.codes, v.scales, v.amax});
-    }
-    DeviceArray<cuda::Nvfp4Weight> dtab = dev(tab);
-    DeviceArray<int32_t> deoff = dev(off);
+    GroupedW4A4 G(c.sizes, c.N, c.K, c.w_row, 17, 300);
+    const std::vector<int>& sizes = G.sizes;
+    const std::vector<int32_t>& off = G.off;
+    const int64_t N = G.N, K = G.K, R = G.R;
+    const int E = G.E, max_rows = G.max_rows;
+    const num::QConfig& xc = G.xc;
+    const cuda::Nvfp4View& xv = G.xv;
+    const std::vector<cuda::DeviceQTensor>& wq = G.wq;
+    DeviceArray<cuda::Nvfp4Weight>& dtab = G.dtab;
+    DeviceArray<int32_t>& deoff = G.deoff;
     cuda::W4A4Options opt;
     opt.tile = cuda::W4A4Tile::Gemv;
-    auto expert_x = [&](const cuda::Nvfp4View& v, int e, int64_t k) {
-      cuda::Nvfp4View xe = v;
-      xe.codes += off[e] * k / 2;
-      xe.scales += off[e] * k / 16;
-      xe.amax += off[e];
-      xe.rows = sizes[e];
-      return xe;
-    };
-    const std::string what = std::to_string(E) + " groups, N " + std::to_string(N) + " K " + std::to_string(K);
+    auto expert_x = [&](const cuda::Nvfp4View& v, int e, int64_t k) { return G.rows_of(v, e, k); };
+    const std::string what = G.what();
 
     DeviceArray<float> y(R * N), yref(R * N);
     y.fill_bytes(0xFF);  // NaN: every row must be written
@@ -634,56 +660,27 @@ TEST(CudaMoe, GroupedSkinnyEqualsPerExpertSkinny) {
   many[0] = 3, many[5] = 1, many[33] = 9, many[40] = 2, many[69] = 16;
   for (const Case& c : {Case{many, 200, 256, false}, Case{{3, 0, 17, 1, 0, 40}, 77, 1152, true},
                         Case{{8, 8, 0, 5}, 96, 2048, false}}) {
-    const std::vector<int>& sizes = c.sizes;
-    const int64_t N = c.N, K = c.K;
-    const int E = static_cast<int>(sizes.size());
-    const std::vector<int32_t> off = offsets_of(sizes);
-    const int64_t R = off[E];
-    int max_rows = 0;
-    for (int s : sizes) max_rows = std::max(max_rows, s);
-    num::QConfig xc = num::QConfig::nvfp4_act();
-    xc.global = num::Global::PerRow;
-    cuda::DeviceArray<float> dx = dev(random_matrix(R, K, 37));
-    cuda::DeviceQTensor xq = cuda::make_qtensor(R, K, xc);
-    cuda::quantize(dx.data(), xq);
-    const cuda::Nvfp4View xv = cuda::nvfp4_view(xq, "x");
-    num::QConfig wc = num::QConfig::nvfp4_weight(false);
-    if (c.w_row) wc.global = num::Global::PerRow;
-    std::vector<cuda::DeviceQTensor> wq;
-    std::vector<cuda::Nvfp4Weight> tab;
-    for (int e = 0; e < E; ++e) {
-      DeviceArray<float> dw = dev(random_matrix(N, K, 400 + e));
-      wq.push_back(cuda::make_qtensor(N, K, wc));
-      cuda::quantize(dw.data(), wq.back());
-      QUADS_CUDA_CHECK(cudaDeviceSynchronize());
-      const cuda::Nvfp4View v = cuda::nvfp4_view(wq.back(), "w");
-      tab.push_back({v.codes, v.scales, v.amax});
-    }
-    DeviceArray<cuda::Nvfp4Weight> dtab = dev(tab);
-    DeviceArray<int32_t> deoff = dev(off);
-    const std::string what = std::to_string(E) + " groups, N " + std::to_string(N) + " K " + std::to_string(K);
+    GroupedW4A4 G(c.sizes, c.N, c.K, c.w_row, 37, 400);
+    const int64_t N = G.N, R = G.R;
+    const int E = G.E, max_rows = G.max_rows;
+    const std::string what = G.what();
     DeviceArray<float> y(R * N), yref(R * N);
     for (int ks : {1, 4}) {
       y.fill_bytes(0xFF);  // NaN: every row must be written
       yref.fill_bytes(0xFF);
-      cuda::w4a4_gemm_grouped(xv, dtab.data(), c.w_row, N, E, deoff.data(), max_rows, y.data(), nullptr, ks,
+      cuda::w4a4_gemm_grouped(G.xv, G.dtab.data(), c.w_row, N, E, G.deoff.data(), max_rows, y.data(), nullptr, ks,
                               cuda::W4A4Tile::Skinny);
       cuda::W4A4Options opt;
       opt.tile = cuda::W4A4Tile::Skinny;
       opt.splits = ks;
-      for (int e = 0; e < E; ++e) {
-        if (sizes[e] == 0) continue;
-        cuda::Nvfp4View xe = xv;
-        xe.codes += off[e] * K / 2;
-        xe.scales += off[e] * K / 16;
-        xe.amax += off[e];
-        xe.rows = sizes[e];
-        cuda::w4a4_gemm_emulated(xe, cuda::nvfp4_view(wq[e], "w"), yref.data() + off[e] * N, false, nullptr, opt);
-      }
+      for (int e = 0; e < E; ++e)
+        if (G.sizes[e] > 0)
+          cuda::w4a4_gemm_emulated(G.rows_of(G.xv, e, G.K), cuda::nvfp4_view(G.wq[e], "w"), yref.data() + G.off[e] * N,
+                                   false, nullptr, opt);
       const std::vector<float> got = y.download(), ref = yref.download();
       EXPECT_EQ(first_float_mismatch(got, ref), -1) << what << " ks " << ks;
       // against the 16-row tiles: the same products, summed in another grouping
-      cuda::w4a4_gemm_grouped(xv, dtab.data(), c.w_row, N, E, deoff.data(), max_rows, y.data(), nullptr, 1,
+      cuda::w4a4_gemm_grouped(G.xv, G.dtab.data(), c.w_row, N, E, G.deoff.data(), max_rows, y.data(), nullptr, 1,
                               cuda::W4A4Tile::M16);
       const std::vector<float> tiled = y.download();
       double err = 0, mag = 0;
@@ -696,12 +693,12 @@ TEST(CudaMoe, GroupedSkinnyEqualsPerExpertSkinny) {
     }
     // Auto with the decode batch as the bound: the skinny tiles, with their own split choice
     y.fill_bytes(0xFF);
-    cuda::w4a4_gemm_grouped(xv, dtab.data(), c.w_row, N, E, deoff.data(), max_rows, y.data(), nullptr, 0,
+    cuda::w4a4_gemm_grouped(G.xv, G.dtab.data(), c.w_row, N, E, G.deoff.data(), max_rows, y.data(), nullptr, 0,
                             cuda::W4A4Tile::Skinny);
     const std::vector<float> chosen = y.download();
-    if (!cuda::gemv_auto_grouped(max_rows, K) && max_rows <= cuda::kSkinnyAutoMaxRows) {
+    if (!cuda::gemv_auto_grouped(max_rows, G.K) && max_rows <= cuda::kSkinnyAutoMaxRows) {
       y.fill_bytes(0xFF);
-      cuda::w4a4_gemm_grouped(xv, dtab.data(), c.w_row, N, E, deoff.data(), max_rows, y.data());
+      cuda::w4a4_gemm_grouped(G.xv, G.dtab.data(), c.w_row, N, E, G.deoff.data(), max_rows, y.data());
       EXPECT_EQ(first_float_mismatch(y.download(), chosen), -1) << what << ": Auto is not the skinny tiles";
     }
   }
