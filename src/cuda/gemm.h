@@ -45,8 +45,8 @@ Nvfp4View nvfp4_view(const DeviceQTensor& q, const char* what = "operand");
 // block terms are summed in FP32 per lane in K order, then over the lanes by a fixed shuffle tree.
 // So the GEMV differs from the tile kernels only in the FP32 summation order, and an output's
 // bits do not depend on M, on how many rows a CTA takes at once, or on a grouped call's grouping.
-// It ignores `splits`. Auto picks the GEMV for M <= kGemvAutoMaxRows, else M16W4 up to 32 rows
-// (M16W4S3 where K <= 1024), M64 up to 64.
+// It ignores `splits`. Auto picks the GEMV for M <= kGemvAutoMaxRows, Skinny up to
+// kSkinnyDenseMaxRows, else M16W4 up to 32 rows (M16W4S3 where K <= 1024), M64 up to 64.
 // M16 variants (same sums in the same order, so the same bits; they differ in warps per CTA and
 // columns per CTA, i.e. in how many warps an SM has to hide the dequantization's latency):
 // M16 16x128 with 2 warps of 16x64, M16W4 16x128 with 4 warps of 16x32, M16N64 16x64 with 2 warps
@@ -96,8 +96,11 @@ struct Nvfp4Weight {
 // and split count. GEMV (tile Gemv, or Auto with splits == 0 and few rows per expert, see
 // gemv_auto_grouped): the grid covers min(groups, x.rows) non-empty groups (a CTA finds the j-th
 // non-empty group in eoff) and loops over its group's rows; each output is bit for bit the
-// per-expert w4a4_gemm_emulated with tile Gemv. `splits` > 0 asks for the tile kernels (Auto then
-// never picks the GEMV). Every row of y must belong to a group (eoff[groups] == x.rows).
+// per-expert w4a4_gemm_emulated with tile Gemv. Skinny (Auto for max_rows 2 .. kSkinnyAutoMaxRows
+// with splits == 0): the same grid over non-empty groups, `splits` warps a row tile; each output
+// is the per-expert w4a4_gemm_emulated with tile Skinny and the same splits, bit for bit.
+// `splits` > 0 with Auto asks for the tile kernels (Auto then never picks the GEMV or Skinny).
+// Every row of y must belong to a group (eoff[groups] == x.rows).
 // Auto with splits == 0 and the same max_rows gives w4a4_gemm_grouped and
 // w4a4_gemm_grouped_gather the same choice.
 void w4a4_gemm_grouped(const Nvfp4View& x, const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n, int groups,
