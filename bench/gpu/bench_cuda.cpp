@@ -196,6 +196,18 @@ void gemv_table(double copy_gbs) {
         });
         print(d.name, d.n, d.k, M, tile_name(t), us, wbytes);
       }
+      for (int cl : {1, 2, 4, 8}) {  // the skinny tiles with K split over cl CTAs of a cluster
+        if (M <= 8) break;
+        W4A4Options o;
+        o.tile = W4A4Tile::Skinny;
+        o.kcluster = cl;
+        int i = 0;
+        const double us = time_us([&] {
+          w4a4_gemm_emulated(nvfp4_view(xq), nvfp4_view(wq[i++ % copies]), y.data(), false, nullptr, o);
+        });
+        const std::string what = "skinny, cluster of " + std::to_string(cl);
+        print(d.name, d.n, d.k, M, what.c_str(), us, wbytes);
+      }
     }
   }
   // grouped: 64 experts; M rows for each of 8 active experts (max_rows = M), and a routed decode

@@ -53,16 +53,21 @@ Nvfp4View nvfp4_view(const DeviceQTensor& q, const char* what = "operand");
 // of 16x32, M16W4S3 as M16W4 with 3 pipeline stages and at most 72 registers a thread, so that 7
 // CTAs (28 warps) fit an SM instead of 5. bench_cuda --gemv compares them at decode shapes.
 // Skinny (decode batches): the weight as the MMA's A operand, 16 weight rows a warp streamed into
-// registers, X as the B operand (8 or 16 rows at a time, dequantized once per CTA into shared
-// memory); `splits` is the number of warps (1, 2, 4, 8) that share a row tile's K, 0 = choose.
-// With one warp a tile every output is M16's MMA chain with the operands' roles swapped, and the
-// bits are M16's (one split). Auto takes it from kGemvAutoMaxRows + 1 rows per weight up to
-// kSkinnyDenseMaxRows (dense) and kSkinnyAutoMaxRows (grouped: the bound on a group's rows, the
-// decode batch). QUADS_W4A4_SKINNY=0 keeps Auto off it (=grouped: grouped calls only).
+// registers, X as the B operand (8 .. 64 rows at a time, dequantized once per CTA into shared
+// memory); `splits` is the number of warps (1, 2, 4, 8) that share a row tile's K, 0 = choose;
+// dense calls of more than 8 rows also split K over the CTAs of a thread-block cluster
+// (`kcluster`, sm_90), their sums added in rank order through distributed shared memory.
+// With one warp a tile and no cluster every output is M16's MMA chain with the operands' roles
+// swapped, and the bits are M16's (one split). Auto takes it from kGemvAutoMaxRows + 1 rows per
+// weight up to kSkinnyDenseMaxRows (dense) and kSkinnyAutoMaxRows (grouped: the bound on a group's
+// rows, the decode batch). QUADS_W4A4_SKINNY=0 keeps Auto off it (=grouped: grouped calls only).
 enum class W4A4Tile : uint8_t { Auto, M16, M64, M128, Gemv, M16W4, M16N64, M16W4S3, Skinny };
 struct W4A4Options {
   W4A4Tile tile = W4A4Tile::Auto;
   int splits = 0;  // K splits of the tile kernels; 0 = choose (enough CTAs to fill the GPU)
+  // Skinny, dense: CTAs of a cluster that split K (1, 2, 4, 8); 0 = choose where splits is 0
+  // (enough CTAs to cover the SMs), else 1.
+  int kcluster = 0;
 };
 
 // Y (+)= X . W^T, emulated (any GPU from sm_80; tests and benchmarks use it on Hopper). K must be a
@@ -124,7 +129,7 @@ void w4a4_gemm_grouped_gather(const Nvfp4View& xr, const Nvfp4Weight* w_table, b
 // (gemv_auto_grouped), the skinny tiles for bounds up to kSkinnyAutoMaxRows (routed batch 4 / 16 /
 // 64 gate/up 25 / 44 / 60 us against the GEMV's 42 / 98 and the tiles' 43 / 71 / 79).
 constexpr int64_t kGemvAutoMaxRows = 3;
-constexpr int64_t kSkinnyAutoMaxRows = 64, kSkinnyDenseMaxRows = 8;
+constexpr int64_t kSkinnyAutoMaxRows = 64, kSkinnyDenseMaxRows = 64;
 bool gemv_auto_grouped(int64_t max_rows, int64_t k);
 // The GEMV's grid: one CTA per tile of weight rows (Off), or about one wave of CTAs that loop
 // over the tiles (On: X is decoded once per CTA, and the weight loads run on from one tile into

@@ -389,27 +389,35 @@ void launch(Params p, int splits_req, cudaStream_t s, int groups = 1) {
 W4A4Tile auto_m16(int64_t k) { return k <= 1024 ? W4A4Tile::M16W4S3 : W4A4Tile::M16W4; }
 
 // Auto's choice of the skinny tiles, for A/B runs: QUADS_W4A4_SKINNY=0 never, =grouped for grouped
-// calls only, else where Auto's rules take them.
-bool skinny_enabled(bool grouped) {
-  static const int mode = [] {
+// calls only, =N (a number) for grouped calls and dense ones of up to N rows, else where Auto's
+// rules take them.
+int64_t skinny_dense_max_rows() {
+  static const int64_t rows = [] {
     const char* e = std::getenv("QUADS_W4A4_SKINNY");
-    if (e && std::strcmp(e, "0") == 0) return 0;
-    if (e && std::strcmp(e, "grouped") == 0) return 1;
-    return 2;
+    if (e && (std::strcmp(e, "0") == 0 || std::strcmp(e, "grouped") == 0)) return int64_t(0);
+    if (e && std::atoll(e) > 0) return static_cast<int64_t>(std::atoll(e));
+    return kSkinnyDenseMaxRows;
   }();
-  return mode == 2 || (mode == 1 && grouped);
+  return rows;
+}
+bool skinny_enabled(bool grouped) {
+  static const bool off = [] {
+    const char* e = std::getenv("QUADS_W4A4_SKINNY");
+    return e && std::strcmp(e, "0") == 0;
+  }();
+  return grouped ? !off : skinny_dense_max_rows() > 0;
 }
 
 template <bool GATHER>
 void dispatch(const Params& p, const W4A4Options& opt, cudaStream_t s) {
   W4A4Tile tile = opt.tile;
   if (tile == W4A4Tile::Auto && p.M <= kGemvAutoMaxRows && gemv_plan(p.K, p.M, p.N).R > 0) tile = W4A4Tile::Gemv;
-  if (tile == W4A4Tile::Auto && !GATHER && opt.splits <= 0 && skinny_enabled(false) && p.M <= kSkinnyDenseMaxRows &&
+  if (tile == W4A4Tile::Auto && !GATHER && opt.splits <= 0 && p.M <= skinny_dense_max_rows() &&
       skinny_smem(1, p.K) <= kSkinnySmemMax)
     tile = W4A4Tile::Skinny;
   if (tile == W4A4Tile::Skinny) {
     QUADS_CHECK(!GATHER, "w4a4_gemm_gather: the skinny tiles have no gather variant");
-    launch_skinny<false>(p, p.M, 1, opt.splits, s);
+    launch_skinny<false>(p, p.M, 1, opt.splits, opt.kcluster, s);
     return;
   }
   // M = 17..32 runs two 16-row tiles over the same weights (measured faster than one 64-row tile);
@@ -442,7 +450,7 @@ void dispatch_grouped(Params p, int groups, int splits, W4A4Tile tile, cudaStrea
     tile = W4A4Tile::Skinny;
   if (tile == W4A4Tile::Skinny) {
     QUADS_CHECK(!GATHER, "w4a4_gemm_grouped_gather: the skinny tiles have no gather variant");
-    launch_skinny<true>(p, p.M, std::min<int64_t>(groups, p.Mtot), splits, s);
+    launch_skinny<true>(p, p.M, std::min<int64_t>(groups, p.Mtot), splits, 0, s);
     return;
   }
   // p.M is the largest group: decode has a few rows per expert, M16 tiles stream the weights. With

@@ -2,6 +2,7 @@
 // The skinny W4A4 tiles (decode batches) and what they share with the 16-row tile kernels of
 // w4a4_gemm.cu: the E2M1 -> FP16 dequantization (see w4a4_gemm.cu's header for the numerics) and
 // the per-kernel launch check. Included by w4a4_gemm.cu; internal linkage, as w4a4_gemv.cuh.
+#include <cooperative_groups.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -71,31 +72,48 @@ void prepare_mma_kernel(int64_t smem_max) {
 // (the same FP16 operands in the same K slots); with ks = 1 the sums are M16's too (same bits).
 // Two stages in flight a lane: ptxas keeps a stage's operands live ahead of its MMAs, and 3 or 4
 // stages spill under the launch bounds below.
+// Dense calls with more rows (9 .. 64: 16, 32 or 64 rows of X at a time) also split K over the CL
+// CTAs of a thread-block cluster (Hopper): a CTA stages and dequantizes X only over its own K
+// range, so 128 weight rows a CTA still make enough CTAs, and the CTAs of rank 1 .. CL - 1 hand
+// their sums to rank 0 through distributed shared memory, added in rank order (no workspace, no
+// second kernel, the same bits every run).
 constexpr int kSkinnyWarps = 8, kSkinnyPF = 2;
-__host__ __device__ constexpr int64_t skinny_frag_bytes(int nt, int64_t k) { return (k + 127) / 128 * 4 * nt * 32 * 16; }
-__host__ __device__ constexpr int64_t skinny_smem(int nt, int64_t k) {
-  return skinny_frag_bytes(nt, k) + 8 * nt * (k / 2 + k / 16);
+// Shared memory of `stages` 128-wide stages of 8 * nt rows: X's fragments (or, after the K loop,
+// the warps' sums: at least kSkinnyWarps * nt * 512 bytes), then the rows' raw codes and scales.
+__host__ __device__ constexpr int64_t skinny_frag_bytes(int nt, int64_t stages) {
+  return (stages > 2 ? stages : 2) * 4 * nt * 32 * 16;
 }
+__host__ __device__ constexpr int64_t skinny_smem_stages(int nt, int64_t stages) {
+  return skinny_frag_bytes(nt, stages) + 8 * nt * stages * (64 + 8);
+}
+__host__ __device__ constexpr int64_t skinny_smem(int nt, int64_t k) { return skinny_smem_stages(nt, (k + 127) / 128); }
 
 // 8 rows of X at a time fit 80 registers without spills (3 CTAs an SM); 16 rows take ~110 (2 CTAs:
 // capped at 80 they spill, and ran 7% slower at routed batch 64).
-template <int NT, bool GROUPED>
-__global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2) w4a4_skinny_kernel(const Params p, int ks) {
+// cper: stages a CTA of the cluster takes (CL = 1: all).
+template <int NT, bool GROUPED, int CL>
+__global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
+    w4a4_skinny_kernel(const Params p, int ks, int cper) {
+  static_assert(CL == 1 || !GROUPED, "the grouped skinny tiles split K over warps only");
   extern __shared__ __align__(16) uint8_t smem[];
-  __shared__ float4 s_red[kSkinnyWarps][NT][32];
 #ifndef QUADS_MMA_SM80
   __trap();
 #endif
-  // X's fragments, then its raw codes and scales (8 NT rows)
-  uint4* sx = reinterpret_cast<uint4*>(smem);
-  uint8_t* raw = smem + skinny_frag_bytes(NT, p.K);
-  uint8_t* raw_s = raw + 8 * NT * (p.K / 2);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int64_t K = p.K;
   const int nb = static_cast<int>(K / 16), nst = static_cast<int>((K + 127) / 128);
+  // this CTA's stages (rank blockIdx.z of its cluster), then its warps' share of them
+  const int cz = CL > 1 ? static_cast<int>(blockIdx.z) : 0;
+  const int cs_beg = min(nst, cz * cper), cs_end = min(nst, cs_beg + cper), ncs = cs_end - cs_beg;
+  const int64_t kbeg = int64_t(cs_beg) * 128, kc = min(int64_t(cs_end) * 128, K) - kbeg;  // K columns staged
+  // X's fragments (the sums after the K loop), then its raw codes and scales (8 NT rows)
+  uint4* sx = reinterpret_cast<uint4*>(smem);
+  float4* red = reinterpret_cast<float4*>(smem);  // [kSkinnyWarps][NT][32]
+  uint8_t* raw = smem + skinny_frag_bytes(NT, cper);
+  uint8_t* raw_s = raw + 8 * NT * cper * 64;
   const int tiles_per_cta = kSkinnyWarps / ks, kidx = warp % ks;
   const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * tiles_per_cta + warp / ks) * 16;
-  const int per = (nst + ks - 1) / ks, s_beg = min(nst, kidx * per), s_end = min(nst, s_beg + per);
+  const int per = (ncs + ks - 1) / ks, s_beg = cs_beg + min(ncs, kidx * per), s_end = min(cs_end, s_beg + per);
   // This lane's codes and scales of rows n0 + g (a) and n0 + g + 8 (b) at stage s_beg. Rows past
   // N read row N - 1 (their outputs are not stored: a row's sums never meet another row's).
   const uint8_t *pa = nullptr, *pb = nullptr, *qa = nullptr, *qb = nullptr;
@@ -144,35 +162,51 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2) w4a4_skinn
   for (int64_t c0 = 0; c0 < rows; c0 += 8 * NT) {
     const int ntu = static_cast<int>(min(static_cast<int64_t>(NT), (rows - c0 + 7) / 8));  // n-tiles with rows
     if (c0 > 0) __syncthreads();  // the last chunk's readers are done
-    const uint8_t *pa0 = pa, *pb0 = pb, *qa0 = qa, *qb0 = qb;  // stage s_beg, for the next chunk
 #pragma unroll
     for (int j = 0; j < kSkinnyPF; ++j) load(s_beg + j, j, j);
-    // X rows c0 .. c0 + nrow (consecutive rows of X) copied raw into shared memory, all at once
+    // X rows c0 .. c0 + nrow (consecutive rows of X), columns kbeg .. kbeg + kc, copied raw into
+    // shared memory, all at once (16-byte pieces of codes, 4-byte pieces of scales; 32-bit index
+    // math: a 64-bit division costs ~100 instructions)
     const int nrow = static_cast<int>(min(static_cast<int64_t>(8 * ntu), rows - c0));
+    const int rowb = static_cast<int>(kc / 2), rows_s = static_cast<int>(kc / 16);
     {
-      const int64_t xbytes = nrow * (K / 2), sbytes = nrow * (K / 16);
-      const uint8_t* src = p.xq + (row0 + c0) * (K / 2);
-      for (int64_t i = threadIdx.x * 16; i < xbytes; i += blockDim.x * 16) cp_async16(raw + i, src + i, 16);
-      const uint8_t* ssrc = p.xs + (row0 + c0) * (K / 16);
-      for (int64_t i = threadIdx.x * 4; i < sbytes; i += blockDim.x * 4) cp_async4(raw_s + i, ssrc + i, 4);
+      const uint8_t* src = p.xq + (row0 + c0) * (K / 2) + kbeg / 2;
+      const int cpr = rowb / 16;
+      for (int i = threadIdx.x; i < nrow * cpr; i += blockDim.x) {
+        const int r = i / cpr;
+        cp_async16(raw + i * 16, src + r * (K / 2) + (i - r * cpr) * 16, 16);
+      }
+      const uint8_t* ssrc = p.xs + (row0 + c0) * (K / 16) + kbeg / 16;
+      const int spr = rows_s / 4;
+      for (int i = threadIdx.x; i < nrow * spr; i += blockDim.x) {
+        const int r = i / spr;
+        cp_async4(raw_s + i * 4, ssrc + r * (K / 16) + (i - r * spr) * 4, 4);
+      }
       cp_async_commit();
       cp_async_wait<0>();
     }
     __syncthreads();
-    // ... then as FP16 fragments: entry ((s * 4 + hw) * NT + nt) * 32 + g * 4 + t holds word hw
-    // (elements 8 hw .. 8 hw + 7 of blocks 2t, 2t + 1 of stage s) of row nt * 8 + g, times the
-    // block scale, as the B fragments of the word's two k-steps. A warp reads 128 consecutive
-    // bytes of codes (16 words a stage and row).
-    for (int q = threadIdx.x; q < nst * 8 * ntu * 16; q += blockDim.x) {
-      const int wi = q & 15, qt = wi >> 2, hw = wi & 3, u = q >> 4, s = u % nst, r = u / nst;
-      const int blk = s * 8 + 2 * qt + (hw >> 1);
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (r < nrow && blk < nb) {
-        const uint32_t w = *reinterpret_cast<const uint32_t*>(raw + r * (K / 2) + s * 64 + wi * 4);
-        const uint32_t sc = lo2(scales_f16x2(raw_s[r * (K / 16) + blk]));
-        v = make_uint4(deq<0>(w, sc), deq<4>(w, sc), deq<8>(w, sc), deq<12>(w, sc));
+    // ... then as FP16 fragments: entry ((s * 4 + hw) * NT + nt) * 32 + g * 4 + t (s counted from
+    // cs_beg) holds word hw (elements 8 hw .. 8 hw + 7 of blocks 2t, 2t + 1 of stage s) of row
+    // nt * 8 + g, times the block scale, as the B fragments of the word's two k-steps. A half-warp
+    // takes a row (its 16 words a stage: 64 consecutive bytes of codes), stage after stage.
+    {
+      const int wi = lane & 15, qt = wi >> 2, hw = wi & 3;
+      for (int r = warp * 2 + (lane >> 4); r < 8 * ntu; r += 2 * kSkinnyWarps) {
+        uint4* dst = sx + (hw * NT + (r >> 3)) * 32 + (r & 7) * 4 + qt;
+        const uint8_t* src = raw + r * rowb + wi * 4;
+        const uint8_t* ssrc = raw_s + r * rows_s + 2 * qt + (hw >> 1);
+        const bool live = r < nrow;
+        for (int s = 0; s < ncs; ++s) {
+          uint4 v = make_uint4(0, 0, 0, 0);
+          if (live && (cs_beg + s) * 8 + 2 * qt + (hw >> 1) < nb) {
+            const uint32_t w = *reinterpret_cast<const uint32_t*>(src + s * 64);
+            const uint32_t sc = lo2(scales_f16x2(ssrc[s * 8]));
+            v = make_uint4(deq<0>(w, sc), deq<4>(w, sc), deq<8>(w, sc), deq<12>(w, sc));
+          }
+          dst[s * 4 * NT * 32] = v;
+        }
       }
-      sx[((s * 4 + hw) * NT + (r >> 3)) * 32 + (r & 7) * 4 + qt] = v;
     }
     __syncthreads();
 
@@ -193,7 +227,7 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2) w4a4_skinn
           const uint4 A = ca[j], B = cb[j];
           const uint32_t fa = scales_f16x2(sca[j]), fb = scales_f16x2(scb[j]);
           load(s + kSkinnyPF, j + kSkinnyPF, j);
-          const uint4* xs_s = sx + s * 4 * NT * 32 + lane;
+          const uint4* xs_s = sx + (s - cs_beg) * 4 * NT * 32 + lane;
           const uint32_t wa[4] = {A.x, A.y, A.z, A.w}, wb[4] = {B.x, B.y, B.z, B.w};
 #pragma unroll
           for (int hw = 0; hw < 4; ++hw) {
@@ -214,39 +248,87 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2) w4a4_skinn
         qb += kSkinnyPF * 8;
       }
     };
-    if (NT == 2 && ntu == 2) k_loop(std::integral_constant<int, 2>{});
-    else k_loop(std::integral_constant<int, 1>{});
-    pa = pa0, pb = pb0, qa = qa0, qb = qb0;
+    // the n-tiles with rows rounded up to NT or NT / 2 (padding n-tiles hold zeros)
+    if (ntu > NT / 2 || NT == 1) k_loop(std::integral_constant<int, NT>{});
+    else k_loop(std::integral_constant<int, (NT > 1 ? NT / 2 : 1)>{});
+    {  // back to stage s_beg for the next chunk (the K loop advanced kSkinnyPF stages a pass)
+      const int back = (s_end - s_beg + kSkinnyPF - 1) / kSkinnyPF * kSkinnyPF;
+      pa -= back * 64, pb -= back * 64, qa -= back * 8, qb -= back * 8;
+    }
 
+    if (ks > 1 || CL > 1) __syncthreads();  // X's fragments are read: the space takes the sums
     if (ks > 1) {  // the tile's other warps hand their sums to its first, added in warp order
       if (kidx > 0) {
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) s_red[warp][nt][lane] = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
+        for (int nt = 0; nt < NT; ++nt)
+          red[(warp * NT + nt) * 32 + lane] = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
       }
       __syncthreads();
-      if (kidx > 0) continue;
-      for (int w = warp + 1; w < warp + ks; ++w)
+      if (kidx == 0) {
+        for (int w = warp + 1; w < warp + ks; ++w)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const float4 v = s_red[w][nt][lane];
-          acc[nt][0] += v.x;
-          acc[nt][1] += v.y;
-          acc[nt][2] += v.z;
-          acc[nt][3] += v.w;
-        }
+          for (int nt = 0; nt < NT; ++nt) {
+            const float4 v = red[(w * NT + nt) * 32 + lane];
+            acc[nt][0] += v.x;
+            acc[nt][1] += v.y;
+            acc[nt][2] += v.z;
+            acc[nt][3] += v.w;
+          }
+      }
     }
+    if constexpr (CL > 1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      // ranks 1 .. CL - 1 publish their tile sums, rank 0 adds them in rank order
+      namespace cg = cooperative_groups;
+      cg::cluster_group cluster = cg::this_cluster();
+      if (ks > 1) __syncthreads();  // the warp sums above are read
+      if (kidx == 0 && cz > 0) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          red[(warp * NT + nt) * 32 + lane] = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
+      }
+      cluster.sync();
+      if (kidx == 0 && cz == 0) {
+        for (int r = 1; r < CL; ++r) {
+          const float4* rem = cluster.map_shared_rank(red, r);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const float4 v = rem[(warp * NT + nt) * 32 + lane];
+            acc[nt][0] += v.x;
+            acc[nt][1] += v.y;
+            acc[nt][2] += v.z;
+            acc[nt][3] += v.w;
+          }
+        }
+      }
+      cluster.sync();  // rank 0 has read every rank's sums
+#else
+      __trap();
+#endif
+    }
+    if (kidx > 0 || cz > 0) continue;
+    // outputs (n0 + g, n0 + g + 8) x (rows c0 + 8 nt + 2 t, + 1): acc * (X's and W's global factors)
+    const int64_t na = n0 + g, nb8 = n0 + g + 8;
+    const float wfa = na < p.N ? wamax[p.wamax_row ? na : 0] * kInv : 0.f;
+    const float wfb = nb8 < p.N ? wamax[p.wamax_row ? nb8 : 0] * kInv : 0.f;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       if (nt >= ntu) break;
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int64_t n = n0 + g + 8 * (q >> 1), r = c0 + nt * 8 + 2 * t + (q & 1);
-        if (n >= p.N || r >= rows) continue;
+      for (int j = 0; j < 2; ++j) {
+        const int64_t r = c0 + nt * 8 + 2 * t + j;
+        if (r >= rows) continue;
         const int64_t row = row0 + r;
         const float rf = p.xamax[p.xamax_row ? row : 0] * kInv * 16384.f;
-        const float out = acc[nt][q] * rf * (wamax[p.wamax_row ? n : 0] * kInv);
-        float* dst = p.y + row * p.ldy + n;
-        *dst = p.accumulate ? *dst + out : out;
+        float* dst = p.y + row * p.ldy + na;
+        if (na < p.N) {
+          const float out = acc[nt][j] * rf * wfa;
+          dst[0] = p.accumulate ? dst[0] + out : out;
+        }
+        if (nb8 < p.N) {
+          const float out = acc[nt][2 + j] * rf * wfb;
+          dst[8] = p.accumulate ? dst[8] + out : out;
+        }
       }
     }
   }
@@ -263,30 +345,105 @@ int skinny_ks(int64_t row_tiles, int64_t k) {
   while (ks < kSkinnyWarps && row_tiles * ks < 3LL * kSkinnyWarps * sm_count() && nst >= 4LL * ks) ks *= 2;
   return ks;
 }
-template <int NT, bool GROUPED>
-void launch_skinny_nt(const Params& p, int ks, dim3 grid, cudaStream_t s) {
-  constexpr auto kern = w4a4_skinny_kernel<NT, GROUPED>;
-  prepare_mma_kernel<kern>(kSkinnySmemMax);
-  launch_pdl(kern, grid, 32 * kSkinnyWarps, static_cast<size_t>(skinny_smem(NT, p.K)), s, p, ks);
+// Thread-block clusters need sm_90 code on a device of compute capability 9.0 or newer.
+bool skinny_cluster_ok() {
+  static const bool ok = [] {
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return false;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major < 9) return false;
+    cudaFuncAttributes fa{};
+    if (cudaFuncGetAttributes(&fa, w4a4_skinny_kernel<2, false, 2>) != cudaSuccess) return false;
+    return fa.binaryVersion >= 90;
+  }();
+  return ok;
 }
+
+struct SkinnyPlan {
+  int nt = 1, ks = 1, cl = 1, cper = 1;
+  int64_t smem = 0;
+};
 // rows: rows of X per weight (dense: M; grouped: the bound on a group's rows); active: weights
-// with rows (dense 1; grouped min(groups, rows of X)); splits: warps per row tile (0: choose).
-template <bool GROUPED>
-void launch_skinny(const Params& p, int64_t rows, int64_t active, int splits, cudaStream_t s) {
-  // 16 rows of X at a time where the calls have more than 8 (dense) or their bound says groups of
-  // more than 8 rows are common (grouped: above 16, the decode batch; 8 rows at a time have more
-  // resident warps).
-  const int nt = rows <= (GROUPED ? 16 : 8) || skinny_smem(2, p.K) > kSkinnySmemMax ? 1 : 2;
-  QUADS_CHECK(skinny_smem(nt, p.K) <= kSkinnySmemMax, "w4a4_gemm: K = {} is too long for the skinny tiles", p.K);
+// with rows (dense 1; grouped min(groups, rows of X)); splits: warps per row tile, kcluster: CTAs
+// of a cluster splitting K (dense only); 0: choose.
+SkinnyPlan skinny_plan(const Params& p, bool grouped, int64_t rows, int64_t active, int splits, int kcluster) {
+  SkinnyPlan pl;
+  const int nst = static_cast<int>((p.K + 127) / 128);
   const int64_t row_tiles = (p.N + 15) / 16;
-  const int ks = splits > 0 ? splits : skinny_ks(row_tiles * active, p.K);
-  QUADS_CHECK(ks == 1 || ks == 2 || ks == 4 || ks == 8,
-              "w4a4_gemm: the skinny tiles split K over 1, 2, 4 or 8 warps, not {}", ks);
-  const int64_t rows_per_cta = 16LL * (kSkinnyWarps / ks);
+  if (grouped || rows <= 8) {
+    // 16 rows of X at a time where the grouped calls' bound says groups of more than 8 rows are
+    // common (above 16, the decode batch; 8 rows at a time have more resident warps)
+    pl.nt = grouped && rows > 16 && skinny_smem(2, p.K) <= kSkinnySmemMax ? 2 : 1;
+    pl.ks = splits > 0 ? splits : skinny_ks(row_tiles * active, p.K);
+    pl.cl = kcluster > 0 ? kcluster : 1;
+  } else {
+    // Dense, more rows: 16, 32 or 64 rows of X at a time, a warp per row tile (X dequantized once
+    // for 128 weight rows), K split over a cluster's CTAs until the grid covers the SMs (16 rows) or
+    // half of them (more rows: each CTA has more MMAs, and a cluster's sums take longer to add),
+    // at most 4 CTAs a cluster and 2 stages a CTA. H200, bench_cuda --gemv, us for 1 / 2 / 4 / 8
+    // CTAs a cluster: q/k/v (6144 x 2048) at 16 rows 13.8 / 10.1 / 9.6 / 15.0, at 64 rows 32.5 /
+    // 19.5 / 21.9 / 35.4; o_proj (2048 x 4096) at 16 rows 24.1 / 14.7 / 10.0 / 10.4, at 64 rows
+    // 83.6 / 34.5 / 20.4 / 24.9.
+    pl.nt = rows <= 16 ? 2 : rows <= 32 ? 4 : 8;
+    pl.ks = splits > 0 ? splits : 1;
+    if (kcluster > 0) {
+      pl.cl = kcluster;
+    } else if (splits <= 0 && skinny_cluster_ok()) {
+      const int64_t ctas = (p.N + 16LL * (kSkinnyWarps / pl.ks) - 1) / (16LL * (kSkinnyWarps / pl.ks));
+      const int64_t want = rows <= 16 ? sm_count() : sm_count() / 2;
+      while (pl.cl < 4 && ctas * pl.cl < want && (nst + 2 * pl.cl - 1) / (2 * pl.cl) >= 2) pl.cl *= 2;
+    }
+  }
+  QUADS_CHECK(pl.ks == 1 || pl.ks == 2 || pl.ks == 4 || pl.ks == 8,
+              "w4a4_gemm: the skinny tiles split K over 1, 2, 4 or 8 warps, not {}", pl.ks);
+  QUADS_CHECK(pl.cl == 1 || pl.cl == 2 || pl.cl == 4 || pl.cl == 8,
+              "w4a4_gemm: the skinny tiles split K over clusters of 1, 2, 4 or 8 CTAs, not {}", pl.cl);
+  QUADS_CHECK(pl.cl == 1 || (!grouped && skinny_cluster_ok()),
+              "w4a4_gemm: K split over a cluster of CTAs needs dense calls, sm_90 code and a device of compute "
+              "capability 9.0 or newer");
+  pl.cper = (nst + pl.cl - 1) / pl.cl;
+  while (pl.nt > 1 && skinny_smem_stages(pl.nt, pl.cper) > kSkinnySmemMax) pl.nt /= 2;  // rows in more chunks
+  pl.smem = skinny_smem_stages(pl.nt, pl.cper);
+  QUADS_CHECK(pl.smem <= kSkinnySmemMax, "w4a4_gemm: K = {} is too long for the skinny tiles", p.K);
+  return pl;
+}
+template <int NT, bool GROUPED, int CL>
+void launch_skinny_k(const Params& p, const SkinnyPlan& pl, dim3 grid, cudaStream_t s) {
+  constexpr auto kern = w4a4_skinny_kernel<NT, GROUPED, CL>;
+  prepare_mma_kernel<kern>(kSkinnySmemMax);
+  grid.z = CL;
+  launch_pdl_cluster(kern, grid, 32 * kSkinnyWarps, static_cast<size_t>(pl.smem), s, dim3(1, 1, CL), p, pl.ks,
+                     pl.cper);
+}
+template <int NT, bool GROUPED>
+void launch_skinny_nt(const Params& p, const SkinnyPlan& pl, dim3 grid, cudaStream_t s) {
+  if constexpr (GROUPED) {
+    launch_skinny_k<NT, true, 1>(p, pl, grid, s);
+  } else {
+    switch (pl.cl) {
+      case 1: launch_skinny_k<NT, false, 1>(p, pl, grid, s); break;
+      case 2: launch_skinny_k<NT, false, 2>(p, pl, grid, s); break;
+      case 4: launch_skinny_k<NT, false, 4>(p, pl, grid, s); break;
+      default: launch_skinny_k<NT, false, 8>(p, pl, grid, s); break;
+    }
+  }
+}
+template <bool GROUPED>
+void launch_skinny(const Params& p, int64_t rows, int64_t active, int splits, int kcluster, cudaStream_t s) {
+  const SkinnyPlan pl = skinny_plan(p, GROUPED, rows, active, splits, kcluster);
+  const int64_t rows_per_cta = 16LL * (kSkinnyWarps / pl.ks);
   QUADS_CHECK(active <= 65535, "w4a4_gemm: {} groups are too many for the skinny tiles", active);
   const dim3 grid(static_cast<unsigned>((p.N + rows_per_cta - 1) / rows_per_cta), static_cast<unsigned>(active));
-  if (nt == 1) launch_skinny_nt<1, GROUPED>(p, ks, grid, s);
-  else launch_skinny_nt<2, GROUPED>(p, ks, grid, s);
+  if constexpr (GROUPED) {
+    if (pl.nt == 1) launch_skinny_nt<1, true>(p, pl, grid, s);
+    else launch_skinny_nt<2, true>(p, pl, grid, s);
+  } else {
+    switch (pl.nt) {
+      case 1: launch_skinny_nt<1, false>(p, pl, grid, s); break;
+      case 2: launch_skinny_nt<2, false>(p, pl, grid, s); break;
+      case 4: launch_skinny_nt<4, false>(p, pl, grid, s); break;
+      default: launch_skinny_nt<8, false>(p, pl, grid, s); break;
+    }
+  }
 }
 }  // namespace
 

@@ -182,16 +182,18 @@ TEST(CudaGemm, W4A4M16VariantsAgreeBitwise) {
 }
 
 // The skinny tiles (weights as the MMA's A operand) against float64 GEMM of the CPU-dequantized
-// operands: rows of X from 1 to several 16-row chunks, N not a multiple of a CTA's rows (warps
-// without rows), K with a half last stage (192) and up to 4096, K split over 1, 2, 4 and 8 warps,
-// per-row and per-tensor amax, overwrite and accumulate. Without a K split every output is the 16-row
-// tile's MMA chain with the operands' roles swapped: the same bits as M16 with one split. Two runs
-// give the same bits, and Auto takes the skinny tiles from kGemvAutoMaxRows + 1 to kSkinnyDenseMaxRows rows.
+// operands: rows of X from 1 to 64 (8 to 64 rows a chunk, and several chunks), N not a multiple of
+// a CTA's rows (warps without rows), K with a half last stage (192) and up to 4096, K split over
+// 1, 2, 4 and 8 warps and, for dense calls of more than 8 rows, over the 2, 4 or 8 CTAs of a
+// cluster (also more CTAs than stages: some hold none), per-row and per-tensor amax, overwrite
+// and accumulate. Without a K split every output is the 16-row tile's MMA chain with the operands'
+// roles swapped: the same bits as M16 with one split. Two runs give the same bits, and Auto takes
+// the skinny tiles from kGemvAutoMaxRows + 1 to kSkinnyDenseMaxRows rows.
 TEST(CudaGemm, SkinnyMatchesDequantizedCpuGemm) {
   QUADS_REQUIRE_GPU();
   uint64_t seed = 700;
   for (int64_t K : {64, 192, 768, 2048, 4096})
-    for (int64_t M : {1, 5, 8, 9, 16, 17, 40}) {
+    for (int64_t M : {1, 5, 8, 9, 16, 17, 40, 64}) {
       const bool w2d = M % 2 == 1;
       DecodeCase d(M, w2d ? 144 : K >= 2048 ? 67 : 200, K, (M + K / 64) % 2 == 0, w2d, seed);
       const int64_t N = d.N;
@@ -205,6 +207,18 @@ TEST(CudaGemm, SkinnyMatchesDequantizedCpuGemm) {
         opt.splits = ks;
         const std::vector<float> first = d.check(opt, " ks=" + std::to_string(ks));
         if (ks == 1) one_split = first;
+      }
+      if (M > 8) {
+        for (int cl : {2, 4, 8}) {
+          W4A4Options opt;
+          opt.tile = W4A4Tile::Skinny;
+          opt.splits = cl == 4 ? 2 : 1;
+          opt.kcluster = cl;
+          d.check(opt, " cluster=" + std::to_string(cl) + " ks=" + std::to_string(opt.splits));
+        }
+        W4A4Options chosen;
+        chosen.tile = W4A4Tile::Skinny;
+        d.check(chosen, " skinny, own choice");
       }
       W4A4Options m16;
       m16.tile = W4A4Tile::M16;
