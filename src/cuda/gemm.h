@@ -112,6 +112,16 @@ void w4a4_gemm_grouped(const Nvfp4View& x, const Nvfp4Weight* w_table, bool w_am
                        const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t stream = nullptr, int splits = 0,
                        W4A4Tile tile = W4A4Tile::Auto);
 
+// w4a4_gemm_grouped (Auto, splits 0) with X read through a row map: row r of the grouped problem
+// (eoff's rows, `rows` of them, y [rows, n]) is X's row x_map[r] / x_map_div (kern::gather_rows'
+// idx / div: the MoE permutation and top-k), so the experts read the T token rows' codes without
+// a gathered copy. Each output is w4a4_gemm_grouped's on the gathered rows, bit for bit. The
+// skinny tiles only: for max_rows and k where w4a4_grouped_mapped_supported says so.
+bool w4a4_grouped_mapped_supported(int64_t max_rows, int64_t k);
+void w4a4_gemm_grouped_mapped(const Nvfp4View& x, const int32_t* x_map, int x_map_div, int64_t rows,
+                              const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n, int groups,
+                              const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t stream = nullptr);
+
 // RAC on grouped experts (one launch for all experts' residual GEMMs, no host sync): y[r, :]
 // (row stride ldy) += Xr[r] . W_e[:, S_e]^T for the rows r of group e (eoff as w4a4_gemm_grouped),
 // where S_e is row e of `blocks` [groups, xr.k / 16] (W_e's 16-blocks; padding entries any valid

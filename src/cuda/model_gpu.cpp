@@ -205,6 +205,10 @@ struct GpuModel::Impl {
   DeviceArray<uint16_t> xnb;     // BF16 copy of a norm's output (fused kernels), for the BF16 GEMM reading it
   DeviceArray<uint8_t> attn_ws;  // kern::attention_decode_fused's counters (zeroed once, left at zero)
   DeviceQTensor xq;  // W4A4 activation operand (rows set per use)
+  // NVFP4 codes of a norm's output written by the norm kernel itself (kern::RowNvfp4): the operand
+  // of the next layer's q/k/v or of this layer's experts (through the routing map), no quantize().
+  DeviceArray<uint8_t> nq_codes, nq_scales;
+  DeviceArray<float> nq_amax;
 
   // MoE on the device (default): routing by kern::moe_route, one grouped GEMM per projection per
   // layer, no host sync in a step. QUADS_GPU_MOE=legacy keeps the old path (expert ids to the
@@ -220,7 +224,7 @@ struct GpuModel::Impl {
   // qk_norm_rope_store_qkv, router_route, attention_decode_fused): fewer launches, the same bits.
   // QUADS_GPU_FUSED=0 (or QUADS_DECODE_KERNELS=old) runs the unfused sequence; QUADS_GPU_ATTN_FUSED=0
   // keeps the split + merge attention only.
-  bool fused_on = true, attn_fused_on = true;
+  bool fused_on = true, attn_fused_on = true, norm_quant_on = true;
   // Prefills of fresh slots (every item from position 0, at least kGemmAttnTokens tokens): the
   // attention as FP32 SGEMMs per sequence (AttentionTc::set_fp32: the CPU's arithmetic up to
   // summation order, ~6x the one-warp-per-row kernel at 16 x 1024); QUADS_GPU_ATTN=direct keeps
@@ -305,6 +309,7 @@ struct GpuModel::Impl {
     attn_gemm_on = !attn_tiled && !env_is("QUADS_GPU_ATTN", "direct");
     fused_on = !env_is("QUADS_GPU_FUSED", "0");
     attn_fused_on = !env_is("QUADS_GPU_ATTN_FUSED", "0");
+    norm_quant_on = !env_is("QUADS_GPU_NORM_QUANT", "0");
     if (attn_gemm_on) {  // now, not in the first prefill: creating its cuBLAS handle takes ~0.1 s
       attn_gemm = std::make_unique<AttentionTc>();
       attn_gemm->set_fp32(true);
@@ -516,6 +521,43 @@ struct GpuModel::Impl {
     a.weights_ready = dense;  // in a step no kernel writes weights (requantize() runs between steps)
     return a;
   }
+  // A fused norm can quantize its output for linear L (read by a W4A4 GEMM of T rows, not the
+  // fused GEMV): the activation quantizer is NVFP4 E2M1 1x16 with a per-row amax, deterministic,
+  // and a row fits the norm kernel. QUADS_GPU_NORM_QUANT=0 turns it off (quantize() then runs).
+  bool norm_quant_ok(const DevLinear& L, int64_t T) const {
+    if (!norm_quant_on || !fused_on || kern::legacy_decode_kernels() || L.mode != GpuLinearMode::W4A4 ||
+        L.rac_nsel != 0 || fused_gemv(L, T))
+      return false;
+    const num::QConfig& c = L.act_cfg();
+    return c.scheme == num::Scheme::NVFP4 && c.element == num::Format::E2M1 && c.block == num::Block::B1x16 &&
+           c.global == num::Global::PerRow && !c.stochastic && L.in % 64 == 0 && L.in <= 16 * 256;
+  }
+  // Layer l's q/k/v read the codes its input norm wrote.
+  bool qkv_norm_quant(int l, int64_t T) const {
+    const LayerIdx& li = layers[l];
+    return li.fused_qkv && lin[li.q].rac_nsel == 0 && lin[li.k].rac_nsel == 0 && lin[li.v].rac_nsel == 0 &&
+           norm_quant_ok(lin[li.q], T);
+  }
+  // Sparse layer l's gate/up reads the codes of the post-attention norm's T rows through the
+  // routing map (w4a4_gemm_grouped_mapped: no gather, T rows quantized instead of T * k).
+  bool moe_mapped(int l, int64_t T) const {
+    const LayerIdx& li = layers[l];
+    return li.sparse && grouped_now(l, T) && li.fused_gu && !grouped[l].rac[0].on && !grouped[l].rac[1].on &&
+           grouped[l].gu.mode == GpuLinearMode::W4A4 && norm_quant_ok(lin[li.mlp], T) &&
+           w4a4_grouped_mapped_supported(T, cfg.hidden_size);
+  }
+  kern::RowNvfp4 nq_out() { return {nq_codes.data(), nq_scales.data(), nq_amax.data()}; }
+  Nvfp4View nq_view(int64_t rows, int64_t k) const {
+    Nvfp4View v;
+    v.codes = nq_codes.data();
+    v.scales = nq_scales.data();
+    v.amax = nq_amax.data();
+    v.amax_per_row = true;
+    v.rows = rows;
+    v.k = k;
+    return v;
+  }
+
   // Sparse layer l's gate/up reads the normed rows through the routing permutation (no gathered
   // copy): W4A4 experts, gate and up fused, no grouped RAC.
   bool moe_gate_up_fused(int l, int64_t T) const {
@@ -528,7 +570,9 @@ struct GpuModel::Impl {
   // one GEMM launch per projection. Same operands and per-row rounding as mlp(); each expert's
   // rows come out as a per-expert GEMM's (the W4A4 kernel without split K, BF16/FP32 our own sum).
   // xn (moe_gate_up_fused): X is not gathered; row r is xn's row perm[r] / k.
-  void mlp_grouped(int l, int64_t T, const float* X, int64_t R, float* Y, const float* xn = nullptr) {
+  // mapped (moe_mapped): gate/up reads nq's T rows through perm / k.
+  void mlp_grouped(int l, int64_t T, const float* X, int64_t R, float* Y, const float* xn = nullptr,
+                   bool mapped = false) {
     const LayerIdx& li = layers[l];
     const Grouped& Gt = grouped[l];
     const int E = li.nexperts;
@@ -563,8 +607,13 @@ struct GpuModel::Impl {
     }
     const DevLinear& D0 = lin[li.mlp + 2];
     const bool down_fused = !Gt.rac[2].on && fused_gemv(D0, T) && Gt.d.mode == GpuLinearMode::W4A4;
+    if (mapped) {
+      w4a4_gemm_grouped_mapped(nq_view(T, H), perm.data(), cfg.num_experts_per_tok, R, Gt.gu.q.data(), Gt.gu.amax_row,
+                               2 * I, E, eo, T, gp, stream);
+      stats.expert_gemms += 1;
+    }
     if (li.fused_gu) {
-      if (!xn) {
+      if (!xn && !mapped) {
         const Operand all = prepare(lin[li.mlp], X, R, need_f);
         run(Gt.gu, all, 2 * I, H, gp);
         const float* res = grouped_rac(l, 0, X, R, T, gp, 2 * I);
@@ -1246,6 +1295,9 @@ struct GpuModel::Impl {
     grow(xrq.codes, (maxop + 64 * size_t(std::max(R, nout))) / 2);
     grow(xrq.scales, (maxop + 64 * size_t(std::max(R, nout))) / 16);
     grow(xrq.amax, size_t(std::max(R, nout)) + 1);
+    grow(nq_codes, size_t(T * std::max(H, qd) / 2 + 1));
+    grow(nq_scales, size_t(T * std::max(H, qd) / 16 + 1));
+    grow(nq_amax, size_t(T + 1));
 
     const float* M = master.data();
     const float scale = static_cast<float>(1.0 / std::sqrt(double(hd)));
@@ -1296,24 +1348,27 @@ struct GpuModel::Impl {
     auto body = [&]() {
     kern::embedding(M + lay.embed, d_tok, T, H, xp, stream);
     if (fuse && cfg.num_hidden_layers > 0)
-      kern::rmsnorm_bf16(xp, M + lay.layers[0].input_norm, T, H, eps, xnp, bf_in(0), stream);
+      kern::rmsnorm_bf16(xp, M + lay.layers[0].input_norm, T, H, eps, xnp, bf_in(0), stream,
+                         qkv_norm_quant(0, T) ? nq_out() : kern::RowNvfp4{});
     // The MoE output or dense MLP output ye enters the residual stream; with fused kernels the next
     // norm (next layer's input norm, or the final norm) runs in the same kernel.
     auto finish_layer = [&](int l, const float* ye, bool moe) {
       const float* wn = nullptr;
       float* y = xnp;
       uint16_t* yb = nullptr;
+      kern::RowNvfp4 yq;
       if (fuse && l + 1 < cfg.num_hidden_layers) {
         wn = M + lay.layers[l + 1].input_norm;
         yb = bf_in(l + 1);
+        if (qkv_norm_quant(l + 1, T)) yq = nq_out();
       } else if (final_in_layers && l + 1 == cfg.num_hidden_layers) {
         wn = M + lay.final_norm;
         y = xfp;
         yb = bf_final;
       }
-      if (moe && wn) kern::moe_combine_add_rmsnorm(ye, inv.data(), w.data(), T, K, H, xp, wn, eps, y, yb, stream);
+      if (moe && wn) kern::moe_combine_add_rmsnorm(ye, inv.data(), w.data(), T, K, H, xp, wn, eps, y, yb, stream, yq);
       else if (moe) kern::moe_combine_add(ye, inv.data(), w.data(), T, K, H, xp, stream);
-      else if (wn) kern::add_rmsnorm(xp, ye, T, H, wn, eps, y, yb, stream);
+      else if (wn) kern::add_rmsnorm(xp, ye, T, H, wn, eps, y, yb, stream, yq);
       else kern::add_inplace(xp, ye, T * H, stream);
     };
     for (int l = 0; l < cfg.num_hidden_layers; ++l) {
@@ -1329,6 +1384,8 @@ struct GpuModel::Impl {
         stats.weight_bytes += Lq.bytes() + Lk.bytes() + Lv.bytes();
         if (fused_gemv(Lq, T)) {
           w4a4_gemv_fused(fused_act(xnp, H, T, Lq, true), qkv[l].v, qkvp, false, stream);
+        } else if (fuse && qkv_norm_quant(l, T)) {  // the input norm wrote the codes
+          w4a4_gemm_emulated(nq_view(T, H), qkv[l].v, qkvp, false, stream);
         } else {
           const Operand oq = prepare(Lq, xnp, T, -1, bf_in(l));
           if (Lq.mode == GpuLinearMode::BF16)
@@ -1387,13 +1444,15 @@ struct GpuModel::Impl {
           const Operand oo = prepare(Lo, ap, T);
           w4a4_gemm_emulated(oo.v, Lo.wv, xp, true, stream);
         }
-        if (fuse) kern::rmsnorm_bf16(xp, M + o.post_norm, T, H, eps, xnp, bf_post(l), stream);
+        if (fuse) kern::rmsnorm_bf16(xp, M + o.post_norm, T, H, eps, xnp, bf_post(l), stream,
+                                     moe_mapped(l, T) ? nq_out() : kern::RowNvfp4{});
         else kern::rmsnorm(xp, M + o.post_norm, T, H, eps, xnp, stream);
       } else {
         const Operand oo = prepare(Lo, ap, T);
         gemm(Lo, oo, 0, T, tp);
         if (fuse) {
-          kern::add_rmsnorm(xp, tp, T, H, M + o.post_norm, eps, xnp, bf_post(l), stream);
+          kern::add_rmsnorm(xp, tp, T, H, M + o.post_norm, eps, xnp, bf_post(l), stream,
+                            moe_mapped(l, T) ? nq_out() : kern::RowNvfp4{});
         } else {
           kern::add_inplace(xp, tp, T * H, stream);
           kern::rmsnorm(xp, M + o.post_norm, T, H, eps, xnp, stream);
@@ -1418,9 +1477,10 @@ struct GpuModel::Impl {
             kern::moe_route(idx.data(), T * K, E, ecount.data(), eoff_d.data(), perm.data(), inv.data(),
                             grouped_now(l, T) ? active_d.data() + l : nullptr, bad_d.data(), stream);
           const bool gather_fused = grouped_now(l, T) && moe_gate_up_fused(l, T);
-          if (!gather_fused) kern::gather_rows(xnp, perm.data(), T * K, K, H, xep, stream);
+          const bool mapped = fuse && !gather_fused && moe_mapped(l, T);
+          if (!gather_fused && !mapped) kern::gather_rows(xnp, perm.data(), T * K, K, H, xep, stream);
           if (grouped_now(l, T)) {
-            mlp_grouped(l, T, xep, T * K, yep, gather_fused ? xnp : nullptr);
+            mlp_grouped(l, T, xep, T * K, yep, gather_fused ? xnp : nullptr, mapped);
           } else {
             // RAC or mixed expert numerics: the per-expert path with the offsets from the device.
             heoff.resize(E + 1);

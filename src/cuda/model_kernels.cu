@@ -14,6 +14,7 @@
 #include "cuda/mma_util.cuh"  // cp_async_commit / cp_async_wait
 #include "cuda/model_kernels.h"
 #include "cuda/pdl.cuh"
+#include "cuda/quant_row.cuh"
 #include "cuda/train_kernels.h"
 
 namespace quads::cuda::kern {
@@ -719,9 +720,43 @@ __device__ __forceinline__ void dec_cp16(float* smem, const float* gmem, bool ok
 // finishes the cross-warp tree itself (the same butterfly warp 0 ran), so one barrier, one read of x.
 // The row's tail, shared with the fused residual + norm kernel (so both give rmsnorm's bits): xv,
 // wv the thread's elements, red kThreads / 32 doubles of shared memory; yb (optional) BF16 bits.
+// Shared memory of rmsnorm_reg_kernel's row copy for the quantizer (PER * kThreads floats).
+constexpr int yq_rows_smem(int per) { return per * kThreads; }
+// With yq.codes (yq's pointers at the row), y is also quantized to NVFP4 as quantize()'s row
+// kernel does it (per-row amax; quant_row.cuh's steps): ys (D floats of shared memory, may be the
+// buffer xv was read from: each thread overwrites only its own elements) holds the row for the
+// 16-element blocks.
+__device__ __forceinline__ void rmsnorm_quant_row(uint32_t m, const float* ys, int64_t D, const RowNvfp4& yq) {
+  __shared__ uint32_t s_m[kThreads / 32];
+  m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 16));
+  m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 8));
+  m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 4));
+  m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
+  m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
+  if ((threadIdx.x & 31) == 0) s_m[threadIdx.x >> 5] = m;
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads) : "memory");
+  m = 0;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) m = max(m, s_m[w]);
+  const float amax = dev::u2f(m);
+  const dev::NvGlobal g = dev::nv_global<false>(amax);
+  for (int64_t b = threadIdx.x; b < D / 16; b += kThreads) {
+    float4 v[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) v[q] = reinterpret_cast<const float4*>(ys + b * 16)[q];
+    const uint32_t bm = max(max(dev::vabsmax(v[0]), dev::vabsmax(v[1])), max(dev::vabsmax(v[2]), dev::vabsmax(v[3])));
+    uint32_t sf;
+    const uint2 c = dev::nv_quant_block16(v, bm, g, sf);
+    reinterpret_cast<uint2*>(yq.codes)[b] = c;
+    yq.scales[b] = static_cast<uint8_t>(sf);
+  }
+  if (threadIdx.x == 0) *yq.amax = amax;
+}
+
 template <int PER>
 __device__ __forceinline__ void rmsnorm_reg_row(const float (&xv)[PER], const float (&wv)[PER], int64_t D, float eps,
-                                                double* red, float* yr, uint16_t* ybr) {
+                                                double* red, float* yr, uint16_t* ybr, float* ys = nullptr,
+                                                const RowNvfp4& yq = {}) {
   double ss = 0;
 #pragma unroll
   for (int i = 0; i < PER; ++i)
@@ -734,6 +769,7 @@ __device__ __forceinline__ void rmsnorm_reg_row(const float (&xv)[PER], const fl
   double v = lane < kThreads / 32 ? red[lane] : 0.0;
   v = warp_sum(v);
   const float inv = static_cast<float>(1.0 / sqrt(v / double(D) + double(eps)));
+  uint32_t m = 0;  // max |y| as float bits (NaN largest), as quantize()'s absmax
 #pragma unroll
   for (int i = 0; i < PER; ++i) {
     const int64_t c = threadIdx.x + int64_t(i) * kThreads;
@@ -741,16 +777,27 @@ __device__ __forceinline__ void rmsnorm_reg_row(const float (&xv)[PER], const fl
       const float y = __fmul_rn(wv[i], __fmul_rn(xv[i], inv));
       yr[c] = y;
       if (ybr) ybr[c] = bf16_bits(y);
+      if (yq.codes) {
+        ys[c] = y;
+        m = max(m, dev::f2u(y) & 0x7FFFFFFFu);
+      }
     }
   }
+  if (yq.codes) rmsnorm_quant_row(m, ys, D, yq);
+}
+// yq's pointers at row r
+__device__ __forceinline__ RowNvfp4 row_nvfp4_at(const RowNvfp4& q, int64_t r, int64_t D) {
+  if (!q.codes) return q;
+  return {q.codes + r * (D / 2), q.scales + r * (D / 16), q.amax + r};
 }
 
 template <int PER>
 __global__ void __launch_bounds__(kThreads) rmsnorm_reg_kernel(const float* __restrict__ x, const float* __restrict__ w,
                                                               int64_t D, float eps, float* __restrict__ y,
-                                                              uint16_t* __restrict__ yb) {
+                                                              uint16_t* __restrict__ yb, const RowNvfp4 yq) {
   pdl_begin();
   __shared__ double red[kThreads / 32];
+  __shared__ __align__(16) float ys[yq_rows_smem(PER)];
   const int64_t r = blockIdx.x;
   const float* xr = x + r * D;
   float xv[PER], wv[PER];
@@ -760,7 +807,7 @@ __global__ void __launch_bounds__(kThreads) rmsnorm_reg_kernel(const float* __re
     xv[i] = c < D ? xr[c] : 0.f;
     wv[i] = c < D ? w[c] : 0.f;
   }
-  rmsnorm_reg_row<PER>(xv, wv, D, eps, red, y + r * D, yb ? yb + r * D : nullptr);
+  rmsnorm_reg_row<PER>(xv, wv, D, eps, red, y + r * D, yb ? yb + r * D : nullptr, ys, row_nvfp4_at(yq, r, D));
 }
 
 // x[r] += the MoE combine sum_s cw[r, s] * ye[inv[r*k + s]] (moe_combine_add's operations; inv null:
@@ -773,7 +820,7 @@ template <int PER, int BD>
 __global__ void __launch_bounds__(BD)
 residual_rmsnorm_kernel(const float* __restrict__ ye, const int32_t* __restrict__ inv, const float* __restrict__ cw,
                         int k, int64_t D, float* __restrict__ x, const float* __restrict__ w, float eps,
-                        float* __restrict__ y, uint16_t* __restrict__ yb) {
+                        float* __restrict__ y, uint16_t* __restrict__ yb, const RowNvfp4 yq) {
   static_assert(BD >= kThreads && BD % kThreads == 0, "the norm needs the first kThreads threads");
   constexpr int PC = (PER * kThreads + BD - 1) / BD, KU = PC >= 8 ? 32 / PC : 8;
   pdl_begin();
@@ -834,7 +881,7 @@ residual_rmsnorm_kernel(const float* __restrict__ ye, const int32_t* __restrict_
     xv[i] = c < D ? xs[c] : 0.f;
     wv[i] = c < D ? w[c] : 0.f;
   }
-  rmsnorm_reg_row<PER>(xv, wv, D, eps, red, y + r * D, yb ? yb + r * D : nullptr);
+  rmsnorm_reg_row<PER>(xv, wv, D, eps, red, y + r * D, yb ? yb + r * D : nullptr, xs, row_nvfp4_at(yq, r, D));
 }
 
 // norm_rope_row with the row in registers (HD = hd known, HD % 64 == 0): lane holds elements
@@ -1127,17 +1174,19 @@ namespace {
 int device_sms();
 
 void rmsnorm_launch(const float* x, const float* w, int64_t rows, int64_t D, float eps, float* y, uint16_t* yb,
-                    bool legacy, cudaStream_t s) {
+                    bool legacy, cudaStream_t s, const RowNvfp4& yq = {}) {
   if (rows == 0) return;
   QUADS_CHECK(rows < (int64_t(1) << 31), "cuda rmsnorm: {} rows is too many", rows);
   const unsigned grid = static_cast<unsigned>(rows);
   const int64_t per = (D + kThreads - 1) / kThreads;
+  QUADS_CHECK(!yq.codes || (!legacy && per <= 16 && D % 16 == 0),
+              "cuda rmsnorm: no NVFP4 output for rows of {} (at most {}, a multiple of 16)", D, 16 * kThreads);
   if (legacy || per > 16) launch_pdl(rmsnorm_kernel, grid, kThreads, 0, s, x, w, D, eps, y, yb);
-  else if (per <= 1) launch_pdl(rmsnorm_reg_kernel<1>, grid, kThreads, 0, s, x, w, D, eps, y, yb);
-  else if (per <= 2) launch_pdl(rmsnorm_reg_kernel<2>, grid, kThreads, 0, s, x, w, D, eps, y, yb);
-  else if (per <= 4) launch_pdl(rmsnorm_reg_kernel<4>, grid, kThreads, 0, s, x, w, D, eps, y, yb);
-  else if (per <= 8) launch_pdl(rmsnorm_reg_kernel<8>, grid, kThreads, 0, s, x, w, D, eps, y, yb);
-  else launch_pdl(rmsnorm_reg_kernel<16>, grid, kThreads, 0, s, x, w, D, eps, y, yb);
+  else if (per <= 1) launch_pdl(rmsnorm_reg_kernel<1>, grid, kThreads, 0, s, x, w, D, eps, y, yb, yq);
+  else if (per <= 2) launch_pdl(rmsnorm_reg_kernel<2>, grid, kThreads, 0, s, x, w, D, eps, y, yb, yq);
+  else if (per <= 4) launch_pdl(rmsnorm_reg_kernel<4>, grid, kThreads, 0, s, x, w, D, eps, y, yb, yq);
+  else if (per <= 8) launch_pdl(rmsnorm_reg_kernel<8>, grid, kThreads, 0, s, x, w, D, eps, y, yb, yq);
+  else launch_pdl(rmsnorm_reg_kernel<16>, grid, kThreads, 0, s, x, w, D, eps, y, yb, yq);
 }
 
 int& residual_norm_threads_knob() {
@@ -1147,16 +1196,17 @@ int& residual_norm_threads_knob() {
 
 // x += (MoE combine or plain addend), then the norm: one kernel for rows of at most 16 * kThreads.
 void residual_rmsnorm(const float* ye, const int32_t* inv, const float* cw, int k, int64_t rows, int64_t D, float* x,
-                      const float* w_norm, float eps, float* y, uint16_t* yb, cudaStream_t s) {
+                      const float* w_norm, float eps, float* y, uint16_t* yb, cudaStream_t s, const RowNvfp4& yq) {
   if (rows == 0 || D == 0) return;
   QUADS_CHECK(rows < (int64_t(1) << 31), "cuda residual rmsnorm: {} rows is too many", rows);
   const int64_t per = (D + kThreads - 1) / kThreads;
   if (per > 16) {  // wide rows: the two kernels
     if (inv) moe_combine_add(ye, inv, cw, rows, k, D, x, s);
     else add_inplace(x, ye, rows * D, s);
-    rmsnorm_launch(x, w_norm, rows, D, eps, y, yb, false, s);
+    rmsnorm_launch(x, w_norm, rows, D, eps, y, yb, false, s, yq);
     return;
   }
+  QUADS_CHECK(!yq.codes || D % 16 == 0, "cuda residual rmsnorm: no NVFP4 output for rows of {} (a multiple of 16)", D);
   // A few rows (decode): 1024 threads a row, so one CTA has enough loads in flight for its k rows.
   int bd = residual_norm_threads_knob();
   if (bd != 256 && bd != 1024) bd = rows < device_sms() ? 1024 : 256;
@@ -1165,10 +1215,11 @@ void residual_rmsnorm(const float* ye, const int32_t* inv, const float* cw, int 
 #define QUADS_RESNORM(PER)                                                                                 \
   do {                                                                                                     \
     if (bd == 1024)                                                                                        \
-      launch_pdl(residual_rmsnorm_kernel<PER, 1024>, grid, 1024, smem, s, ye, inv, cw, k, D, x, w_norm, eps, y, yb); \
+      launch_pdl(residual_rmsnorm_kernel<PER, 1024>, grid, 1024, smem, s, ye, inv, cw, k, D, x, w_norm, eps, y, yb, \
+                 yq);                                                                                      \
     else                                                                                                   \
       launch_pdl(residual_rmsnorm_kernel<PER, kThreads>, grid, kThreads, smem, s, ye, inv, cw, k, D, x, w_norm, eps, y, \
-                 yb);                                                                                      \
+                 yb, yq);                                                                                  \
   } while (0)
   if (per <= 1) QUADS_RESNORM(1);
   else if (per <= 2) QUADS_RESNORM(2);
@@ -1185,19 +1236,20 @@ void rmsnorm(const float* x, const float* w, int64_t rows, int64_t D, float eps,
 }
 
 void rmsnorm_bf16(const float* x, const float* w, int64_t rows, int64_t D, float eps, float* y, uint16_t* y_bf16,
-                  cudaStream_t s) {
-  rmsnorm_launch(x, w, rows, D, eps, y, y_bf16, false, s);
+                  cudaStream_t s, const RowNvfp4& yq) {
+  rmsnorm_launch(x, w, rows, D, eps, y, y_bf16, false, s, yq);
 }
 
 void moe_combine_add_rmsnorm(const float* ye, const int32_t* inv, const float* w, int64_t T, int k, int64_t D, float* x,
-                             const float* w_norm, float eps, float* y, uint16_t* y_bf16, cudaStream_t s) {
+                             const float* w_norm, float eps, float* y, uint16_t* y_bf16, cudaStream_t s,
+                             const RowNvfp4& yq) {
   QUADS_CHECK(k > 0, "cuda moe_combine_add_rmsnorm: top-k {}", k);
-  residual_rmsnorm(ye, inv, w, k, T, D, x, w_norm, eps, y, y_bf16, s);
+  residual_rmsnorm(ye, inv, w, k, T, D, x, w_norm, eps, y, y_bf16, s, yq);
 }
 
 void add_rmsnorm(float* x, const float* t, int64_t rows, int64_t D, const float* w_norm, float eps, float* y,
-                 uint16_t* y_bf16, cudaStream_t s) {
-  residual_rmsnorm(t, nullptr, nullptr, 0, rows, D, x, w_norm, eps, y, y_bf16, s);
+                 uint16_t* y_bf16, cudaStream_t s, const RowNvfp4& yq) {
+  residual_rmsnorm(t, nullptr, nullptr, 0, rows, D, x, w_norm, eps, y, y_bf16, s, yq);
 }
 
 void set_residual_norm_threads(int threads) { residual_norm_threads_knob() = threads; }

@@ -30,19 +30,30 @@ void rmsnorm(const float* x, const float* w, int64_t rows, int64_t D, float eps,
 // They ignore legacy_decode_kernels(): the unfused calls are the old path, which a caller keeps
 // under that switch (QUADS_DECODE_KERNELS=old).
 
+// The norms below can also write y quantized to NVFP4 (E2M1, 1x16 blocks, per-row global amax,
+// round to nearest even): codes [rows, D/2], row-major E4M3 scales [rows, D/16], amax [rows], what
+// cuda::quantize() stores for y with that config (the same device functions, quant_row.cuh), so a
+// W4A4 GEMM reading y needs no quantize() launch. Null codes: none. D a multiple of 16.
+struct RowNvfp4 {
+  uint8_t* codes = nullptr;
+  uint8_t* scales = nullptr;
+  float* amax = nullptr;
+};
+
 // rmsnorm (current kernel), and when y_bf16 is non-null the BF16 bits of y as well (what
 // to_bf16(y) gives: the operand of the router's and lm_head's BF16 GEMMs), in one kernel.
 void rmsnorm_bf16(const float* x, const float* w, int64_t rows, int64_t D, float eps, float* y, uint16_t* y_bf16,
-                  cudaStream_t s);
+                  cudaStream_t s, const RowNvfp4& yq = {});
 // moe_combine_add(ye, inv, w, T, k, D, x) then rmsnorm_bf16(x, w_norm, T, D, eps, y, y_bf16): the
 // MoE output enters the residual stream x and the next layer's input norm (or the final norm) runs
 // in the same kernel; x is updated as moe_combine_add leaves it.
 void moe_combine_add_rmsnorm(const float* ye, const int32_t* inv, const float* w, int64_t T, int k, int64_t D, float* x,
-                             const float* w_norm, float eps, float* y, uint16_t* y_bf16, cudaStream_t s);
+                             const float* w_norm, float eps, float* y, uint16_t* y_bf16, cudaStream_t s,
+                             const RowNvfp4& yq = {});
 // add_inplace(x, t, rows * D) then rmsnorm_bf16(x, w_norm, rows, D, eps, y, y_bf16) (the dense or
 // BF16 path, where o_proj's GEMM cannot accumulate into x).
 void add_rmsnorm(float* x, const float* t, int64_t rows, int64_t D, const float* w_norm, float eps, float* y,
-                 uint16_t* y_bf16, cudaStream_t s);
+                 uint16_t* y_bf16, cudaStream_t s, const RowNvfp4& yq = {});
 // Threads per row of the two above (256 or 1024; 0, the default: 1024 while the rows are fewer
 // than the SMs, else 256). Same bits either way; for the benchmark.
 void set_residual_norm_threads(int threads);

@@ -543,6 +543,35 @@ void w4a4_gemm_grouped(const Nvfp4View& x, const Nvfp4Weight* w_table, bool w_am
   dispatch_grouped<false>(p, groups, splits, tile, s);
 }
 
+bool w4a4_grouped_mapped_supported(int64_t max_rows, int64_t k) {
+  return skinny_enabled(true) && max_rows >= 2 && max_rows <= kSkinnyAutoMaxRows && !gemv_auto_grouped(max_rows, k) &&
+         k % 64 == 0 && skinny_smem(1, k) <= kSkinnySmemMax;
+}
+
+void w4a4_gemm_grouped_mapped(const Nvfp4View& x, const int32_t* x_map, int x_map_div, int64_t rows,
+                              const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n, int groups,
+                              const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t s) {
+  QUADS_CHECK(w4a4_grouped_mapped_supported(max_rows, x.k),
+              "w4a4_gemm_grouped_mapped: no mapped kernel for {} rows a group and K = {} (ask "
+              "w4a4_grouped_mapped_supported)", max_rows, x.k);
+  QUADS_CHECK(x_map && x_map_div >= 1, "w4a4_gemm_grouped_mapped: a row map and a divisor >= 1 are needed");
+  QUADS_CHECK(groups > 0 && groups <= 65535, "w4a4_gemm_grouped_mapped: {} groups (1..65535)", groups);
+  if (rows == 0 || x.rows == 0 || n == 0) return;
+  Nvfp4View w;
+  w.rows = n;
+  w.k = x.k;
+  w.amax_per_row = w_amax_per_row;
+  Params p = make_params(x, w, y, false);
+  p.M = std::min(max_rows, rows);
+  p.Mtot = rows;
+  p.eoff = eoff;
+  p.wtab = w_table;
+  p.fmap = x_map;
+  p.fmap_div = x_map_div;
+  p.groups = groups;
+  launch_skinny<true>(p, p.M, std::min<int64_t>(groups, p.Mtot), 0, 0, s);
+}
+
 void w4a4_gemm_grouped_gather(const Nvfp4View& xr, const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n,
                               int64_t w_k, int groups, const int32_t* eoff, int64_t max_rows, const int32_t* blocks,
                               float* y, int64_t ldy, cudaStream_t s, int splits, W4A4Tile tile) {

@@ -88,6 +88,12 @@ __host__ __device__ constexpr int64_t skinny_smem_stages(int nt, int64_t stages)
 }
 __host__ __device__ constexpr int64_t skinny_smem(int nt, int64_t k) { return skinny_smem_stages(nt, (k + 127) / 128); }
 
+// Row r of the problem is X's row fmap[r] / fmap_div where a grouped call reads X through a map
+// (w4a4_gemm_grouped_mapped), else row r.
+__device__ __forceinline__ int64_t x_row(const Params& p, int64_t r) {
+  return p.fmap ? static_cast<int64_t>(__ldg(p.fmap + r) / p.fmap_div) : r;
+}
+
 // 8 rows of X at a time fit 80 registers without spills (3 CTAs an SM); 16 rows take ~110 (2 CTAs:
 // capped at 80 they spill, and ran 7% slower at routed batch 64).
 // cper: stages a CTA of the cluster takes (CL = 1: all).
@@ -170,17 +176,15 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
     const int nrow = static_cast<int>(min(static_cast<int64_t>(8 * ntu), rows - c0));
     const int rowb = static_cast<int>(kc / 2), rows_s = static_cast<int>(kc / 16);
     {
-      const uint8_t* src = p.xq + (row0 + c0) * (K / 2) + kbeg / 2;
       const int cpr = rowb / 16;
       for (int i = threadIdx.x; i < nrow * cpr; i += blockDim.x) {
         const int r = i / cpr;
-        cp_async16(raw + i * 16, src + r * (K / 2) + (i - r * cpr) * 16, 16);
+        cp_async16(raw + i * 16, p.xq + x_row(p, row0 + c0 + r) * (K / 2) + kbeg / 2 + (i - r * cpr) * 16, 16);
       }
-      const uint8_t* ssrc = p.xs + (row0 + c0) * (K / 16) + kbeg / 16;
       const int spr = rows_s / 4;
       for (int i = threadIdx.x; i < nrow * spr; i += blockDim.x) {
         const int r = i / spr;
-        cp_async4(raw_s + i * 4, ssrc + r * (K / 16) + (i - r * spr) * 4, 4);
+        cp_async4(raw_s + i * 4, p.xs + x_row(p, row0 + c0 + r) * (K / 16) + kbeg / 16 + (i - r * spr) * 4, 4);
       }
       cp_async_commit();
       cp_async_wait<0>();
@@ -319,7 +323,7 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
         const int64_t r = c0 + nt * 8 + 2 * t + j;
         if (r >= rows) continue;
         const int64_t row = row0 + r;
-        const float rf = p.xamax[p.xamax_row ? row : 0] * kInv * 16384.f;
+        const float rf = p.xamax[p.xamax_row ? x_row(p, row) : 0] * kInv * 16384.f;
         float* dst = p.y + row * p.ldy + na;
         if (na < p.N) {
           const float out = acc[nt][j] * rf * wfa;

@@ -15,6 +15,7 @@
 
 #include "cuda/check.h"
 #include "cuda/model_kernels.h"
+#include "cuda/quant.h"
 #include "cuda_test_util.h"
 
 using namespace quads;
@@ -306,6 +307,71 @@ TEST(CudaDecodeFused, ResidualRmsnormSameBitsAsTwoKernels) {
       cuda::kern::moe_combine_add_rmsnorm(dye.data(), dinv.data(), dcw.data(), c.T, c.k, D, x3.data(), dwn.data(), 1e-6f,
                                           y3.data(), b3.data(), nullptr);
       EXPECT_EQ(first_float_mismatch(y2.download(), y3.download()), -1) << "no copy, " << what;
+    }
+  }
+}
+
+// The norms' NVFP4 output (kern::RowNvfp4) is quantize()'s of their float output with the
+// rollouts' activation config (E2M1 1x16, per-row amax), byte for byte: rmsnorm_bf16 (register
+// rows of 1..16 per thread), moe_combine_add_rmsnorm and add_rmsnorm (256 and 1024 threads a
+// row), rows with a wide dynamic range, a zero row, and the float / BF16 outputs unchanged.
+TEST(CudaDecodeFused, NormNvfp4OutputIsQuantize) {
+  QUADS_REQUIRE_GPU();
+  cuda::kern::set_legacy_decode_kernels(false);
+  num::QConfig qc = num::QConfig::nvfp4_act();
+  qc.global = num::Global::PerRow;
+  struct Case {
+    int64_t T;
+    int k;
+    int64_t D;
+  };
+  for (const int threads : {0, 256, 1024}) {
+    NormThreads knob(threads);
+    for (const Case c : {Case{1, 8, 2048}, Case{16, 8, 2048}, Case{64, 8, 2048}, Case{3, 2, 64}, Case{5, 3, 2064},
+                         Case{7, 17, 4096}, Case{2, 1, 256}}) {
+      const int64_t n = c.T * c.k, D = c.D;
+      std::vector<float> x = randn(c.T * D, 201 + D + c.T, 2.f);
+      for (int64_t j = 0; j < D; ++j) x[size_t(j)] *= (j % 97 == 0) ? 300.f : (j % 5 == 0 ? 1e-3f : 1.f);
+      const auto ye = randn(n * D, 202 + c.k), wn = randn(D, 203, 0.1f, 1.f), cw = randn(n, 204 + c.T, 0.3f, 0.2f);
+      std::vector<float> add = randn(c.T * D, 205);
+      if (c.T > 2)  // a row of zeros after the add: amax 0
+        for (int64_t j = 0; j < D; ++j) add[size_t(D + j)] = -x[size_t(D + j)];
+      std::vector<int32_t> inv(n);
+      std::iota(inv.begin(), inv.end(), 0);
+      std::shuffle(inv.begin(), inv.end(), std::mt19937_64(206 + n));
+      auto dye = dev(ye), dwn = dev(wn), dcw = dev(cw), dadd = dev(add);
+      auto dinv = dev(inv);
+      const std::string what = "T " + std::to_string(c.T) + " k " + std::to_string(c.k) + " D " + std::to_string(D) +
+                               " threads " + std::to_string(threads);
+      for (int kind = 0; kind < 3; ++kind) {  // rmsnorm_bf16, moe_combine_add_rmsnorm, add_rmsnorm
+        auto x0 = dev(x), x1 = dev(x);
+        DeviceArray<float> y0(c.T * D), y1(c.T * D);
+        DeviceArray<uint16_t> b0(c.T * D), b1(c.T * D);
+        cuda::DeviceQTensor want = cuda::make_qtensor(c.T, D, qc), got = cuda::make_qtensor(c.T, D, qc);
+        got.codes.fill_bytes(0xAB);
+        got.scales.fill_bytes(0xAB);
+        const cuda::kern::RowNvfp4 yq{got.codes.data(), got.scales.data(), got.amax.data()};
+        if (kind == 0) {
+          cuda::kern::rmsnorm_bf16(x0.data(), dwn.data(), c.T, D, 1e-6f, y0.data(), b0.data(), nullptr);
+          cuda::kern::rmsnorm_bf16(x1.data(), dwn.data(), c.T, D, 1e-6f, y1.data(), b1.data(), nullptr, yq);
+        } else if (kind == 1) {
+          cuda::kern::moe_combine_add_rmsnorm(dye.data(), dinv.data(), dcw.data(), c.T, c.k, D, x0.data(), dwn.data(),
+                                              1e-6f, y0.data(), b0.data(), nullptr);
+          cuda::kern::moe_combine_add_rmsnorm(dye.data(), dinv.data(), dcw.data(), c.T, c.k, D, x1.data(), dwn.data(),
+                                              1e-6f, y1.data(), b1.data(), nullptr, yq);
+        } else {
+          cuda::kern::add_rmsnorm(x0.data(), dadd.data(), c.T, D, dwn.data(), 1e-6f, y0.data(), b0.data(), nullptr);
+          cuda::kern::add_rmsnorm(x1.data(), dadd.data(), c.T, D, dwn.data(), 1e-6f, y1.data(), b1.data(), nullptr, yq);
+        }
+        cuda::quantize(y0.data(), want);
+        const std::string k = std::string(kind == 0 ? "rmsnorm " : kind == 1 ? "moe " : "add ") + what;
+        EXPECT_EQ(first_float_mismatch(y1.download(), y0.download()), -1) << k << ": y";
+        EXPECT_EQ(first_mismatch(download_u16(b1), download_u16(b0)), -1) << k << ": bf16";
+        EXPECT_EQ(first_float_mismatch(x1.download(), x0.download()), -1) << k << ": x";
+        EXPECT_EQ(first_mismatch(got.codes.download(), want.codes.download()), -1) << k << ": codes";
+        EXPECT_EQ(first_mismatch(got.scales.download(), want.scales.download()), -1) << k << ": scales";
+        EXPECT_EQ(first_float_mismatch(got.amax.download(), want.amax.download()), -1) << k << ": amax";
+      }
     }
   }
 }

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <numeric>
 #include <random>
 
 #include "common/fixtures.h"
@@ -363,6 +364,26 @@ TEST(CudaModelGpu, GraphReplayEqualsEagerAndLegacyPath) {
   }
 }
 
+// The norms that write their output's NVFP4 codes (the q/k/v operand, the experts' operand read
+// through the routing map) give the bits of the step with quantize() launches and the gathered
+// expert rows (QUADS_GPU_NORM_QUANT=0), eager and as a graph.
+TEST(CudaModelGpu, NormQuantEqualsQuantizeLaunches) {
+  QUADS_REQUIRE_GPU();
+  const auto prec = model::PrecisionConfig::preset("nvfp4");
+  setenv("QUADS_GPU_NORM_QUANT", "0", 1);
+  cuda::GpuModel plain(fixture_weights(), prec);
+  unsetenv("QUADS_GPU_NORM_QUANT");
+  cuda::GpuModel fused(fixture_weights(), prec);
+  int64_t gp = -1, gf = -1;
+  const auto lp = decode_logits(plain, 6, nullptr, &gp);
+  const auto lf = decode_logits(fused, 6, nullptr, &gf);
+  EXPECT_EQ(gf, 5);
+  EXPECT_EQ(first_float_mismatch(lf, lp), -1);
+  // per layer: the q/k/v quantize(), the experts' gather and quantize() are gone
+  const int64_t layers = fused.config().num_hidden_layers;
+  EXPECT_EQ(fused.stats().graph_kernels, plain.stats().graph_kernels - 3 * layers);
+}
+
 // Prefill attention with several tokens per CTA (QUADS_GPU_ATTN_TOKENS) gives the one-token launch's
 // bits: each warp's arithmetic is the same, only the grid differs.
 TEST(CudaModelKernels, AttentionTokensPerCtaSameBits) {
@@ -701,6 +722,60 @@ TEST(CudaMoe, GroupedSkinnyEqualsPerExpertSkinny) {
       cuda::w4a4_gemm_grouped(G.xv, G.dtab.data(), c.w_row, N, E, G.deoff.data(), max_rows, y.data());
       EXPECT_EQ(first_float_mismatch(y.download(), chosen), -1) << what << ": Auto is not the skinny tiles";
     }
+  }
+}
+
+// The grouped GEMM reading X's rows through the routing map (w4a4_gemm_grouped_mapped) against
+// gather_rows + quantize() + w4a4_gemm_grouped: the same bits (T token rows quantized once, each
+// group row r reading row perm[r] / k), at top-k 8 of 64 experts and an odd routing of 5 groups.
+TEST(CudaMoe, GroupedMappedEqualsGathered) {
+  QUADS_REQUIRE_GPU();
+  num::QConfig xc = num::QConfig::nvfp4_act();
+  xc.global = num::Global::PerRow;
+  struct Case {
+    int64_t T;
+    int k, E;
+    int64_t N, K;
+    bool w_row;
+  };
+  for (const Case c : {Case{16, 8, 64, 96, 2048, false}, Case{64, 8, 64, 64, 768, true}, Case{3, 2, 5, 40, 256, false},
+                       Case{2, 8, 64, 48, 1024, true}}) {
+    const int64_t R = c.T * c.k;
+    // a random top-k routing: token t's k distinct experts, rows in expert order
+    std::mt19937 rng(static_cast<unsigned>(c.T * 31 + c.k));
+    std::vector<int32_t> idx(static_cast<size_t>(R));
+    for (int64_t t = 0; t < c.T; ++t) {
+      std::vector<int> ex(c.E);
+      std::iota(ex.begin(), ex.end(), 0);
+      std::shuffle(ex.begin(), ex.end(), rng);
+      for (int j = 0; j < c.k; ++j) idx[size_t(t * c.k + j)] = ex[size_t(j)];
+    }
+    std::vector<int> sizes(c.E, 0);
+    for (int32_t e : idx) ++sizes[e];
+    std::vector<int32_t> off = offsets_of(sizes), fill(off.begin(), off.end() - 1), perm(static_cast<size_t>(R));
+    for (int64_t i = 0; i < R; ++i) perm[size_t(fill[idx[size_t(i)]]++)] = static_cast<int32_t>(i);
+    int max_rows = 0;
+    for (int s : sizes) max_rows = std::max(max_rows, s);
+    ASSERT_TRUE(cuda::w4a4_grouped_mapped_supported(c.T, c.K)) << c.T << " " << c.K;
+    GroupedW4A4 G(sizes, c.N, c.K, c.w_row, 61, 500);  // its weights; X comes from the token rows below
+    DeviceArray<float> xt = dev(random_matrix(c.T, c.K, 62)), xg(R * c.K);
+    DeviceArray<int32_t> dperm = dev(perm);
+    cuda::DeviceQTensor tq = cuda::make_qtensor(c.T, c.K, xc), gq = cuda::make_qtensor(R, c.K, xc);
+    cuda::quantize(xt.data(), tq);
+    cuda::kern::gather_rows(xt.data(), dperm.data(), R, c.k, c.K, xg.data(), nullptr);
+    cuda::quantize(xg.data(), gq);
+    DeviceArray<float> y(R * c.N), yref(R * c.N);
+    y.fill_bytes(0xFF);
+    yref.fill_bytes(0xFF);
+    cuda::w4a4_gemm_grouped(cuda::nvfp4_view(gq, "x"), G.dtab.data(), c.w_row, c.N, c.E, G.deoff.data(), c.T,
+                            yref.data());
+    cuda::w4a4_gemm_grouped_mapped(cuda::nvfp4_view(tq, "x"), dperm.data(), c.k, R, G.dtab.data(), c.w_row, c.N, c.E,
+                                   G.deoff.data(), c.T, y.data());
+    const std::vector<float> ref = yref.download();
+    EXPECT_EQ(first_float_mismatch(y.download(), ref), -1) << "T " << c.T << " k " << c.k << " K " << c.K;
+    double mag = 0;
+    for (float v : ref) mag = std::max(mag, std::fabs(double(v)));
+    EXPECT_GT(mag, 0.0);
   }
 }
 
