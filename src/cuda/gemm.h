@@ -46,7 +46,8 @@ Nvfp4View nvfp4_view(const DeviceQTensor& q, const char* what = "operand");
 // So the GEMV differs from the tile kernels only in the FP32 summation order, and an output's
 // bits do not depend on M, on how many rows a CTA takes at once, or on a grouped call's grouping.
 // It ignores `splits`. Auto picks the GEMV for M <= kGemvAutoMaxRows, Skinny up to
-// kSkinnyDenseMaxRows, else M16W4 up to 32 rows (M16W4S3 where K <= 1024), M64 up to 64.
+// kSkinnyDenseMaxRows (64), else M128 (with QUADS_W4A4_SKINNY=N for N < 64: M16W4 up to 32 rows,
+// M16W4S3 where K <= 1024, M64 up to 64).
 // M16 variants (same sums in the same order, so the same bits; they differ in warps per CTA and
 // columns per CTA, i.e. in how many warps an SM has to hide the dequantization's latency):
 // M16 16x128 with 2 warps of 16x64, M16W4 16x128 with 4 warps of 16x32, M16N64 16x64 with 2 warps
@@ -134,8 +135,9 @@ void w4a4_gemm_grouped_gather(const Nvfp4View& xr, const Nvfp4Weight* w_table, b
 
 // Auto's choices (measured on the H200, bench_cuda --gemv), exposed for tests and benchmarks: the
 // dense GEMV up to kGemvAutoMaxRows rows, the skinny tiles up to kSkinnyDenseMaxRows (4 rows:
-// q/k/v 8.6 vs 9.6 us, o_proj 7.7 vs 10.3; 8 rows: 9.1 vs 12.3 for the 16-row tile), the 16-row
-// tiles beyond (16 rows: a tie within the run-to-run spread). Grouped: the GEMV at decode batch 1
+// q/k/v 8.6 vs 9.6 us, o_proj 7.7 vs 10.3; 8 rows: 9.1 vs 12.3 for the 16-row tile; 16 / 32 / 64
+// rows with a cluster's K split: q/k/v 9.6 / 12.4 / 19.5 vs the best tile's 13.8 / 19.4 / 24.8,
+// o_proj 10.0 / 12.5 / 20.4 vs 10.6 / 13.7 / 20.1). Grouped: the GEMV at decode batch 1
 // (gemv_auto_grouped), the skinny tiles for bounds up to kSkinnyAutoMaxRows (routed batch 4 / 16 /
 // 64 gate/up 25 / 44 / 60 us against the GEMV's 42 / 98 and the tiles' 43 / 71 / 79).
 constexpr int64_t kGemvAutoMaxRows = 3;
