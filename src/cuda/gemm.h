@@ -69,6 +69,9 @@ struct W4A4Options {
   // Skinny, dense: CTAs of a cluster that split K (1, 2, 4, 8); 0 = choose where splits is 0
   // (enough CTAs to cover the SMs), else 1.
   int kcluster = 0;
+  // The GEMV (dense): W was not written by the kernel just before this call in the stream, so its
+  // first weights may be loaded before that kernel ends (as FusedAct::weights_ready).
+  bool weights_ready = false;
 };
 
 // Y (+)= X . W^T, emulated (any GPU from sm_80; tests and benchmarks use it on Hopper). K must be a
@@ -117,7 +120,8 @@ void w4a4_gemm_grouped(const Nvfp4View& x, const Nvfp4Weight* w_table, bool w_am
 // (eoff's rows, `rows` of them, y [rows, n]) is X's row x_map[r] / x_map_div (kern::gather_rows'
 // idx / div: the MoE permutation and top-k), so the experts read the T token rows' codes without
 // a gathered copy. Each output is w4a4_gemm_grouped's on the gathered rows, bit for bit. The
-// skinny tiles only: for max_rows and k where w4a4_grouped_mapped_supported says so.
+// GEMV at decode batch 1 and the skinny tiles (Auto's choices there) only: for max_rows and k
+// where w4a4_grouped_mapped_supported says so.
 bool w4a4_grouped_mapped_supported(int64_t max_rows, int64_t k);
 void w4a4_gemm_grouped_mapped(const Nvfp4View& x, const int32_t* x_map, int x_map_div, int64_t rows,
                               const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n, int groups,

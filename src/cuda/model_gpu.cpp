@@ -521,12 +521,14 @@ struct GpuModel::Impl {
     a.weights_ready = dense;  // in a step no kernel writes weights (requantize() runs between steps)
     return a;
   }
-  // A fused norm can quantize its output for linear L (read by a W4A4 GEMM of T rows, not the
-  // fused GEMV): the activation quantizer is NVFP4 E2M1 1x16 with a per-row amax, deterministic,
-  // and a row fits the norm kernel. QUADS_GPU_NORM_QUANT=0 turns it off (quantize() then runs).
-  bool norm_quant_ok(const DevLinear& L, int64_t T) const {
+  // A fused norm can quantize its output for linear L (read by a W4A4 GEMM of T rows): the
+  // activation quantizer is NVFP4 E2M1 1x16 with a per-row amax, deterministic, and a row fits the
+  // norm kernel. At batch 1 the plain GEMV on those codes then replaces the GEMV that quantizes in
+  // its prologue (every CTA quantized the row again). QUADS_GPU_NORM_QUANT=0 turns it off
+  // (quantize() launches, the gather, and the quantizing GEMV at batch 1).
+  bool norm_quant_ok(const DevLinear& L, int64_t /*T*/) const {
     if (!norm_quant_on || !fused_on || kern::legacy_decode_kernels() || L.mode != GpuLinearMode::W4A4 ||
-        L.rac_nsel != 0 || fused_gemv(L, T))
+        L.rac_nsel != 0)
       return false;
     const num::QConfig& c = L.act_cfg();
     return c.scheme == num::Scheme::NVFP4 && c.element == num::Format::E2M1 && c.block == num::Block::B1x16 &&
@@ -1382,10 +1384,12 @@ struct GpuModel::Impl {
       if (li.fused_qkv && Lq.rac_nsel == 0 && Lk.rac_nsel == 0 && Lv.rac_nsel == 0) {
         const int64_t rows = qd + 2 * kvd;
         stats.weight_bytes += Lq.bytes() + Lk.bytes() + Lv.bytes();
-        if (fused_gemv(Lq, T)) {
+        if (fuse && qkv_norm_quant(l, T)) {  // the input norm wrote the codes
+          W4A4Options o;
+          o.weights_ready = true;  // no kernel of a step writes weights (requantize() runs between steps)
+          w4a4_gemm_emulated(nq_view(T, H), qkv[l].v, qkvp, false, stream, o);
+        } else if (fused_gemv(Lq, T)) {
           w4a4_gemv_fused(fused_act(xnp, H, T, Lq, true), qkv[l].v, qkvp, false, stream);
-        } else if (fuse && qkv_norm_quant(l, T)) {  // the input norm wrote the codes
-          w4a4_gemm_emulated(nq_view(T, H), qkv[l].v, qkvp, false, stream);
         } else {
           const Operand oq = prepare(Lq, xnp, T, -1, bf_in(l));
           if (Lq.mode == GpuLinearMode::BF16)
@@ -1476,8 +1480,8 @@ struct GpuModel::Impl {
           if (!one_launch)
             kern::moe_route(idx.data(), T * K, E, ecount.data(), eoff_d.data(), perm.data(), inv.data(),
                             grouped_now(l, T) ? active_d.data() + l : nullptr, bad_d.data(), stream);
-          const bool gather_fused = grouped_now(l, T) && moe_gate_up_fused(l, T);
-          const bool mapped = fuse && !gather_fused && moe_mapped(l, T);
+          const bool mapped = fuse && moe_mapped(l, T);
+          const bool gather_fused = !mapped && grouped_now(l, T) && moe_gate_up_fused(l, T);
           if (!gather_fused && !mapped) kern::gather_rows(xnp, perm.data(), T * K, K, H, xep, stream);
           if (grouped_now(l, T)) {
             mlp_grouped(l, T, xep, T * K, yep, gather_fused ? xnp : nullptr, mapped);

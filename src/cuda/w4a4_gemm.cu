@@ -509,7 +509,9 @@ void w4a4_gemm_emulated(const Nvfp4View& x, const Nvfp4View& w, float* y, bool a
   QUADS_CHECK(x.k == w.k, "w4a4_gemm: X is [{}, {}] but W is [{}, {}]: inner dimensions differ", x.rows, x.k, w.rows, w.k);
   QUADS_CHECK(x.k % 64 == 0, "w4a4_gemm: K = {} must be a multiple of 64", x.k);
   if (x.rows == 0 || w.rows == 0) return;
-  dispatch<false>(make_params(x, w, y, accumulate), opt, s);
+  Params p = make_params(x, w, y, accumulate);
+  p.early_w = opt.weights_ready;
+  dispatch<false>(p, opt, s);
 }
 
 void w4a4_gemm_gather(const Nvfp4View& xr, const Nvfp4View& w, const int32_t* blocks, float* y, bool accumulate,
@@ -544,8 +546,9 @@ void w4a4_gemm_grouped(const Nvfp4View& x, const Nvfp4Weight* w_table, bool w_am
 }
 
 bool w4a4_grouped_mapped_supported(int64_t max_rows, int64_t k) {
-  return skinny_enabled(true) && max_rows >= 2 && max_rows <= kSkinnyAutoMaxRows && !gemv_auto_grouped(max_rows, k) &&
-         k % 64 == 0 && skinny_smem(1, k) <= kSkinnySmemMax;
+  if (k % 64 != 0 || max_rows < 1) return false;
+  if (gemv_auto_grouped(max_rows, k)) return gemv_plan(k, max_rows, 1).R > 0;
+  return skinny_enabled(true) && max_rows <= kSkinnyAutoMaxRows && skinny_smem(1, k) <= kSkinnySmemMax;
 }
 
 void w4a4_gemm_grouped_mapped(const Nvfp4View& x, const int32_t* x_map, int x_map_div, int64_t rows,
@@ -569,7 +572,8 @@ void w4a4_gemm_grouped_mapped(const Nvfp4View& x, const int32_t* x_map, int x_ma
   p.fmap = x_map;
   p.fmap_div = x_map_div;
   p.groups = groups;
-  launch_skinny<true>(p, p.M, std::min<int64_t>(groups, p.Mtot), 0, 0, s);
+  if (gemv_auto_grouped(max_rows, x.k)) launch_gemv<false, true>(p, gemv_plan_grouped(p, groups), std::min<int64_t>(groups, p.Mtot), s);
+  else launch_skinny<true>(p, p.M, std::min<int64_t>(groups, p.Mtot), 0, 0, s);
 }
 
 void w4a4_gemm_grouped_gather(const Nvfp4View& xr, const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n,

@@ -81,6 +81,13 @@ __device__ __forceinline__ int nth_nonempty_group(const int32_t* eoff, int group
   return -1;
 }
 
+// Row r of the problem is X's row fmap[r] / fmap_div where a grouped call reads X's codes through
+// a map (w4a4_gemm_grouped_mapped), else row r. (The fused GEMV's prologue reads its FP32 source
+// rows through the same map.)
+__device__ __forceinline__ int64_t x_row(const Params& p, int64_t r) {
+  return p.fmap ? static_cast<int64_t>(__ldg(p.fmap + r) / p.fmap_div) : r;
+}
+
 // ---- GEMV (decode: a few rows per weight) ----
 // A CTA of kGemvWarps warps owns kGemvWarps * NW consecutive weight rows (NW per warp). Lane l
 // reads, per step of 1024 elements, the 32 elements 1024 s + 32 l .. +31 of each of its warp's
@@ -282,7 +289,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps, NW == 4 ? 2 : 3) w4a4_gemv_ke
   // weight stream overlaps the predecessor's tail.
   uint4 c[PF][NW];
   uint32_t sc[PF][NW];
-  const bool early = !GROUPED && FUSED && p.early_w;
+  const bool early = !GROUPED && p.early_w;
   if (early) {
 #pragma unroll
     for (int j = 0; j < PF; ++j) load(tile0, j, c[j], sc[j]);
@@ -320,7 +327,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps, NW == 4 ? 2 : 3) w4a4_gemv_ke
       const int64_t nch = K / 32;  // 32-element chunks (2 blocks) per row
       for (int64_t q = threadIdx.x; q < nr * nch; q += blockDim.x) {
         const int r = static_cast<int>(q / nch);
-        const int64_t ch = q % nch, b = 2 * ch, gr = row0 + r0 + r;
+        const int64_t ch = q % nch, b = 2 * ch, gr = x_row(p, row0 + r0 + r);
         const uint4 v = __ldg(reinterpret_cast<const uint4*>(p.xq + gr * (K / 2) + ch * 16));
         const uint32_t xsb = __ldg(reinterpret_cast<const uint16_t*>(p.xs + gr * nb + b));
         uint4 lo, hi;
@@ -401,7 +408,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps, NW == 4 ? 2 : 3) w4a4_gemv_ke
             for (int w = 0; w < GW; ++w) m = max(m, s_wmax[r * GW + w]);
             xa = p.fstatic ? p.fstatic_amax : dev::u2f(m);
           } else {
-            xa = p.xamax[p.xamax_row ? row : 0];
+            xa = p.xamax[p.xamax_row ? x_row(p, row) : 0];
           }
           const float rf = xa * kInv * 16384.f;
           const float out = __fmul_rn(v, 1.f / 65536.f) * rf * (wamax[p.wamax_row ? n : 0] * kInv);

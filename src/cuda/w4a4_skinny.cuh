@@ -88,12 +88,6 @@ __host__ __device__ constexpr int64_t skinny_smem_stages(int nt, int64_t stages)
 }
 __host__ __device__ constexpr int64_t skinny_smem(int nt, int64_t k) { return skinny_smem_stages(nt, (k + 127) / 128); }
 
-// Row r of the problem is X's row fmap[r] / fmap_div where a grouped call reads X through a map
-// (w4a4_gemm_grouped_mapped), else row r.
-__device__ __forceinline__ int64_t x_row(const Params& p, int64_t r) {
-  return p.fmap ? static_cast<int64_t>(__ldg(p.fmap + r) / p.fmap_div) : r;
-}
-
 // 8 rows of X at a time fit 80 registers without spills (3 CTAs an SM); 16 rows take ~110 (2 CTAs:
 // capped at 80 they spill, and ran 7% slower at routed batch 64).
 // cper: stages a CTA of the cluster takes (CL = 1: all).

@@ -366,7 +366,8 @@ TEST(CudaModelGpu, GraphReplayEqualsEagerAndLegacyPath) {
 
 // The norms that write their output's NVFP4 codes (the q/k/v operand, the experts' operand read
 // through the routing map) give the bits of the step with quantize() launches and the gathered
-// expert rows (QUADS_GPU_NORM_QUANT=0), eager and as a graph.
+// expert rows (QUADS_GPU_NORM_QUANT=0), eager and as a graph; at batch 1 the plain GEMV on those
+// codes gives the bits of the GEMV that quantizes in its prologue.
 TEST(CudaModelGpu, NormQuantEqualsQuantizeLaunches) {
   QUADS_REQUIRE_GPU();
   const auto prec = model::PrecisionConfig::preset("nvfp4");
@@ -382,6 +383,25 @@ TEST(CudaModelGpu, NormQuantEqualsQuantizeLaunches) {
   // per layer: the q/k/v quantize(), the experts' gather and quantize() are gone
   const int64_t layers = fused.config().num_hidden_layers;
   EXPECT_EQ(fused.stats().graph_kernels, plain.stats().graph_kernels - 3 * layers);
+  // batch 1: one slot, a 4-token prompt, 6 decode steps
+  auto one = [](cuda::GpuModel& g) {
+    g.reset_cache(1, 32);
+    g.reset_stats();
+    model::StepItem it;
+    it.slot = 0;
+    it.tokens = {3, 1, 4, 1};
+    std::vector<float> out = g.step({it});
+    for (int i = 0; i < 6; ++i) {
+      it.tokens = {(5 * i + 2) % 50};
+      const std::vector<float> lg = g.step({it});
+      out.insert(out.end(), lg.begin(), lg.end());
+    }
+    return out;
+  };
+  const auto op = one(plain), of = one(fused);
+  EXPECT_EQ(first_float_mismatch(of, op), -1) << "batch 1";
+  EXPECT_EQ(fused.stats().graph_steps, 5) << "batch 1";
+  EXPECT_EQ(fused.stats().graph_kernels, plain.stats().graph_kernels) << "batch 1: the same launches";
 }
 
 // Prefill attention with several tokens per CTA (QUADS_GPU_ATTN_TOKENS) gives the one-token launch's
