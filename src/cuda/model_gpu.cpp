@@ -609,6 +609,10 @@ struct GpuModel::Impl {
     }
     const DevLinear& D0 = lin[li.mlp + 2];
     const bool down_fused = !Gt.rac[2].on && fused_gemv(D0, T) && Gt.d.mode == GpuLinearMode::W4A4;
+    // the SwiGLU inside the down projection's quantizer (one kernel, quantize_swiglu), where the
+    // GEMV does not fuse it; QUADS_GPU_NORM_QUANT=0 keeps kern::swiglu + quantize()
+    const bool swiglu_q = !down_fused && !Gt.rac[2].on && Gt.d.mode == GpuLinearMode::W4A4 && norm_quant_on &&
+                          fused_on && !kern::legacy_decode_kernels() && quantize_swiglu_supported(D0.act_cfg());
     if (mapped) {
       w4a4_gemm_grouped_mapped(nq_view(T, H), perm.data(), cfg.num_experts_per_tok, R, Gt.gu.q.data(), Gt.gu.amax_row,
                                2 * I, E, eo, T, gp, stream);
@@ -621,7 +625,7 @@ struct GpuModel::Impl {
         const float* res = grouped_rac(l, 0, X, R, T, gp, 2 * I);
         grouped_rac(l, 1, X, R, T, gp + I, 2 * I, res);
       }
-      if (!down_fused) kern::swiglu(gp, gp + I, 2 * I, R, I, hp, stream);
+      if (!down_fused && !swiglu_q) kern::swiglu(gp, gp + I, 2 * I, R, I, hp, stream);
     } else {
       QUADS_CHECK(!xn, "GpuModel: layer {}: the fused gate/up GEMV needs fused gate/up weights", l);
       const Operand all = prepare(lin[li.mlp], X, R, need_f);
@@ -629,13 +633,32 @@ struct GpuModel::Impl {
       run(Gt.u, all, I, H, up);
       const float* res = grouped_rac(l, 0, X, R, T, gp, I);
       grouped_rac(l, 1, X, R, T, up, I, res);
-      if (!down_fused) kern::swiglu(gp, up, I, R, I, hp, stream);
+      if (!down_fused && !swiglu_q) kern::swiglu(gp, up, I, R, I, hp, stream);
     }
     if (down_fused) {  // SwiGLU and the quantizer in the down GEMV's prologue
       FusedAct a = fused_act(gp, li.fused_gu ? 2 * I : I, R, D0, false);
       a.u = li.fused_gu ? gp + I : up;
       w4a4_gemv_fused_grouped(a, Gt.d.q.data(), Gt.d.amax_row, H, E, eo, T, Y, stream);
       stats.expert_gemms += 1;
+      return;
+    }
+    if (swiglu_q) {
+      QUADS_CHECK(D0.act_cfg().global != num::Global::Static || D0.act_cfg().static_amax > 0,
+                  "GpuModel: {} uses a static activation scale but none is set (calibrate it first)", D0.name);
+      xq.cfg = D0.act_cfg();
+      xq.rows = R;
+      xq.cols = I;
+      xq.layout = ScaleLayout::RowMajor;
+      grow(xq.codes, size_t(R * I / 2));
+      grow(xq.scales, size_t(R * I / 16));
+      grow(xq.amax, size_t(std::max<int64_t>(R, 1)));
+      quantize_swiglu(gp, li.fused_gu ? gp + I : up, li.fused_gu ? 2 * I : I, xq, stream);
+      Operand od;
+      od.mode = D0.mode;
+      od.rows = R;
+      od.k = I;
+      od.v = nvfp4_view(xq, D0.name.c_str());
+      run(Gt.d, od, H, I, Y);
       return;
     }
     const Operand od = prepare(D0, hp, R, need_f);

@@ -12,6 +12,7 @@
 #include <cfloat>
 
 #include "cuda/codecs.cuh"
+#include "cuda/kernel_util.cuh"  // kern::swiglu1
 #include "cuda/pdl.cuh"
 #include "cuda/quant.h"
 #include "cuda/quant_row.cuh"
@@ -75,6 +76,10 @@ struct RowArgs {
   bool mx_te_ceil;
   bool sr;
   uint64_t seed;
+  // quantize_swiglu (row_block_kernel's SW variant, float): row r's element c is
+  // kern::swiglu1(x[r * ld + c], u[r * ld + c])
+  const T* u;
+  int64_t ld;
 };
 
 __device__ __forceinline__ uint32_t encode4(Kind k, float v) {
@@ -97,8 +102,9 @@ __device__ __noinline__ uint32_t encode4_sr(float t, bool e1m2, uint64_t seed, u
 // Lane l owns the whole blocks l, l+32, ... of a chunk, so a block's scale is computed once, by
 // one lane, with no shuffles; a chunk is 16 vectors of 16 bytes per lane (2048 float32 or 4096
 // bf16 elements per warp) and rows up to a chunk long stay in registers.
-template <typename T, Kind K, bool FAKE>
+template <typename T, Kind K, bool FAKE, bool SW = false>
 __global__ void __launch_bounds__(32 * kRowWarps) row_block_kernel(const RowArgs<T> a) {
+  static_assert(!SW || sizeof(T) == 4, "the SwiGLU source is float32");
   pdl_begin();
   constexpr int VEC = Vec<T>::N;
   constexpr int BLK = K == kMx ? 32 : 16;
@@ -109,14 +115,25 @@ __global__ void __launch_bounds__(32 * kRowWarps) row_block_kernel(const RowArgs
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
   if (row >= a.rows) return;
   const int64_t nblk = a.cols / BLK;
-  const uint4* xr = reinterpret_cast<const uint4*>(a.x + row * a.cols);
+  const uint4* xr = reinterpret_cast<const uint4*>(a.x + row * (SW ? a.ld : a.cols));
+  const uint4* ur = reinterpret_cast<const uint4*>(SW ? a.u + row * a.ld : nullptr);
+  // vector v of the row (SW: the SwiGLU of the two sources' vectors)
+  auto vload = [&](int64_t v) -> uint4 {
+    if constexpr (SW) {
+      const uint4 gv = xr[v], uv = ur[v];
+      return make_uint4(f2u(kern::swiglu1(u2f(gv.x), u2f(uv.x))), f2u(kern::swiglu1(u2f(gv.y), u2f(uv.y))),
+                        f2u(kern::swiglu1(u2f(gv.z), u2f(uv.z))), f2u(kern::swiglu1(u2f(gv.w), u2f(uv.w))));
+    } else {
+      return xr[v];
+    }
+  };
   uint4 buf[NB][VPB];
   auto load_chunk = [&](int64_t b0) {
 #pragma unroll
     for (int i = 0; i < NB; ++i) {
       const int64_t b = b0 + i * 32 + lane;
 #pragma unroll
-      for (int q = 0; q < VPB; ++q) buf[i][q] = b < nblk ? xr[b * VPB + q] : make_uint4(0, 0, 0, 0);
+      for (int q = 0; q < VPB; ++q) buf[i][q] = b < nblk ? vload(b * VPB + q) : make_uint4(0, 0, 0, 0);
     }
   };
 
@@ -137,7 +154,7 @@ __global__ void __launch_bounds__(32 * kRowWarps) row_block_kernel(const RowArgs
         for (int64_t v = lane; v < nvec; v += 4 * 32) {  // four loads in flight
           uint4 r[4];
 #pragma unroll
-          for (int u = 0; u < 4; ++u) r[u] = v + u * 32 < nvec ? xr[v + u * 32] : make_uint4(0, 0, 0, 0);
+          for (int u = 0; u < 4; ++u) r[u] = v + u * 32 < nvec ? vload(v + u * 32) : make_uint4(0, 0, 0, 0);
 #pragma unroll
           for (int u = 0; u < 4; ++u) m = max(m, vabsmax<T>(r[u]));
         }
@@ -626,6 +643,36 @@ DeviceQTensor make_qtensor(int64_t rows, int64_t cols, const QConfig& cfg, Scale
 }
 
 void quantize(const float* x, DeviceQTensor& q, cudaStream_t s) { quantize_any(x, q, s); }
+
+bool quantize_swiglu_supported(const QConfig& c) {
+  return c.scheme == Scheme::NVFP4 && c.element == Format::E2M1 && c.block == Block::B1x16 &&
+         (c.global == Global::PerRow || c.global == Global::Static) && !c.stochastic;
+}
+
+void quantize_swiglu(const float* g, const float* u, int64_t ld, DeviceQTensor& q, cudaStream_t s) {
+  check_shape(q, "cuda::quantize_swiglu");
+  QUADS_CHECK(quantize_swiglu_supported(q.cfg) && q.layout == ScaleLayout::RowMajor,
+              "cuda::quantize_swiglu: NVFP4 E2M1 1x16 with a per-row or static amax and row-major scales only, not {}",
+              q.cfg.describe());
+  QUADS_CHECK(ld >= q.cols && ld % 4 == 0 && reinterpret_cast<uintptr_t>(g) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(u) % 16 == 0,
+              "cuda::quantize_swiglu: sources must be 16-byte aligned with a row stride >= {} and a multiple of 4 (got {})",
+              q.cols, ld);
+  if (q.rows == 0 || q.cols == 0) return;
+  RowArgs<float> a{};
+  a.x = g;
+  a.u = u;
+  a.ld = ld;
+  a.rows = q.rows;
+  a.cols = q.cols;
+  a.codes = q.codes.data();
+  a.scales = q.scales.data();
+  a.amax = q.amax.data();
+  a.static_amax = q.cfg.static_amax;
+  a.amax_mode = q.cfg.global == Global::Static ? kAmaxStatic : kAmaxRowCompute;
+  const unsigned blocks = static_cast<unsigned>((a.rows + kRowWarps - 1) / kRowWarps);
+  launch_pdl(row_block_kernel<float, kNvE2M1, false, true>, blocks, 32 * kRowWarps, 0, s, a);
+}
 void quantize_bf16(const uint16_t* x, DeviceQTensor& q, cudaStream_t s) { quantize_any(x, q, s); }
 void dequantize(const DeviceQTensor& q, float* out, cudaStream_t s) { dequantize_any(q, out, s); }
 void dequantize_bf16(const DeviceQTensor& q, uint16_t* out, cudaStream_t s) { dequantize_any(q, out, s); }

@@ -43,6 +43,13 @@ DeviceQTensor make_qtensor(int64_t rows, int64_t cols, const num::QConfig& cfg,
 // x: [q.rows, q.cols] row-major on the device; q from make_qtensor (its cfg, shape and layout).
 void quantize(const float* x, DeviceQTensor& q, cudaStream_t stream = nullptr);
 void quantize_bf16(const uint16_t* x, DeviceQTensor& q, cudaStream_t stream = nullptr);
+// quantize() of the SwiGLU of two float32 sources in one kernel: row r of the input is
+// kern::swiglu1(g[r * ld + c], u[r * ld + c]) for c < q.cols (the expert MLP's gate and up halves,
+// ld = 2I), so the result is kern::swiglu then quantize(), byte for byte, without the [rows, cols]
+// intermediate. For configs where quantize_swiglu_supported (NVFP4 E2M1 1x16, per-row or static
+// amax, no stochastic rounding), row-major scales; g and u 16-byte aligned, ld a multiple of 4.
+bool quantize_swiglu_supported(const num::QConfig& cfg);
+void quantize_swiglu(const float* g, const float* u, int64_t ld, DeviceQTensor& q, cudaStream_t stream = nullptr);
 
 // Dequantized values, [rows, cols] float32 (or bf16 bits, rounded to nearest even).
 void dequantize(const DeviceQTensor& q, float* out, cudaStream_t stream = nullptr);

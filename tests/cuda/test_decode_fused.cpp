@@ -376,6 +376,46 @@ TEST(CudaDecodeFused, NormNvfp4OutputIsQuantize) {
   }
 }
 
+// quantize_swiglu is kern::swiglu then quantize(), byte for byte: rows that stay in registers and
+// longer ones (two passes), the expert MLP's fused gate/up layout (ld = 2I) and a separate up
+// buffer (ld = I), per-row and static amax.
+TEST(CudaDecodeFused, QuantizeSwigluIsSwigluThenQuantize) {
+  QUADS_REQUIRE_GPU();
+  struct Case {
+    int64_t rows, I;
+    bool fused_gu, per_row;
+  };
+  for (const Case c : {Case{1, 768, true, true}, Case{128, 768, true, true}, Case{5, 64, false, true},
+                       Case{9, 4096, true, true}, Case{3, 2048, false, false}}) {
+    const int64_t ld = c.fused_gu ? 2 * c.I : c.I;
+    std::vector<float> g = randn(c.rows * ld, 301 + c.I, 3.f), u = randn(c.rows * ld, 302 + c.rows);
+    for (size_t i = 0; i < g.size(); i += 41) g[i] *= 40.f;  // a wide range of SiLU inputs
+    auto dg = dev(g), du = dev(u);
+    const float* gp = dg.data();
+    const float* up = c.fused_gu ? dg.data() + c.I : du.data();
+    num::QConfig qc = num::QConfig::nvfp4_act();
+    qc.global = c.per_row ? num::Global::PerRow : num::Global::Static;
+    qc.static_amax = 7.5f;
+    ASSERT_TRUE(cuda::quantize_swiglu_supported(qc));
+    DeviceArray<float> h(c.rows * c.I);
+    cuda::kern::swiglu(gp, up, ld, c.rows, c.I, h.data(), nullptr);
+    cuda::DeviceQTensor want = cuda::make_qtensor(c.rows, c.I, qc), got = cuda::make_qtensor(c.rows, c.I, qc);
+    cuda::quantize(h.data(), want);
+    got.codes.fill_bytes(0xAB);
+    got.scales.fill_bytes(0xAB);
+    cuda::quantize_swiglu(gp, up, ld, got);
+    const std::string what = "rows " + std::to_string(c.rows) + " I " + std::to_string(c.I) +
+                             (c.fused_gu ? " fused gate/up" : " separate up") + (c.per_row ? " per-row" : " static");
+    EXPECT_EQ(first_mismatch(got.codes.download(), want.codes.download()), -1) << what << ": codes";
+    EXPECT_EQ(first_mismatch(got.scales.download(), want.scales.download()), -1) << what << ": scales";
+    const size_t na = c.per_row ? size_t(c.rows) : 1;
+    std::vector<float> ga = got.amax.download(), wa = want.amax.download();
+    ga.resize(na);
+    wa.resize(na);
+    EXPECT_EQ(first_float_mismatch(ga, wa), -1) << what << ": amax";
+  }
+}
+
 // The CPU's combine + add + norm agrees with the fused kernel to rounding (a check of the reference
 // sequence's semantics, not only of the fusion).
 TEST(CudaDecodeFused, ResidualRmsnormMatchesCpu) {

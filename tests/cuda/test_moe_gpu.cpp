@@ -365,8 +365,9 @@ TEST(CudaModelGpu, GraphReplayEqualsEagerAndLegacyPath) {
 }
 
 // The norms that write their output's NVFP4 codes (the q/k/v operand, the experts' operand read
-// through the routing map) give the bits of the step with quantize() launches and the gathered
-// expert rows (QUADS_GPU_NORM_QUANT=0), eager and as a graph; at batch 1 the plain GEMV on those
+// through the routing map) and the down projection's quantize_swiglu give the bits of the step with
+// quantize() launches, the gathered expert rows and kern::swiglu (QUADS_GPU_NORM_QUANT=0), eager
+// and as a graph; at batch 1 the plain GEMV on those
 // codes gives the bits of the GEMV that quantizes in its prologue.
 TEST(CudaModelGpu, NormQuantEqualsQuantizeLaunches) {
   QUADS_REQUIRE_GPU();
@@ -380,9 +381,9 @@ TEST(CudaModelGpu, NormQuantEqualsQuantizeLaunches) {
   const auto lf = decode_logits(fused, 6, nullptr, &gf);
   EXPECT_EQ(gf, 5);
   EXPECT_EQ(first_float_mismatch(lf, lp), -1);
-  // per layer: the q/k/v quantize(), the experts' gather and quantize() are gone
+  // per layer: the q/k/v quantize(), the experts' gather and quantize(), the SwiGLU are gone
   const int64_t layers = fused.config().num_hidden_layers;
-  EXPECT_EQ(fused.stats().graph_kernels, plain.stats().graph_kernels - 3 * layers);
+  EXPECT_EQ(fused.stats().graph_kernels, plain.stats().graph_kernels - 4 * layers);
   // batch 1: one slot, a 4-token prompt, 6 decode steps
   auto one = [](cuda::GpuModel& g) {
     g.reset_cache(1, 32);
