@@ -372,37 +372,45 @@ TEST(CudaModelGpu, GraphReplayEqualsEagerAndLegacyPath) {
 TEST(CudaModelGpu, NormQuantEqualsQuantizeLaunches) {
   QUADS_REQUIRE_GPU();
   const auto prec = model::PrecisionConfig::preset("nvfp4");
-  setenv("QUADS_GPU_NORM_QUANT", "0", 1);
-  cuda::GpuModel plain(fixture_weights(), prec);
-  unsetenv("QUADS_GPU_NORM_QUANT");
-  cuda::GpuModel fused(fixture_weights(), prec);
-  int64_t gp = -1, gf = -1;
-  const auto lp = decode_logits(plain, 6, nullptr, &gp);
-  const auto lf = decode_logits(fused, 6, nullptr, &gf);
-  EXPECT_EQ(gf, 5);
-  EXPECT_EQ(first_float_mismatch(lf, lp), -1);
-  // per layer: the q/k/v quantize(), the experts' gather and quantize(), the SwiGLU are gone
-  const int64_t layers = fused.config().num_hidden_layers;
-  EXPECT_EQ(fused.stats().graph_kernels, plain.stats().graph_kernels - 4 * layers);
-  // batch 1: one slot, a 4-token prompt, 6 decode steps
-  auto one = [](cuda::GpuModel& g) {
-    g.reset_cache(1, 32);
-    g.reset_stats();
-    model::StepItem it;
-    it.slot = 0;
-    it.tokens = {3, 1, 4, 1};
-    std::vector<float> out = g.step({it});
-    for (int i = 0; i < 6; ++i) {
-      it.tokens = {(5 * i + 2) % 50};
-      const std::vector<float> lg = g.step({it});
-      out.insert(out.end(), lg.begin(), lg.end());
-    }
-    return out;
-  };
-  const auto op = one(plain), of = one(fused);
-  EXPECT_EQ(first_float_mismatch(of, op), -1) << "batch 1";
-  EXPECT_EQ(fused.stats().graph_steps, 5) << "batch 1";
-  EXPECT_EQ(fused.stats().graph_kernels, plain.stats().graph_kernels) << "batch 1: the same launches";
+  // the fixture (experts' down K = 32: no W4A4 path there) and a model whose down is W4A4
+  for (const bool fixture : {true, false}) {
+    const model::Weights w = fixture ? fixture_weights() : model::Weights::random(small_moe_config(), 29, 0.05f);
+    const std::string what = fixture ? "fixture" : "small model";
+    setenv("QUADS_GPU_NORM_QUANT", "0", 1);
+    cuda::GpuModel plain(w, prec);
+    unsetenv("QUADS_GPU_NORM_QUANT");
+    cuda::GpuModel fused(w, prec);
+    int64_t gp = -1, gf = -1;
+    const auto lp = decode_logits(plain, 6, nullptr, &gp);
+    const auto lf = decode_logits(fused, 6, nullptr, &gf);
+    EXPECT_EQ(gf, 5) << what;
+    EXPECT_EQ(first_float_mismatch(lf, lp), -1) << what;
+    // per layer: the q/k/v quantize(), the experts' gather and quantize() are gone, and the
+    // SwiGLU where the down projection is W4A4
+    const int64_t layers = fused.config().num_hidden_layers;
+    const bool down_w4a4 = fused.linear_mode("model.layers.0.mlp.experts.0.down_proj") == cuda::GpuLinearMode::W4A4;
+    EXPECT_EQ(down_w4a4, !fixture) << what;
+    EXPECT_EQ(fused.stats().graph_kernels, plain.stats().graph_kernels - (down_w4a4 ? 4 : 3) * layers) << what;
+    // batch 1: one slot, a 4-token prompt, 6 decode steps
+    auto one = [](cuda::GpuModel& g) {
+      g.reset_cache(1, 32);
+      g.reset_stats();
+      model::StepItem it;
+      it.slot = 0;
+      it.tokens = {3, 1, 4, 1};
+      std::vector<float> out = g.step({it});
+      for (int i = 0; i < 6; ++i) {
+        it.tokens = {(5 * i + 2) % 50};
+        const std::vector<float> lg = g.step({it});
+        out.insert(out.end(), lg.begin(), lg.end());
+      }
+      return out;
+    };
+    const auto op = one(plain), of = one(fused);
+    EXPECT_EQ(first_float_mismatch(of, op), -1) << what << ", batch 1";
+    EXPECT_EQ(fused.stats().graph_steps, 5) << what << ", batch 1";
+    EXPECT_EQ(fused.stats().graph_kernels, plain.stats().graph_kernels) << what << ", batch 1: the same launches";
+  }
 }
 
 // Prefill attention with several tokens per CTA (QUADS_GPU_ATTN_TOKENS) gives the one-token launch's
