@@ -527,22 +527,32 @@ void w4a4_gemm_gather(const Nvfp4View& xr, const Nvfp4View& w, const int32_t* bl
   dispatch<true>(p, opt, s);
 }
 
+namespace {
+// A grouped call's parameters: `rows` rows of the problem (y's), groups from eoff, weights from
+// the table; max_rows bounds the grid (each CTA reads its own group's row range).
+Params grouped_params(const Nvfp4View& x, const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n,
+                      const int32_t* eoff, int64_t max_rows, int64_t rows, float* y) {
+  Nvfp4View w;
+  w.rows = n;
+  w.k = x.k;
+  w.amax_per_row = w_amax_per_row;
+  Params p = make_params(x, w, y, false);
+  p.M = std::min(max_rows, rows);
+  p.Mtot = rows;
+  p.eoff = eoff;
+  p.wtab = w_table;
+  return p;
+}
+}  // namespace
+
 void w4a4_gemm_grouped(const Nvfp4View& x, const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n, int groups,
                        const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t s, int splits,
                        W4A4Tile tile) {
   QUADS_CHECK(x.k % 64 == 0, "w4a4_gemm_grouped: K = {} must be a multiple of 64", x.k);
   QUADS_CHECK(groups > 0 && groups <= 65535, "w4a4_gemm_grouped: {} groups (1..65535)", groups);
   if (x.rows == 0 || n == 0 || max_rows <= 0) return;
-  Nvfp4View w;
-  w.rows = n;
-  w.k = x.k;
-  w.amax_per_row = w_amax_per_row;
-  Params p = make_params(x, w, y, false);
-  p.M = std::min(max_rows, x.rows);  // grid bound; each CTA reads its own group's row range
-  p.Mtot = x.rows;
-  p.eoff = eoff;
-  p.wtab = w_table;
-  dispatch_grouped<false>(p, groups, splits, tile, s);
+  dispatch_grouped<false>(grouped_params(x, w_table, w_amax_per_row, n, eoff, max_rows, x.rows, y), groups, splits,
+                          tile, s);
 }
 
 bool w4a4_grouped_mapped_supported(int64_t max_rows, int64_t k) {
@@ -560,15 +570,7 @@ void w4a4_gemm_grouped_mapped(const Nvfp4View& x, const int32_t* x_map, int x_ma
   QUADS_CHECK(x_map && x_map_div >= 1, "w4a4_gemm_grouped_mapped: a row map and a divisor >= 1 are needed");
   QUADS_CHECK(groups > 0 && groups <= 65535, "w4a4_gemm_grouped_mapped: {} groups (1..65535)", groups);
   if (rows == 0 || x.rows == 0 || n == 0) return;
-  Nvfp4View w;
-  w.rows = n;
-  w.k = x.k;
-  w.amax_per_row = w_amax_per_row;
-  Params p = make_params(x, w, y, false);
-  p.M = std::min(max_rows, rows);
-  p.Mtot = rows;
-  p.eoff = eoff;
-  p.wtab = w_table;
+  Params p = grouped_params(x, w_table, w_amax_per_row, n, eoff, max_rows, rows, y);
   p.fmap = x_map;
   p.fmap_div = x_map_div;
   p.groups = groups;

@@ -254,25 +254,28 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
       pa -= back * 64, pb -= back * 64, qa -= back * 8, qb -= back * 8;
     }
 
+    // a warp's tile sums into red[warp] (this CTA's, or another rank's `from`), and back
+    auto publish = [&] {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        red[(warp * NT + nt) * 32 + lane] = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
+    };
+    auto add_sums = [&](const float4* from, int w) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const float4 v = from[(w * NT + nt) * 32 + lane];
+        acc[nt][0] += v.x;
+        acc[nt][1] += v.y;
+        acc[nt][2] += v.z;
+        acc[nt][3] += v.w;
+      }
+    };
     if (ks > 1 || CL > 1) __syncthreads();  // X's fragments are read: the space takes the sums
     if (ks > 1) {  // the tile's other warps hand their sums to its first, added in warp order
-      if (kidx > 0) {
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          red[(warp * NT + nt) * 32 + lane] = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
-      }
+      if (kidx > 0) publish();
       __syncthreads();
-      if (kidx == 0) {
-        for (int w = warp + 1; w < warp + ks; ++w)
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const float4 v = red[(w * NT + nt) * 32 + lane];
-            acc[nt][0] += v.x;
-            acc[nt][1] += v.y;
-            acc[nt][2] += v.z;
-            acc[nt][3] += v.w;
-          }
-      }
+      if (kidx == 0)
+        for (int w = warp + 1; w < warp + ks; ++w) add_sums(red, w);
     }
     if constexpr (CL > 1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -280,25 +283,10 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
       namespace cg = cooperative_groups;
       cg::cluster_group cluster = cg::this_cluster();
       if (ks > 1) __syncthreads();  // the warp sums above are read
-      if (kidx == 0 && cz > 0) {
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          red[(warp * NT + nt) * 32 + lane] = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
-      }
+      if (kidx == 0 && cz > 0) publish();
       cluster.sync();
-      if (kidx == 0 && cz == 0) {
-        for (int r = 1; r < CL; ++r) {
-          const float4* rem = cluster.map_shared_rank(red, r);
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const float4 v = rem[(warp * NT + nt) * 32 + lane];
-            acc[nt][0] += v.x;
-            acc[nt][1] += v.y;
-            acc[nt][2] += v.z;
-            acc[nt][3] += v.w;
-          }
-        }
-      }
+      if (kidx == 0 && cz == 0)
+        for (int r = 1; r < CL; ++r) add_sums(cluster.map_shared_rank(red, r), warp);
       cluster.sync();  // rank 0 has read every rank's sums
 #else
       __trap();
