@@ -715,11 +715,6 @@ __device__ __forceinline__ void dec_cp16(float* smem, const float* gmem, bool ok
 #endif
 }
 
-// rmsnorm with the row in registers: thread i holds elements i, i + 256, ... (the old kernel's
-// strided partials, summed in the same order), w is fetched before the reduction, and every warp
-// finishes the cross-warp tree itself (the same butterfly warp 0 ran), so one barrier, one read of x.
-// The row's tail, shared with the fused residual + norm kernel (so both give rmsnorm's bits): xv,
-// wv the thread's elements, red kThreads / 32 doubles of shared memory; yb (optional) BF16 bits.
 // Shared memory of rmsnorm_reg_kernel's row copy for the quantizer (PER * kThreads floats).
 constexpr int yq_rows_smem(int per) { return per * kThreads; }
 // With yq.codes (yq's pointers at the row), y is also quantized to NVFP4 as quantize()'s row
@@ -728,11 +723,7 @@ constexpr int yq_rows_smem(int per) { return per * kThreads; }
 // 16-element blocks.
 __device__ __forceinline__ void rmsnorm_quant_row(uint32_t m, const float* ys, int64_t D, const RowNvfp4& yq) {
   __shared__ uint32_t s_m[kThreads / 32];
-  m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 16));
-  m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 8));
-  m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 4));
-  m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
-  m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
+  m = warp_max(m);
   if ((threadIdx.x & 31) == 0) s_m[threadIdx.x >> 5] = m;
   asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads) : "memory");
   m = 0;
@@ -753,6 +744,12 @@ __device__ __forceinline__ void rmsnorm_quant_row(uint32_t m, const float* ys, i
   if (threadIdx.x == 0) *yq.amax = amax;
 }
 
+// rmsnorm with the row in registers: thread i holds elements i, i + 256, ... (the old kernel's
+// strided partials, summed in the same order), w is fetched before the reduction, and every warp
+// finishes the cross-warp tree itself (the same butterfly warp 0 ran), so one barrier, one read of x.
+// The row's tail, shared with the fused residual + norm kernel (so both give rmsnorm's bits): xv,
+// wv the thread's elements, red kThreads / 32 doubles of shared memory; yb (optional) BF16 bits;
+// yq (optional) NVFP4 codes through ys (rmsnorm_quant_row).
 template <int PER>
 __device__ __forceinline__ void rmsnorm_reg_row(const float (&xv)[PER], const float (&wv)[PER], int64_t D, float eps,
                                                 double* red, float* yr, uint16_t* ybr, float* ys = nullptr,

@@ -12,7 +12,7 @@
 #include <cfloat>
 
 #include "cuda/codecs.cuh"
-#include "cuda/kernel_util.cuh"  // kern::swiglu1
+#include "cuda/kernel_util.cuh"  // kern::swiglu1, kern::warp_max
 #include "cuda/pdl.cuh"
 #include "cuda/quant.h"
 #include "cuda/quant_row.cuh"
@@ -47,11 +47,7 @@ __device__ __forceinline__ float to_f32(T v) {
   else return u2f(static_cast<uint32_t>(v) << 16);
 }
 
-__device__ __forceinline__ uint32_t warp_max(uint32_t m) {
-#pragma unroll
-  for (int s = 16; s > 0; s >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, s));
-  return m;
-}
+using kern::warp_max;
 
 enum Kind { kNvE2M1, kNvE1M2, kMx };
 
