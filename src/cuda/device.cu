@@ -1,5 +1,6 @@
 #include <cuda_runtime.h>
 
+#include "cuda/check.h"
 #include "cuda/device.h"
 
 namespace quads::cuda {
@@ -15,5 +16,14 @@ std::string device_name(int i) {
   cudaDeviceProp p{};
   if (cudaGetDeviceProperties(&p, i) != cudaSuccess) return "";
   return p.name;
+}
+int sm_count() {
+  static const int n = [] {
+    int dev = 0, sms = 0;
+    QUADS_CUDA_CHECK(cudaGetDevice(&dev));
+    QUADS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    return sms;
+  }();
+  return n;
 }
 }  // namespace quads::cuda

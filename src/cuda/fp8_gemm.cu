@@ -12,6 +12,7 @@
 #include "common/error.h"
 #include "cuda/check.h"
 #include "cuda/codecs.cuh"
+#include "cuda/device.h"  // sm_count
 #include "cuda/kernel_util.cuh"
 #include "cuda/mma_util.cuh"
 #include "cuda/pdl.cuh"
@@ -434,16 +435,6 @@ __global__ void fp8_splitk_reduce_kernel(const float* __restrict__ partial, int 
     for (int z = 1; z < splits; ++z) s = __fadd_rn(s, partial[z * n + i]);
     y[i] = s;
   }
-}
-
-int sm_count() {
-  static int n = 0;
-  if (n == 0) {
-    int dev = 0;
-    QUADS_CUDA_CHECK(cudaGetDevice(&dev));
-    QUADS_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-  }
-  return n;
 }
 
 // groups == 0: dense. splits_req <= 0: picked here (dense: about two waves of CTAs; grouped:

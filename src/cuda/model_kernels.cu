@@ -10,6 +10,7 @@
 
 #include "cuda/check.h"
 #include "cuda/codecs.cuh"
+#include "cuda/device.h"  // sm_count
 #include "cuda/kernel_util.cuh"
 #include "cuda/mma_util.cuh"  // cp_async_commit / cp_async_wait
 #include "cuda/model_kernels.h"
@@ -1168,8 +1169,6 @@ void embedding(const float* table, const int32_t* tokens, int64_t T, int64_t H, 
 
 namespace {
 
-int device_sms();
-
 void rmsnorm_launch(const float* x, const float* w, int64_t rows, int64_t D, float eps, float* y, uint16_t* yb,
                     bool legacy, cudaStream_t s, const RowNvfp4& yq = {}) {
   if (rows == 0) return;
@@ -1206,7 +1205,7 @@ void residual_rmsnorm(const float* ye, const int32_t* inv, const float* cw, int 
   QUADS_CHECK(!yq.codes || D % 16 == 0, "cuda residual rmsnorm: no NVFP4 output for rows of {} (a multiple of 16)", D);
   // A few rows (decode): 1024 threads a row, so one CTA has enough loads in flight for its k rows.
   int bd = residual_norm_threads_knob();
-  if (bd != 256 && bd != 1024) bd = rows < device_sms() ? 1024 : 256;
+  if (bd != 256 && bd != 1024) bd = rows < sm_count() ? 1024 : 256;
   const unsigned grid = static_cast<unsigned>(rows);
   const size_t smem = sizeof(float) * size_t(D);
 #define QUADS_RESNORM(PER)                                                                                 \
@@ -1381,15 +1380,6 @@ std::atomic<bool>& legacy_decode_flag() {
   return flag;
 }
 
-int device_sms() {
-  static int sms = 0;
-  if (sms == 0) {
-    int dev = 0;
-    QUADS_CUDA_CHECK(cudaGetDevice(&dev));
-    QUADS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  }
-  return sms;
-}
 
 }  // namespace
 
@@ -1420,7 +1410,7 @@ DecodePlan decode_plan(int64_t T, int nh, int nkv, int hd, int64_t max_ctx, int 
               nh, nkv, hd);
   QUADS_CHECK(T < 65536 && max_ctx > 0, "cuda attention_decode_split: {} tokens, context {}", T, max_ctx);
   DecodePlan p;
-  const int sms = device_sms();
+  const int sms = sm_count();
   const int G = nh / nkv, nd = hd / 32;
   const int64_t base = T * nkv, tiles = (max_ctx + kDecTile - 1) / kDecTile;
 

@@ -12,6 +12,7 @@
 #include <cfloat>
 
 #include "cuda/codecs.cuh"
+#include "cuda/device.h"  // sm_count
 #include "cuda/kernel_util.cuh"  // kern::swiglu1, kern::warp_max
 #include "cuda/pdl.cuh"
 #include "cuda/quant.h"
@@ -76,6 +77,9 @@ struct RowArgs {
   // kern::swiglu1(x[r * ld + c], u[r * ld + c])
   const T* u;
   int64_t ld;
+  // warps a row (1, or kRowWarps: a CTA a row, for a few long rows that one warp would stream in
+  // several round trips)
+  int rw;
 };
 
 __device__ __forceinline__ uint32_t encode4(Kind k, float v) {
@@ -94,10 +98,12 @@ __device__ __noinline__ uint32_t encode4_sr(float t, bool e1m2, uint64_t seed, u
   return e1m2 ? grid4_encode_sr<true>(t, u) : grid4_encode_sr<false>(t, u);
 }
 
-// One warp per row; NVFP4 1x16 (E2M1 or E1M2) or MXFP4 1x32; quantize or fake-quantize.
-// Lane l owns the whole blocks l, l+32, ... of a chunk, so a block's scale is computed once, by
-// one lane, with no shuffles; a chunk is 16 vectors of 16 bytes per lane (2048 float32 or 4096
-// bf16 elements per warp) and rows up to a chunk long stay in registers.
+// One warp per row (a.rw == 1) or one CTA per row (a.rw == kRowWarps); NVFP4 1x16 (E2M1 or E1M2)
+// or MXFP4 1x32; quantize or fake-quantize. Lane l of the row's warp w owns the whole blocks
+// (i * rw + w) * 32 + l of a chunk, so a block's scale is computed once, by one lane, with no
+// shuffles; a chunk is 16 vectors of 16 bytes per lane (2048 float32 or 4096 bf16 elements per
+// warp) and rows up to a chunk long stay in registers. The row's warps combine their amax through
+// shared memory (max: the same bits whatever the split).
 template <typename T, Kind K, bool FAKE, bool SW = false>
 __global__ void __launch_bounds__(32 * kRowWarps) row_block_kernel(const RowArgs<T> a) {
   static_assert(!SW || sizeof(T) == 4, "the SwiGLU source is float32");
@@ -105,35 +111,40 @@ __global__ void __launch_bounds__(32 * kRowWarps) row_block_kernel(const RowArgs
   constexpr int VEC = Vec<T>::N;
   constexpr int BLK = K == kMx ? 32 : 16;
   constexpr int VPB = BLK / VEC;  // vectors per block
-  constexpr int NB = 16 / VPB;    // blocks per lane per chunk
+  constexpr int NB = (SW ? 8 : 16) / VPB;  // blocks per lane per chunk (SW: the up half in registers too)
   constexpr int CHUNK = 32 * NB;  // blocks per chunk
-  const int lane = threadIdx.x & 31;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
-  if (row >= a.rows) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, rw = a.rw, wr = warp % rw;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kRowWarps / rw) + warp / rw;
+  if (row >= a.rows) return;  // rw > 1: a CTA is one row, all live (the barrier below)
   const int64_t nblk = a.cols / BLK;
   const uint4* xr = reinterpret_cast<const uint4*>(a.x + row * (SW ? a.ld : a.cols));
   const uint4* ur = reinterpret_cast<const uint4*>(SW ? a.u + row * a.ld : nullptr);
-  // vector v of the row (SW: the SwiGLU of the two sources' vectors)
-  auto vload = [&](int64_t v) -> uint4 {
-    if constexpr (SW) {
-      const uint4 gv = xr[v], uv = ur[v];
-      return make_uint4(f2u(kern::swiglu1(u2f(gv.x), u2f(uv.x))), f2u(kern::swiglu1(u2f(gv.y), u2f(uv.y))),
-                        f2u(kern::swiglu1(u2f(gv.z), u2f(uv.z))), f2u(kern::swiglu1(u2f(gv.w), u2f(uv.w))));
-    } else {
-      return xr[v];
-    }
+  // SW: the SwiGLU of the two sources' vectors, applied once all of a batch's loads are issued
+  // (interleaved with the exp and division, the loads went out one round trip at a time)
+  auto swiglu4 = [](uint4 gv, uint4 uv) {
+    return make_uint4(f2u(kern::swiglu1(u2f(gv.x), u2f(uv.x))), f2u(kern::swiglu1(u2f(gv.y), u2f(uv.y))),
+                      f2u(kern::swiglu1(u2f(gv.z), u2f(uv.z))), f2u(kern::swiglu1(u2f(gv.w), u2f(uv.w))));
   };
   uint4 buf[NB][VPB];
   auto load_chunk = [&](int64_t b0) {
+    [[maybe_unused]] uint4 ub[NB][VPB];
 #pragma unroll
     for (int i = 0; i < NB; ++i) {
-      const int64_t b = b0 + i * 32 + lane;
+      const int64_t b = b0 + (i * rw + wr) * 32 + lane;
 #pragma unroll
-      for (int q = 0; q < VPB; ++q) buf[i][q] = b < nblk ? vload(b * VPB + q) : make_uint4(0, 0, 0, 0);
+      for (int q = 0; q < VPB; ++q) {
+        buf[i][q] = b < nblk ? xr[b * VPB + q] : make_uint4(0, 0, 0, 0);
+        if constexpr (SW) ub[i][q] = b < nblk ? ur[b * VPB + q] : make_uint4(0, 0, 0, 0);
+      }
     }
+    if constexpr (SW)
+#pragma unroll
+      for (int i = 0; i < NB; ++i)
+#pragma unroll
+        for (int q = 0; q < VPB; ++q) buf[i][q] = swiglu4(buf[i][q], ub[i][q]);
   };
 
-  const bool row_in_regs = a.amax_mode == kAmaxRowCompute && nblk <= CHUNK;
+  const bool row_in_regs = a.amax_mode == kAmaxRowCompute && nblk <= CHUNK * rw;
   NvGlobal g{};
   if constexpr (K != kMx) {
     float amax;
@@ -147,31 +158,46 @@ __global__ void __launch_bounds__(32 * kRowWarps) row_block_kernel(const RowArgs
           for (int q = 0; q < VPB; ++q) m = max(m, vabsmax<T>(buf[i][q]));
       } else {
         const int64_t nvec = nblk * VPB;
-        for (int64_t v = lane; v < nvec; v += 4 * 32) {  // four loads in flight
+        for (int64_t v = wr * 32 + lane; v < nvec; v += 4 * 32 * rw) {  // four loads in flight
           uint4 r[4];
+          [[maybe_unused]] uint4 ru[4];
 #pragma unroll
-          for (int u = 0; u < 4; ++u) r[u] = v + u * 32 < nvec ? vload(v + u * 32) : make_uint4(0, 0, 0, 0);
+          for (int u = 0; u < 4; ++u) {
+            const bool ok = v + u * 32 * rw < nvec;
+            r[u] = ok ? xr[v + u * 32 * rw] : make_uint4(0, 0, 0, 0);
+            if constexpr (SW) ru[u] = ok ? ur[v + u * 32 * rw] : make_uint4(0, 0, 0, 0);
+          }
+          if constexpr (SW)
+#pragma unroll
+            for (int u = 0; u < 4; ++u) r[u] = swiglu4(r[u], ru[u]);
 #pragma unroll
           for (int u = 0; u < 4; ++u) m = max(m, vabsmax<T>(r[u]));
         }
       }
-      amax = u2f(warp_max(m));
-      if (lane == 0 && a.amax) a.amax[row] = amax;
+      m = warp_max(m);
+      if (rw > 1) {
+        __shared__ uint32_t wm[kRowWarps];
+        if (lane == 0) wm[warp] = m;
+        __syncthreads();
+        for (int w = 0; w < rw; ++w) m = max(m, wm[w]);
+      }
+      amax = u2f(m);
+      if (lane == 0 && wr == 0 && a.amax) a.amax[row] = amax;
     } else if (a.amax_mode == kAmaxStatic) {
       amax = a.static_amax;
-      if (row == 0 && lane == 0 && a.amax) a.amax[0] = amax;
+      if (row == 0 && lane == 0 && wr == 0 && a.amax) a.amax[0] = amax;
     } else {
       amax = a.amax[0];
     }
     g = nv_global<K == kNvE1M2>(amax);
   }
 
-  for (int64_t b0 = 0; b0 < nblk; b0 += CHUNK) {
+  for (int64_t b0 = 0; b0 < nblk; b0 += CHUNK * rw) {
     if (!row_in_regs) load_chunk(b0);
 #pragma unroll
     for (int i = 0; i < NB; ++i) {
-      if (b0 + i * 32 >= nblk) break;  // warp-uniform
-      const int64_t b = b0 + i * 32 + lane;
+      if (b0 + (i * rw + wr) * 32 >= nblk) break;  // warp-uniform
+      const int64_t b = b0 + (i * rw + wr) * 32 + lane;
       if (b >= nblk) continue;
       uint32_t m = 0;
 #pragma unroll
@@ -436,10 +462,8 @@ __global__ void swizzle_kernel(const uint8_t* in, uint8_t* out, int64_t rows, in
 
 // ---- host side ----------------------------------------------------------------------------
 int grid_for(int64_t work, int threads) {
-  int dev = 0, sms = 132;
-  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   const int64_t want = (work + threads - 1) / threads;
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, static_cast<int64_t>(sms) * 16)));
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, static_cast<int64_t>(sm_count()) * 16)));
 }
 
 dim3 fp8_grid(int64_t rows, int64_t cols) {
@@ -468,10 +492,19 @@ void launch_absmax(const T* x, int64_t n, float* amax, cudaStream_t s) {
   launch_pdl(absmax_kernel<T>, grid_for(n / Vec<T>::N + 1, 256), 256, 0, s, x, n, reinterpret_cast<uint32_t*>(amax));
 }
 
-template <typename T, bool FAKE, Kind K>
-void launch_row(const RowArgs<T>& a, cudaStream_t s) {
-  const unsigned blocks = static_cast<unsigned>((a.rows + kRowWarps - 1) / kRowWarps);
-  launch_pdl(row_block_kernel<T, K, FAKE>, blocks, 32 * kRowWarps, 0, s, a);
+// A CTA a row where a warp a row would leave most SMs idle and the row has a block for each lane
+// of the CTA: decode-batch activations (16 x 4096 float: 10 us a call under ncu with a warp a
+// row, mostly that warp's round trips over its 16 KB).
+template <Kind K>
+int row_warps(int64_t rows, int64_t cols) {
+  const int64_t nblk = cols / (K == kMx ? 32 : 16);
+  return rows < 2LL * sm_count() && nblk >= 32LL * kRowWarps ? kRowWarps : 1;
+}
+template <typename T, bool FAKE, Kind K, bool SW = false>
+void launch_row(RowArgs<T> a, cudaStream_t s) {
+  a.rw = row_warps<K>(a.rows, a.cols);
+  const unsigned blocks = static_cast<unsigned>((a.rows + kRowWarps / a.rw - 1) / (kRowWarps / a.rw));
+  launch_pdl(row_block_kernel<T, K, FAKE, SW>, blocks, 32 * kRowWarps, 0, s, a);
 }
 template <typename T, bool FAKE, Kind K>
 void launch_tile16(const RowArgs<T>& a, cudaStream_t s) {
@@ -666,8 +699,7 @@ void quantize_swiglu(const float* g, const float* u, int64_t ld, DeviceQTensor& 
   a.amax = q.amax.data();
   a.static_amax = q.cfg.static_amax;
   a.amax_mode = q.cfg.global == Global::Static ? kAmaxStatic : kAmaxRowCompute;
-  const unsigned blocks = static_cast<unsigned>((a.rows + kRowWarps - 1) / kRowWarps);
-  launch_pdl(row_block_kernel<float, kNvE2M1, false, true>, blocks, 32 * kRowWarps, 0, s, a);
+  launch_row<float, false, kNvE2M1, true>(a, s);
 }
 void quantize_bf16(const uint16_t* x, DeviceQTensor& q, cudaStream_t s) { quantize_any(x, q, s); }
 void dequantize(const DeviceQTensor& q, float* out, cudaStream_t s) { dequantize_any(q, out, s); }

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "cuda/codecs.cuh"
+#include "cuda/device.h"  // sm_count
 #include "cuda/gemm.h"
 #include "cuda/kernel_util.cuh"
 #include "cuda/pdl.cuh"
@@ -53,15 +54,6 @@ struct Params {
   float fstatic_amax;
   int early_w;            // dense: stream the first weights before waiting for the previous kernel
 };
-
-int sm_count() {
-  static int sms = [] {
-    int dev = 0, n = 132;
-    if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    return n;
-  }();
-  return sms;
-}
 
 // The j-th group (0-based) with rows among eoff's groups (eoff[e] < eoff[e + 1]), or -1; the
 // whole warp calls it and gets the same answer, 32 groups a ballot.
