@@ -791,8 +791,27 @@ __device__ __forceinline__ void router_topk_row(const float* __restrict__ logits
       p[e] = pv[j];
     }
   }
+  bool nan = false;
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) nan |= lane + 32 * j < E && pv[j] != pv[j];
   if (forced) {
     for (int s = lane; s < k; s += 32) sel[s] = forced[t * k + s];
+  } else if (!__any_sync(0xffffffffu, nan)) {
+    // Without NaNs the argmax rounds below pick the experts in (probability desc, id asc) order, a
+    // total order: an expert's place in it is the experts before it, counted in one pass over ps
+    // (broadcast reads) instead of k rounds of dependent shuffles. The same selection.
+    __syncwarp();
+    int rank[EPL];
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) rank[j] = 0;
+    for (int e2 = 0; e2 < E; ++e2) {
+      const float q = ps[e2];
+#pragma unroll
+      for (int j = 0; j < EPL; ++j) rank[j] += q > pv[j] || (q == pv[j] && e2 < lane + 32 * j);
+    }
+#pragma unroll
+    for (int j = 0; j < EPL; ++j)
+      if (lane + 32 * j < E && rank[j] < k) sel[rank[j]] = lane + 32 * j;
   } else {
     bool taken[EPL];
 #pragma unroll
