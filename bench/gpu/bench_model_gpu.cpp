@@ -100,8 +100,27 @@ struct DecodeResult {
 
 // Greedy generation of new_tokens per sequence, stopping early after max_seconds of decoding
 // (keeps the script's run bounded whatever the speed).
-DecodeResult run_decode(cuda::GpuModel& g, int B, int64_t prompt_len, int new_tokens, double max_seconds = 1e9) {
+// sampled: draws at temperature 1 through step_sample (the rollout engine's call) instead of
+// step_greedy; where the draws are made is the model's setting (GpuModel::set_device_sampling).
+DecodeResult run_decode(cuda::GpuModel& g, int B, int64_t prompt_len, int new_tokens, double max_seconds = 1e9,
+                        bool sampled = false) {
   const int V = g.config().vocab_size;
+  std::vector<rollout::SampleJob> jobs(B);
+  for (int b = 0; b < B; ++b) {
+    jobs[b].row = b;
+    jobs[b].request = b;
+    jobs[b].seed = 5000 + b;
+  }
+  int64_t pos = prompt_len;
+  auto step = [&](const std::vector<model::StepItem>& items) {
+    if (!sampled) return g.step_greedy(items);
+    for (auto& j : jobs) j.pos = static_cast<uint64_t>(pos);
+    ++pos;
+    const std::vector<rollout::Draw> d = g.step_sample(items, jobs);
+    std::vector<int32_t> t(d.size());
+    for (size_t i = 0; i < d.size(); ++i) t[i] = d[i].token;
+    return t;
+  };
   g.reset_cache(B, prompt_len + new_tokens + 1);
   std::vector<model::StepItem> items(B);
   for (int b = 0; b < B; ++b) {
@@ -110,13 +129,13 @@ DecodeResult run_decode(cuda::GpuModel& g, int B, int64_t prompt_len, int new_to
   }
   QUADS_CUDA_CHECK(cudaDeviceSynchronize());
   const double t0 = now();
-  std::vector<int32_t> next = g.step_greedy(items);
+  std::vector<int32_t> next = step(items);
   const double t1 = now();
   g.reset_stats();
   int done = 1;
   for (; done < new_tokens && now() - t1 < max_seconds; ++done) {
     for (int b = 0; b < B; ++b) items[b].tokens.assign(1, next[b]);
-    next = g.step_greedy(items);
+    next = step(items);
   }
   QUADS_CUDA_CHECK(cudaDeviceSynchronize());
   const double t2 = now();
@@ -254,6 +273,22 @@ bool bench_precision(const model::ModelConfig& cfg, const std::string& p, double
                    "%.0f us a step\n",
                    p.c_str(), B, static_cast<long long>(r.graph_steps), static_cast<long long>(r.steps),
                    static_cast<long long>(r.graph_kernels), r.gpu_us_per_step, r.wall_us_per_step);
+    }
+    // The rollout engine's call (draws at temperature 1, returned per row) with the draws on the
+    // device and on the host (the logits downloaded, rollout::sample_jobs on the CPU's threads).
+    {
+      std::string dev_s, host_s;
+      for (int i = 0; i < 3; ++i)
+        for (const bool on_dev : {true, false}) {
+          g.set_device_sampling(on_dev);
+          const DecodeResult r = run_decode(g, batches[i], prompt, quick ? 8 : 64, 10.0, true);
+          (on_dev ? dev_s : host_s) += fmt::format("{}{:.0f}", i ? " / " : "", r.decode_tps);
+        }
+      g.set_device_sampling(true);
+      std::printf("| %s | sampled (T = 1), batch 1 / 16 / 64 | decode tok/s, draws on the device: %s | on the host: %s "
+                  "| | | | | |\n",
+                  p.c_str(), dev_s.c_str(), host_s.c_str());
+      std::fflush(stdout);
     }
     const int pb = quick ? 4 : 16;
     const double tps = run_prefill(g, pb, 1024);

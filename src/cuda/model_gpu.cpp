@@ -201,6 +201,8 @@ struct GpuModel::Impl {
   DeviceArray<float> rbuf, gbuf;  // RAC: X_eff then the residual; the gathered residual blocks
   DeviceQTensor xrq;              // RAC: the quantized residual (W4A4 linears)
   DeviceArray<int32_t> idx, perm, inv, argmax;
+  DeviceArray<kern::SampleJobDev> sample_jobs;  // step_sample's draws
+  DeviceArray<kern::SampleDrawDev> sample_out;
   DeviceArray<uint16_t> bop;
   DeviceArray<uint16_t> xnb;     // BF16 copy of a norm's output (fused kernels), for the BF16 GEMM reading it
   DeviceArray<uint8_t> attn_ws;  // kern::attention_decode_fused's counters (zeroed once, left at zero)
@@ -225,6 +227,7 @@ struct GpuModel::Impl {
   // QUADS_GPU_FUSED=0 (or QUADS_DECODE_KERNELS=old) runs the unfused sequence; QUADS_GPU_ATTN_FUSED=0
   // keeps the split + merge attention only.
   bool fused_on = true, attn_fused_on = true, norm_quant_on = true;
+  bool device_sampling = true;  // step_sample draws on the device (QUADS_GPU_SAMPLE=host: on the host)
   // Prefills of fresh slots (every item from position 0, at least kGemmAttnTokens tokens): the
   // attention as FP32 SGEMMs per sequence (AttentionTc::set_fp32: the CPU's arithmetic up to
   // summation order, ~6x the one-warp-per-row kernel at 16 x 1024); QUADS_GPU_ATTN=direct keeps
@@ -310,6 +313,7 @@ struct GpuModel::Impl {
     fused_on = !env_is("QUADS_GPU_FUSED", "0");
     attn_fused_on = !env_is("QUADS_GPU_ATTN_FUSED", "0");
     norm_quant_on = !env_is("QUADS_GPU_NORM_QUANT", "0");
+    device_sampling = !env_is("QUADS_GPU_SAMPLE", "host");
     if (attn_gemm_on) {  // now, not in the first prefill: creating its cuBLAS handle takes ~0.1 s
       attn_gemm = std::make_unique<AttentionTc>();
       attn_gemm->set_fp32(true);
@@ -1819,6 +1823,50 @@ std::vector<int32_t> GpuModel::step_greedy(const std::vector<model::StepItem>& i
   return out;
 }
 
+std::vector<rollout::Draw> GpuModel::step_sample(const std::vector<model::StepItem>& items,
+                                                 const std::vector<rollout::SampleJob>& jobs) {
+  Impl& m = *impl_;
+  const int64_t V = m.cfg.vocab_size;
+  bool on_device = m.device_sampling;
+  for (const rollout::SampleJob& j : jobs) on_device = on_device && rollout::device_samplable(j.params, V);
+  if (!on_device) {
+    const std::vector<float> logits = step(items);
+    return rollout::sample_jobs(logits.data(), V, jobs);
+  }
+  const int64_t nout = m.run(items);
+  const int n = static_cast<int>(jobs.size());
+  std::vector<kern::SampleDrawDev> got(n);
+  if (n > 0) {
+    std::vector<kern::SampleJobDev> dj(n);
+    for (int i = 0; i < n; ++i) {
+      const rollout::SampleJob& j = jobs[i];
+      QUADS_CHECK(j.row >= 0 && j.row < nout, "GpuModel::step_sample: job {} reads row {} of a step with {} rows", i,
+                  j.row, nout);
+      dj[i] = {j.row, j.params.temperature, j.seed, j.pos, j.params.is_greedy() ? 1 : 0};
+    }
+    grow(m.sample_jobs, size_t(n));
+    grow(m.sample_out, size_t(n));
+    QUADS_CUDA_CHECK(cudaMemcpyAsync(m.sample_jobs.data(), dj.data(), sizeof(kern::SampleJobDev) * n,
+                                     cudaMemcpyHostToDevice, m.stream));
+    kern::sample_rows(m.logits.data(), V, m.sample_jobs.data(), n, m.sample_out.data(), m.stream);
+  }
+  m.mark_end();
+  if (n > 0)
+    QUADS_CUDA_CHECK(cudaMemcpy(got.data(), m.sample_out.data(), sizeof(kern::SampleDrawDev) * n, cudaMemcpyDeviceToHost));
+  m.check_route(nout > 0);
+  m.add_gpu_time(nout > 0);
+  std::vector<rollout::Draw> draws(n);
+  for (int i = 0; i < n; ++i) {
+    QUADS_CHECK(got[i].ok, "rollout: request {}: sample: the logits at position {} are not finite (max {}, sum of "
+                "exponentials {})", jobs[i].request, jobs[i].pos, got[i].fmax, got[i].sum);
+    draws[i].token = got[i].token;
+    draws[i].logprob = got[i].logprob;
+  }
+  return draws;
+}
+
+void GpuModel::set_device_sampling(bool on) { impl_->device_sampling = on; }
+
 GpuLinearMode GpuModel::linear_mode(const std::string& module) const {
   for (const auto& L : impl_->lin)
     if (L.name == module) return L.mode;
@@ -1854,6 +1902,10 @@ class GpuBackend : public rollout::StepBackend {
   void sync(const model::Weights& w) override { m_.sync(w); }
   void reset(int num_slots, int64_t max_len) override { m_.reset_cache(num_slots, max_len); }
   std::vector<float> step(const std::vector<model::StepItem>& items) override { return m_.step(items); }
+  std::vector<rollout::Draw> step_sample(const std::vector<model::StepItem>& items,
+                                         const std::vector<rollout::SampleJob>& jobs) override {
+    return m_.step_sample(items, jobs);
+  }
   void copy(int src, int dst) override { m_.copy(src, dst); }
   void clear(int slot) override { m_.clear(slot); }
   void set_rac(const model::Model& calibrated) override { m_.set_rac(calibrated); }

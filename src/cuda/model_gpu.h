@@ -108,6 +108,13 @@ class GpuModel {
   std::vector<float> step(const std::vector<model::StepItem>& items);
   // The same step, returning the arg-max token of each logits row (computed on the device).
   std::vector<int32_t> step_greedy(const std::vector<model::StepItem>& items);
+  // The same step and the draws of `jobs` from its logits (rollout::StepBackend::step_sample):
+  // greedy and temperature-only jobs on the device (kern::sample_rows: a token and a log-prob
+  // back per draw), any others (top-k / top-p) by the host's sampler from the downloaded logits;
+  // QUADS_GPU_SAMPLE=host sends every job there.
+  std::vector<rollout::Draw> step_sample(const std::vector<model::StepItem>& items,
+                                         const std::vector<rollout::SampleJob>& jobs);
+  void set_device_sampling(bool on);  // false: as QUADS_GPU_SAMPLE=host (benchmarks, tests)
 
   GpuLinearMode linear_mode(const std::string& module) const;  // throws for an unknown name
   size_t weight_bytes() const;  // device bytes of all GEMM weights (storage of every linear)

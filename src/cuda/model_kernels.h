@@ -201,6 +201,26 @@ void bf16_round(const float* x, float* out, int64_t n, cudaStream_t s);
 // Arg-max of each row of x [rows, cols] (first index on ties; NaN never wins).
 void argmax_rows(const float* x, int64_t rows, int64_t cols, int32_t* out, cudaStream_t s);
 
+// Draws on the device (cuda/sample.cu): rollout::sample() for greedy and full-distribution jobs
+// (temperature only), one per job, from row `row` of logits [rows, V]: token, log-prob under the
+// tempered distribution, and (for the host's error message) the max logit and the sum of
+// exponentials; ok = 0 where they are not finite. Deterministic; see sample.cu for how it can
+// differ from the host's sampler.
+struct SampleJobDev {
+  int64_t row;
+  double temperature;
+  uint64_t seed, pos;
+  int32_t greedy;
+};
+struct SampleDrawDev {
+  int32_t token;
+  float logprob;
+  float fmax;
+  int32_t ok;
+  double sum;
+};
+void sample_rows(const float* logits, int64_t V, const SampleJobDev* jobs, int n, SampleDrawDev* out, cudaStream_t s);
+
 // Pseudo-random N(mean, stddev) values, a pure function of (seed, index) (benchmarks' random weights).
 void fill_normal(float* x, int64_t n, uint64_t seed, float mean, float stddev, cudaStream_t s);
 

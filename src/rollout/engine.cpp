@@ -141,16 +141,16 @@ std::vector<Result> RolloutEngine::generate(const std::vector<Request>& requests
   std::vector<Seq> live;
   std::vector<model::StepItem> items;
   std::vector<int> item_seq;  // index into live per item
+  // A draw of this step: for sequence live[live] or for the peer joined[joined] (which copies
+  // its leader's prefill after the step and draws from the leader's row), with its job.
   struct Job {
-    int req;
     int live;    // index into live, or -1
-    int joined;  // index into joined (a peer that just copied its leader's prefill), or -1
-    const float* row;
+    int joined;  // index into joined, or -1
   };
   std::vector<Job> jobs;
+  std::vector<SampleJob> sjobs;
   std::vector<Seq> joined;
   std::vector<Draw> draws;
-  std::vector<std::string> errors;
 
   while (true) {
     // Admit waiting requests into free slots, with the peers that share their prompt.
@@ -202,52 +202,55 @@ std::vector<Result> RolloutEngine::generate(const std::vector<Request>& requests
       items.push_back(std::move(it));
       item_seq.push_back(static_cast<int>(i));
     }
-    const std::vector<float> logits = backend_ ? backend_->step(items) : model_->step(cache, items);
+    // Which sequences draw after this step: those whose prompt completes now (with the peers
+    // sharing it, which copy the cache and draw from the same row) and every decoding sequence.
+    // Known before the step, so that a backend can draw on its device.
+    jobs.clear();
+    sjobs.clear();
+    auto add_job = [&](int req, int64_t row, int live_i, int joined_i) {
+      const Request& r = requests[req];
+      jobs.push_back({live_i, joined_i});
+      sjobs.push_back({row, req, r.sampling, r.seed, r.prompt.size() + results[req].tokens.size()});
+    };
+    int n_joined = 0;
+    for (size_t j = 0; j < items.size(); ++j) {
+      const Seq& s = live[item_seq[j]];
+      const int64_t plen = static_cast<int64_t>(requests[s.req].prompt.size());
+      if (s.fed < plen) {
+        if (s.fed + static_cast<int64_t>(items[j].tokens.size()) < plen) continue;
+        for (const Seq& p : s.peers) add_job(p.req, static_cast<int64_t>(j), -1, n_joined++);
+      }
+      add_job(s.req, static_cast<int64_t>(j), item_seq[j], -1);
+    }
+    if (backend_) {
+      draws = backend_->step_sample(items, sjobs);
+    } else {
+      const std::vector<float> logits = model_->step(cache, items);
+      draws = sample_jobs(logits.data(), V, sjobs);
+    }
     ++stats_.steps;
 
-    // Which sequences sample now: those whose prompt just completed (with the peers sharing it,
-    // which copy the cache and sample from the same logits row) and every decoding sequence.
-    jobs.clear();
+    // The prompts that completed: their peers copy the prefill and join.
     joined.clear();
     for (size_t j = 0; j < items.size(); ++j) {
       Seq& s = live[item_seq[j]];
       const int64_t plen = static_cast<int64_t>(requests[s.req].prompt.size());
-      const float* row = logits.data() + j * V;
-      if (s.fed < plen) {
-        s.fed += static_cast<int64_t>(items[j].tokens.size());
-        if (s.fed < plen) continue;
-        for (Seq& p : s.peers) {
-          copy_slot(s.slot, p.slot);
-          p.fed = plen;
-          ++stats_.shared_prompts;
-          jobs.push_back({p.req, -1, static_cast<int>(joined.size()), row});
-          joined.push_back(std::move(p));
-        }
-        s.peers.clear();
+      if (s.fed >= plen) continue;
+      s.fed += static_cast<int64_t>(items[j].tokens.size());
+      if (s.fed < plen) continue;
+      for (Seq& p : s.peers) {
+        copy_slot(s.slot, p.slot);
+        p.fed = plen;
+        ++stats_.shared_prompts;
+        joined.push_back(std::move(p));
       }
-      jobs.push_back({s.req, item_seq[j], -1, row});
+      s.peers.clear();
     }
 
-    // Sampling: each job depends only on its own row, seed and position.
     const int njobs = static_cast<int>(jobs.size());
-    draws.assign(njobs, Draw{});
-    errors.assign(njobs, std::string());
-#pragma omp parallel for schedule(static) if (njobs > 1)
     for (int j = 0; j < njobs; ++j) {
-      const Request& r = requests[jobs[j].req];
-      const uint64_t pos = r.prompt.size() + results[jobs[j].req].tokens.size();
-      try {
-        draws[j] = sample(jobs[j].row, V, r.sampling, r.seed, pos);
-      } catch (const std::exception& e) {
-        errors[j] = e.what();
-      }
-    }
-    for (int j = 0; j < njobs; ++j)
-      QUADS_CHECK(errors[j].empty(), "rollout: request {}: {}", jobs[j].req, errors[j]);
-
-    for (int j = 0; j < njobs; ++j) {
-      const Request& r = requests[jobs[j].req];
-      Result& res = results[jobs[j].req];
+      const Request& r = requests[sjobs[j].request];
+      Result& res = results[sjobs[j].request];
       Seq& s = jobs[j].live >= 0 ? live[jobs[j].live] : joined[jobs[j].joined];
       res.tokens.push_back(draws[j].token);
       res.logprobs.push_back(draws[j].logprob);
@@ -269,6 +272,12 @@ std::vector<Result> RolloutEngine::generate(const std::vector<Request>& requests
   }
   stats_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return results;
+}
+
+std::vector<Draw> StepBackend::step_sample(const std::vector<model::StepItem>& items, const std::vector<SampleJob>& jobs) {
+  const std::vector<float> logits = step(items);
+  const int64_t V = items.empty() ? 0 : static_cast<int64_t>(logits.size() / items.size());
+  return sample_jobs(logits.data(), V, jobs);
 }
 
 void StepBackend::set_rac(const model::Model&) { fail("step backend {} does not run RAC", name()); }

@@ -81,6 +81,9 @@ class StepBackend {
   virtual void sync(const model::Weights& w) = 0;                 // re-upload and re-quantize
   virtual void reset(int num_slots, int64_t max_len) = 0;         // an empty cache
   virtual std::vector<float> step(const std::vector<model::StepItem>& items) = 0;  // Model::step
+  // A step and the draws of `jobs` from its logits (rows: one per item). Default: step(), then
+  // sample_jobs() on the host; a backend may draw on its device instead and move only the draws.
+  virtual std::vector<Draw> step_sample(const std::vector<model::StepItem>& items, const std::vector<SampleJob>& jobs);
   virtual void copy(int src, int dst) = 0;                        // KVCache::copy
   virtual void clear(int slot) = 0;                               // KVCache::clear
   // Static RAC channels from a calibrated CPU model of the same weights (model/rac.h); a backend

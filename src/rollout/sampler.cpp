@@ -220,4 +220,20 @@ Draw sample(const float* logits, int64_t V, const SamplingParams& p, uint64_t se
   return d;
 }
 
+std::vector<Draw> sample_jobs(const float* logits, int64_t V, const std::vector<SampleJob>& jobs) {
+  const int n = static_cast<int>(jobs.size());
+  std::vector<Draw> draws(n);
+  std::vector<std::string> errors(n);
+#pragma omp parallel for schedule(static) if (n > 1)
+  for (int j = 0; j < n; ++j) {
+    try {
+      draws[j] = sample(logits + jobs[j].row * V, V, jobs[j].params, jobs[j].seed, jobs[j].pos);
+    } catch (const std::exception& e) {
+      errors[j] = e.what();
+    }
+  }
+  for (int j = 0; j < n; ++j) QUADS_CHECK(errors[j].empty(), "rollout: request {}: {}", jobs[j].request, errors[j]);
+  return draws;
+}
+
 }  // namespace quads::rollout

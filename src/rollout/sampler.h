@@ -19,6 +19,7 @@
 // recompute from its own logits. For the truncated policy use logp - Draw::log_kept_mass.
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace quads::rollout {
 
@@ -51,6 +52,23 @@ struct Draw {
 // Samples one token from a row of V float32 logits. Throws quads::Error (naming `pos`) if the
 // logits are not finite. A pure function of (logits, params, seed, pos); thread-safe.
 Draw sample(const float* logits, int64_t V, const SamplingParams& p, uint64_t seed, uint64_t pos);
+
+// One draw a step's caller wants: from row `row` of the step's [rows, V] logits (a prompt shared
+// by several requests gives one row several draws). `request` names the job in errors.
+struct SampleJob {
+  int64_t row = 0;
+  int request = 0;
+  SamplingParams params;
+  uint64_t seed = 0, pos = 0;
+};
+// The jobs whose draw a GPU backend can make on the device: greedy, or the full tempered
+// distribution (no top-k / top-p truncation).
+inline bool device_samplable(const SamplingParams& p, int64_t V) {
+  return p.is_greedy() || ((p.top_k <= 0 || p.top_k >= V) && p.top_p >= 1.0);
+}
+// sample() for every job (in parallel: each draw is a pure function of its row and job); a failure
+// throws quads::Error "rollout: request R: ..." for the first failing job.
+std::vector<Draw> sample_jobs(const float* logits, int64_t V, const std::vector<SampleJob>& jobs);
 
 // Tests and benchmarks: top-p over the whole vocabulary finds the nucleus by binning the logits
 // and sorting one bin (O(V), the default) or, when off, by sorting blocks of the vocabulary.
