@@ -1,5 +1,7 @@
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "cuda/check.h"
 #include "cuda/device.h"
 
@@ -16,6 +18,14 @@ std::string device_name(int i) {
   cudaDeviceProp p{};
   if (cudaGetDeviceProperties(&p, i) != cudaSuccess) return "";
   return p.name;
+}
+void keep_pool_memory() {
+  int dev = 0;
+  QUADS_CUDA_CHECK(cudaGetDevice(&dev));
+  cudaMemPool_t pool{};
+  QUADS_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+  uint64_t keep = UINT64_MAX;
+  QUADS_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
 }
 int sm_count() {
   static const int n = [] {

@@ -5,5 +5,10 @@
 namespace quads::cuda {
 int device_count();              // 0 when built without CUDA or when no driver/GPU is present
 std::string device_name(int i);  // "" when unavailable
+// The current device's default memory pool keeps what cudaFreeAsync returns instead of giving it
+// back to the driver at every synchronization (its default release threshold, 0): the kernels'
+// stream-ordered workspaces (split-K partials, arg-max chunks) then cost a pool lookup, not a new
+// mapping (~100 us a decode step at batch 1 when they were remapped each step). Idempotent.
+void keep_pool_memory();
 int sm_count();  // streaming multiprocessors of the current device (queried once; grids are sized by it)
 }  // namespace quads::cuda

@@ -296,6 +296,7 @@ struct GpuModel::Impl {
     // A stream of our own (graphs cannot capture the legacy default stream); a blocking one, so
     // synchronous copies on the default stream still wait for it.
     QUADS_CUDA_CHECK(cudaStreamCreate(&stream));
+    keep_pool_memory();
     QUADS_CUDA_CHECK(cudaEventCreate(&ev_begin));
     QUADS_CUDA_CHECK(cudaEventCreate(&ev_end));
     legacy_moe = env_is("QUADS_GPU_MOE", "legacy");

@@ -323,6 +323,7 @@ struct GpuTrainer::Impl {
     QUADS_CHECK(device_count() > 0, "GpuTrainer: no CUDA device");
     lay = model::Layout::build(cfg);
     QUADS_CUDA_CHECK(cudaStreamCreate(&stream));
+    keep_pool_memory();
     QUADS_CUBLAS_CHECK(cublasCreate(&blas));
     QUADS_CUBLAS_CHECK(cublasSetMathMode(blas, CUBLAS_DEFAULT_MATH));  // no TF32: FP32 GEMMs stay FP32
     QUADS_CUBLAS_CHECK(cublasSetStream(blas, stream));
