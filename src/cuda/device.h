@@ -10,5 +10,7 @@ std::string device_name(int i);  // "" when unavailable
 // stream-ordered workspaces (split-K partials, arg-max chunks) then cost a pool lookup, not a new
 // mapping (~100 us a decode step at batch 1 when they were remapped each step). Idempotent.
 void keep_pool_memory();
-int sm_count();  // streaming multiprocessors of the current device (queried once; grids are sized by it)
+// Streaming multiprocessors of the current device (queried once; grids are sized by it); 132 (an
+// H100/H200) where there is none, so launch plans can be checked without a GPU.
+int sm_count();
 }  // namespace quads::cuda

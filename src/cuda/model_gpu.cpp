@@ -228,6 +228,10 @@ struct GpuModel::Impl {
   // keeps the split + merge attention only.
   bool fused_on = true, attn_fused_on = true, norm_quant_on = true;
   bool device_sampling = true;  // step_sample draws on the device (QUADS_GPU_SAMPLE=host: on the host)
+  // The router's logits from the post-attention norm kernel (decode batches behind a W4A4 o_proj,
+  // whose GEMV updates the residual so the norm runs alone: kern::RowRouter) instead of a BF16
+  // GEMM launch; QUADS_GPU_ROUTER_NORM=0 keeps the GEMM.
+  bool router_norm_on = true;
   // Prefills of fresh slots (every item from position 0, at least kGemmAttnTokens tokens): the
   // attention as FP32 SGEMMs per sequence (AttentionTc::set_fp32: the CPU's arithmetic up to
   // summation order, ~6x the one-warp-per-row kernel at 16 x 1024); QUADS_GPU_ATTN=direct keeps
@@ -315,6 +319,7 @@ struct GpuModel::Impl {
     attn_fused_on = !env_is("QUADS_GPU_ATTN_FUSED", "0");
     norm_quant_on = !env_is("QUADS_GPU_NORM_QUANT", "0");
     device_sampling = !env_is("QUADS_GPU_SAMPLE", "host");
+    router_norm_on = !env_is("QUADS_GPU_ROUTER_NORM", "0");
     if (attn_gemm_on) {  // now, not in the first prefill: creating its cuBLAS handle takes ~0.1 s
       attn_gemm = std::make_unique<AttentionTc>();
       attn_gemm->set_fp32(true);
@@ -1097,6 +1102,12 @@ struct GpuModel::Impl {
   }
 
   // Y [n, out] = rows r0 .. r0+n of the operand times W^T.
+  bool router_in_norm(const LayerIdx& li, int64_t T) const {
+    if (!router_norm_on || !li.sparse) return false;
+    const DevLinear& Lr = lin[li.router];
+    return Lr.mode == GpuLinearMode::BF16 && Lr.rac_nsel == 0 && kern::router_fusable(T, Lr.in, static_cast<int>(Lr.out));
+  }
+
   void gemm(const DevLinear& L, const Operand& op, int64_t r0, int64_t n, float* Y) {
     QUADS_CHECK(op.mode == L.mode && op.k == L.in && r0 + n <= op.rows, "GpuModel: operand mismatch at {}", L.name);
     stats.weight_bytes += L.bytes();
@@ -1476,9 +1487,18 @@ struct GpuModel::Impl {
           const Operand oo = prepare(Lo, ap, T);
           w4a4_gemm_emulated(oo.v, Lo.wv, xp, true, stream);
         }
-        if (fuse) kern::rmsnorm_bf16(xp, M + o.post_norm, T, H, eps, xnp, bf_post(l), stream,
-                                     moe_mapped(l, T) ? nq_out() : kern::RowNvfp4{});
-        else kern::rmsnorm(xp, M + o.post_norm, T, H, eps, xnp, stream);
+        if (fuse) {
+          kern::RowRouter rr;
+          if (router_in_norm(li, T)) {
+            const DevLinear& Lr = lin[li.router];
+            rr = {Lr.wb.data(), static_cast<int>(Lr.out), rlogits.data()};
+            stats.weight_bytes += Lr.bytes();
+          }
+          kern::rmsnorm_bf16(xp, M + o.post_norm, T, H, eps, xnp, bf_post(l), stream,
+                             moe_mapped(l, T) ? nq_out() : kern::RowNvfp4{}, rr);
+        } else {
+          kern::rmsnorm(xp, M + o.post_norm, T, H, eps, xnp, stream);
+        }
       } else {
         const Operand oo = prepare(Lo, ap, T);
         gemm(Lo, oo, 0, T, tp);
@@ -1492,8 +1512,11 @@ struct GpuModel::Impl {
       }
       if (li.sparse) {
         const DevLinear& Lr = lin[li.router];
-        const Operand orr = prepare(Lr, xnp, T, -1, bf_post(l));
-        gemm(Lr, orr, 0, T, rlogits.data());
+        const bool router_done = fuse && Lo.mode == GpuLinearMode::W4A4 && Lo.rac_nsel == 0 && router_in_norm(li, T);
+        if (!router_done) {
+          const Operand orr = prepare(Lr, xnp, T, -1, bf_post(l));
+          gemm(Lr, orr, 0, T, rlogits.data());
+        }
         // top-k and routing in one launch pays at small batches (H200, bench_cuda --route: 5.7 vs
         // 7.4 us at T = 1, a tie at 16, 0.97x at 64)
         const bool one_launch = !legacy_moe && T <= 16;

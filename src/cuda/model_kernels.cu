@@ -751,10 +751,12 @@ __device__ __forceinline__ void rmsnorm_quant_row(uint32_t m, const float* ys, i
 // The row's tail, shared with the fused residual + norm kernel (so both give rmsnorm's bits): xv,
 // wv the thread's elements, red kThreads / 32 doubles of shared memory; yb (optional) BF16 bits;
 // yq (optional) NVFP4 codes through ys (rmsnorm_quant_row).
+// yr may be null (a router CTA other than the row's first writes nothing); yb_s (optional) gets
+// the BF16 bits in shared memory too.
 template <int PER>
 __device__ __forceinline__ void rmsnorm_reg_row(const float (&xv)[PER], const float (&wv)[PER], int64_t D, float eps,
                                                 double* red, float* yr, uint16_t* ybr, float* ys = nullptr,
-                                                const RowNvfp4& yq = {}) {
+                                                const RowNvfp4& yq = {}, uint16_t* yb_s = nullptr) {
   double ss = 0;
 #pragma unroll
   for (int i = 0; i < PER; ++i)
@@ -773,8 +775,9 @@ __device__ __forceinline__ void rmsnorm_reg_row(const float (&xv)[PER], const fl
     const int64_t c = threadIdx.x + int64_t(i) * kThreads;
     if (c < D) {
       const float y = __fmul_rn(wv[i], __fmul_rn(xv[i], inv));
-      yr[c] = y;
+      if (yr) yr[c] = y;
       if (ybr) ybr[c] = bf16_bits(y);
+      if (yb_s) yb_s[c] = bf16_bits(y);
       if (yq.codes) {
         ys[c] = y;
         m = max(m, dev::f2u(y) & 0x7FFFFFFFu);
@@ -789,14 +792,42 @@ __device__ __forceinline__ RowNvfp4 row_nvfp4_at(const RowNvfp4& q, int64_t r, i
   return {q.codes + r * (D / 2), q.scales + r * (D / 16), q.amax + r};
 }
 
+// Router logits of row r for experts 8 * blockIdx.y + warp from the row's BF16 bits in shared
+// memory: lane l takes elements 256 i + 8 l .. + 8 (16-byte loads, the warp's consecutive), then
+// a butterfly.
+__device__ __forceinline__ void router_logits_row(const uint16_t* yb_s, int64_t D, const RowRouter& rr, int64_t r) {
+  const int lane = threadIdx.x & 31, e = static_cast<int>(blockIdx.y) * (kThreads / 32) + (threadIdx.x >> 5);
+  if (e >= rr.E) return;
+  const uint16_t* wr = rr.w + int64_t(e) * D;
+  float acc = 0.f;
+  for (int64_t c = 8 * lane; c < D; c += 256) {
+    const uint4 wv = __ldg(reinterpret_cast<const uint4*>(wr + c));
+    const uint4 yv = *reinterpret_cast<const uint4*>(yb_s + c);
+    const uint32_t ww[4] = {wv.x, wv.y, wv.z, wv.w}, yy[4] = {yv.x, yv.y, yv.z, yv.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      acc = __fmaf_rn(dev::u2f(ww[q] << 16), dev::u2f(yy[q] << 16), acc);
+      acc = __fmaf_rn(dev::u2f(ww[q] & 0xFFFF0000u), dev::u2f(yy[q] & 0xFFFF0000u), acc);
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xFFFFFFFFu, acc, o);
+  if (lane == 0) rr.logits[r * rr.E + e] = acc;
+}
+
+// grid (rows, router CTAs): with a router, CTA (r, j) normalizes row r again and takes experts
+// 8 j .. 8 j + 7; only j = 0 writes the norm's outputs.
 template <int PER>
 __global__ void __launch_bounds__(kThreads) rmsnorm_reg_kernel(const float* __restrict__ x, const float* __restrict__ w,
                                                               int64_t D, float eps, float* __restrict__ y,
-                                                              uint16_t* __restrict__ yb, const RowNvfp4 yq) {
+                                                              uint16_t* __restrict__ yb, const RowNvfp4 yq,
+                                                              const RowRouter rr) {
   pdl_begin();
   __shared__ double red[kThreads / 32];
   __shared__ __align__(16) float ys[yq_rows_smem(PER)];
+  __shared__ __align__(16) uint16_t yb_s[PER * kThreads];
   const int64_t r = blockIdx.x;
+  const bool lead = blockIdx.y == 0;
   const float* xr = x + r * D;
   float xv[PER], wv[PER];
 #pragma unroll
@@ -805,7 +836,11 @@ __global__ void __launch_bounds__(kThreads) rmsnorm_reg_kernel(const float* __re
     xv[i] = c < D ? xr[c] : 0.f;
     wv[i] = c < D ? w[c] : 0.f;
   }
-  rmsnorm_reg_row<PER>(xv, wv, D, eps, red, y + r * D, yb ? yb + r * D : nullptr, ys, row_nvfp4_at(yq, r, D));
+  rmsnorm_reg_row<PER>(xv, wv, D, eps, red, lead ? y + r * D : nullptr, lead && yb ? yb + r * D : nullptr, ys,
+                       lead ? row_nvfp4_at(yq, r, D) : RowNvfp4{}, rr.w ? yb_s : nullptr);
+  if (!rr.w) return;
+  __syncthreads();
+  router_logits_row(yb_s, D, rr, r);
 }
 
 // x[r] += the MoE combine sum_s cw[r, s] * ye[inv[r*k + s]] (moe_combine_add's operations; inv null:
@@ -1170,19 +1205,21 @@ void embedding(const float* table, const int32_t* tokens, int64_t T, int64_t H, 
 namespace {
 
 void rmsnorm_launch(const float* x, const float* w, int64_t rows, int64_t D, float eps, float* y, uint16_t* yb,
-                    bool legacy, cudaStream_t s, const RowNvfp4& yq = {}) {
+                    bool legacy, cudaStream_t s, const RowNvfp4& yq = {}, const RowRouter& rr = {}) {
   if (rows == 0) return;
   QUADS_CHECK(rows < (int64_t(1) << 31), "cuda rmsnorm: {} rows is too many", rows);
-  const unsigned grid = static_cast<unsigned>(rows);
   const int64_t per = (D + kThreads - 1) / kThreads;
   QUADS_CHECK(!yq.codes || (!legacy && per <= 16 && D % 16 == 0),
               "cuda rmsnorm: no NVFP4 output for rows of {} (at most {}, a multiple of 16)", D, 16 * kThreads);
-  if (legacy || per > 16) launch_pdl(rmsnorm_kernel, grid, kThreads, 0, s, x, w, D, eps, y, yb);
-  else if (per <= 1) launch_pdl(rmsnorm_reg_kernel<1>, grid, kThreads, 0, s, x, w, D, eps, y, yb, yq);
-  else if (per <= 2) launch_pdl(rmsnorm_reg_kernel<2>, grid, kThreads, 0, s, x, w, D, eps, y, yb, yq);
-  else if (per <= 4) launch_pdl(rmsnorm_reg_kernel<4>, grid, kThreads, 0, s, x, w, D, eps, y, yb, yq);
-  else if (per <= 8) launch_pdl(rmsnorm_reg_kernel<8>, grid, kThreads, 0, s, x, w, D, eps, y, yb, yq);
-  else launch_pdl(rmsnorm_reg_kernel<16>, grid, kThreads, 0, s, x, w, D, eps, y, yb, yq);
+  QUADS_CHECK(!rr.w || (!legacy && router_fusable(rows, D, rr.E)),
+              "cuda rmsnorm: no router logits for {} rows of {} and {} experts", rows, D, rr.E);
+  const dim3 grid(static_cast<unsigned>(rows), rr.w ? static_cast<unsigned>((rr.E + kThreads / 32 - 1) / (kThreads / 32)) : 1u);
+  if (legacy || per > 16) launch_pdl(rmsnorm_kernel, grid.x, kThreads, 0, s, x, w, D, eps, y, yb);
+  else if (per <= 1) launch_pdl(rmsnorm_reg_kernel<1>, grid, kThreads, 0, s, x, w, D, eps, y, yb, yq, rr);
+  else if (per <= 2) launch_pdl(rmsnorm_reg_kernel<2>, grid, kThreads, 0, s, x, w, D, eps, y, yb, yq, rr);
+  else if (per <= 4) launch_pdl(rmsnorm_reg_kernel<4>, grid, kThreads, 0, s, x, w, D, eps, y, yb, yq, rr);
+  else if (per <= 8) launch_pdl(rmsnorm_reg_kernel<8>, grid, kThreads, 0, s, x, w, D, eps, y, yb, yq, rr);
+  else launch_pdl(rmsnorm_reg_kernel<16>, grid, kThreads, 0, s, x, w, D, eps, y, yb, yq, rr);
 }
 
 int& residual_norm_threads_knob() {
@@ -1231,9 +1268,14 @@ void rmsnorm(const float* x, const float* w, int64_t rows, int64_t D, float eps,
   rmsnorm_launch(x, w, rows, D, eps, y, nullptr, legacy_decode_kernels(), s);
 }
 
+bool router_fusable(int64_t rows, int64_t D, int E) {
+  // decode batches (more rows: the BF16 GEMM), rows the register kernel holds, 16-byte loads
+  return rows <= 64 && D % 8 == 0 && D <= 16 * kThreads && E > 0 && E <= 65535 * (kThreads / 32);
+}
+
 void rmsnorm_bf16(const float* x, const float* w, int64_t rows, int64_t D, float eps, float* y, uint16_t* y_bf16,
-                  cudaStream_t s, const RowNvfp4& yq) {
-  rmsnorm_launch(x, w, rows, D, eps, y, y_bf16, false, s, yq);
+                  cudaStream_t s, const RowNvfp4& yq, const RowRouter& router) {
+  rmsnorm_launch(x, w, rows, D, eps, y, y_bf16, false, s, yq, router);
 }
 
 void moe_combine_add_rmsnorm(const float* ye, const int32_t* inv, const float* w, int64_t T, int k, int64_t D, float* x,

@@ -40,10 +40,21 @@ struct RowNvfp4 {
   float* amax = nullptr;
 };
 
+// The MoE router's logits from the norm's output: logits [rows, E] = bf16(y) . w^T with w the
+// router's BF16 weight [E, D] (the BF16 GEMM's products, float32 sums in a fixed order of this
+// kernel's own). Null w: none. Decode rows: router_fusable() says which.
+struct RowRouter {
+  const uint16_t* w = nullptr;
+  int E = 0;
+  float* logits = nullptr;
+};
+bool router_fusable(int64_t rows, int64_t D, int E);
+
 // rmsnorm (current kernel), and when y_bf16 is non-null the BF16 bits of y as well (what
-// to_bf16(y) gives: the operand of the router's and lm_head's BF16 GEMMs), in one kernel.
+// to_bf16(y) gives: the operand of the router's and lm_head's BF16 GEMMs), in one kernel; with
+// router.w also the router's logits (the CTAs of a row each take 8 experts).
 void rmsnorm_bf16(const float* x, const float* w, int64_t rows, int64_t D, float eps, float* y, uint16_t* y_bf16,
-                  cudaStream_t s, const RowNvfp4& yq = {});
+                  cudaStream_t s, const RowNvfp4& yq = {}, const RowRouter& router = {});
 // moe_combine_add(ye, inv, w, T, k, D, x) then rmsnorm_bf16(x, w_norm, T, D, eps, y, y_bf16): the
 // MoE output enters the residual stream x and the next layer's input norm (or the final norm) runs
 // in the same kernel; x is updated as moe_combine_add leaves it.

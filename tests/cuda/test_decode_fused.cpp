@@ -376,6 +376,55 @@ TEST(CudaDecodeFused, NormNvfp4OutputIsQuantize) {
   }
 }
 
+// The router's logits from rmsnorm_bf16 (kern::RowRouter): the norm's outputs (float, BF16,
+// NVFP4) are those of the call without a router, bit for bit, and each logit is the float64 dot
+// of the BF16 output with the BF16 weight row to float32 summation error; E not a multiple of the
+// 8 experts a CTA, D not a multiple of the 256 elements a warp's pass covers.
+TEST(CudaDecodeFused, NormRouterLogitsAreTheBf16Gemm) {
+  QUADS_REQUIRE_GPU();
+  cuda::kern::set_legacy_decode_kernels(false);
+  num::QConfig qc = num::QConfig::nvfp4_act();
+  qc.global = num::Global::PerRow;
+  struct Case {
+    int64_t T, D;
+    int E;
+  };
+  for (const Case c : {Case{1, 2048, 64}, Case{16, 2048, 64}, Case{64, 2048, 128}, Case{3, 64, 8}, Case{5, 144, 60},
+                       Case{2, 4096, 20}}) {
+    ASSERT_TRUE(cuda::kern::router_fusable(c.T, c.D, c.E));
+    const std::string what = "T " + std::to_string(c.T) + " D " + std::to_string(c.D) + " E " + std::to_string(c.E);
+    const auto x = randn(c.T * c.D, 401 + c.D, 2.f), wn = randn(c.D, 402, 0.1f, 1.f), wr = randn(c.E * c.D, 403, 0.05f);
+    std::vector<uint16_t> wrb(wr.size());
+    for (size_t i = 0; i < wr.size(); ++i) wrb[i] = num::bf16_from_f32(wr[i]);
+    auto dx = dev(x), dwn = dev(wn);
+    auto dwr = dev(wrb);
+    DeviceArray<float> y0(c.T * c.D), y1(c.T * c.D), lg(c.T * c.E);
+    DeviceArray<uint16_t> b0(c.T * c.D), b1(c.T * c.D);
+    cuda::DeviceQTensor q0 = cuda::make_qtensor(c.T, c.D, qc), q1 = cuda::make_qtensor(c.T, c.D, qc);
+    lg.fill_bytes(0xFF);
+    cuda::kern::rmsnorm_bf16(dx.data(), dwn.data(), c.T, c.D, 1e-6f, y0.data(), b0.data(), nullptr,
+                             {q0.codes.data(), q0.scales.data(), q0.amax.data()});
+    cuda::kern::rmsnorm_bf16(dx.data(), dwn.data(), c.T, c.D, 1e-6f, y1.data(), b1.data(), nullptr,
+                             {q1.codes.data(), q1.scales.data(), q1.amax.data()}, {dwr.data(), c.E, lg.data()});
+    EXPECT_EQ(first_float_mismatch(y1.download(), y0.download()), -1) << what << ": y";
+    const std::vector<uint16_t> yb = download_u16(b1);
+    EXPECT_EQ(first_mismatch(yb, download_u16(b0)), -1) << what << ": bf16";
+    EXPECT_EQ(first_mismatch(q1.codes.download(), q0.codes.download()), -1) << what << ": codes";
+    EXPECT_EQ(first_mismatch(q1.scales.download(), q0.scales.download()), -1) << what << ": scales";
+    const std::vector<float> got = lg.download();
+    for (int64_t t = 0; t < c.T; ++t)
+      for (int e = 0; e < c.E; ++e) {
+        double dot = 0, mag = 0;
+        for (int64_t j = 0; j < c.D; ++j) {
+          const double a = num::bf16_to_f32(yb[t * c.D + j]), b = num::bf16_to_f32(wrb[e * c.D + j]);
+          dot += a * b;
+          mag += std::fabs(a * b);
+        }
+        ASSERT_NEAR(got[t * c.E + e], dot, 1e-6 * mag + 1e-30) << what << " row " << t << " expert " << e;
+      }
+  }
+}
+
 // quantize_swiglu is kern::swiglu then quantize(), byte for byte: rows that stay in registers and
 // longer ones (two passes), the expert MLP's fused gate/up layout (ld = 2I) and a separate up
 // buffer (ld = I), per-row and static amax.

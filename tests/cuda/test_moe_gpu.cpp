@@ -413,6 +413,28 @@ TEST(CudaModelGpu, NormQuantEqualsQuantizeLaunches) {
   }
 }
 
+// The router's logits from the post-attention norm (kern::RowRouter, behind a W4A4 o_proj) instead
+// of the BF16 GEMM (QUADS_GPU_ROUTER_NORM=0): a router GEMM launch fewer a layer, the logits of
+// the step to float32 summation error (the same experts chosen: the final logits agree closely).
+TEST(CudaModelGpu, RouterInNormMatchesRouterGemm) {
+  QUADS_REQUIRE_GPU();
+  const auto prec = model::PrecisionConfig::preset("nvfp4");
+  const model::Weights w = model::Weights::random(small_moe_config(), 31, 0.05f);
+  setenv("QUADS_GPU_ROUTER_NORM", "0", 1);
+  cuda::GpuModel gemm(w, prec);
+  unsetenv("QUADS_GPU_ROUTER_NORM");
+  cuda::GpuModel fused(w, prec);
+  ASSERT_EQ(fused.linear_mode("model.layers.0.self_attn.o_proj"), cuda::GpuLinearMode::W4A4);
+  int64_t gg = -1, gf = -1;
+  const auto lg = decode_logits(gemm, 6, nullptr, &gg);
+  const auto lf = decode_logits(fused, 6, nullptr, &gf);
+  EXPECT_EQ(gf, 5);
+  const double e = rel_l2(lf, lg);
+  std::printf("router in the norm vs the router GEMM: rel L2 of the logits %.3g\n", e);
+  EXPECT_LT(e, 1e-5);
+  EXPECT_GE(gemm.stats().graph_kernels - fused.stats().graph_kernels, fused.config().num_hidden_layers);
+}
+
 // Prefill attention with several tokens per CTA (QUADS_GPU_ATTN_TOKENS) gives the one-token launch's
 // bits: each warp's arithmetic is the same, only the grid differs.
 TEST(CudaModelKernels, AttentionTokensPerCtaSameBits) {
