@@ -61,8 +61,13 @@ void RolloutEngine::sync(const model::Weights& master) {
 void RolloutEngine::sync(const float* master, size_t n) {
   QUADS_CHECK(n == weights_->data.size(), "rollout sync: {} floats given, the model has {}", n, weights_->data.size());
   std::memcpy(weights_->data.data(), master, n * sizeof(float));
-  model_->sync();
-  if (backend_) backend_->sync(*weights_);
+  if (backend_) {
+    model_stale_ = true;
+    backend_->sync(*weights_);
+  } else {
+    model_->sync();
+    model_stale_ = false;
+  }
 }
 
 namespace {
@@ -225,6 +230,7 @@ std::vector<Result> RolloutEngine::generate(const std::vector<Request>& requests
     if (backend_) {
       draws = backend_->step_sample(items, sjobs);
     } else {
+      cpu_model_current();
       const std::vector<float> logits = model_->step(cache, items);
       draws = sample_jobs(logits.data(), V, sjobs);
     }

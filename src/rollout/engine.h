@@ -111,15 +111,25 @@ class RolloutEngine {
   // for an empty prompt, a token id outside the vocabulary or invalid sampling parameters.
   std::vector<Result> generate(const std::vector<Request>& requests);
 
-  const model::Model& model() const { return *model_; }
-  model::Model& model() { return *model_; }
+  // The CPU model (RAC calibration, diagnostics). With a backend, sync() leaves its re-quantization
+  // to the first use after it: an RL step that neither calibrates nor runs diagnostics on it skips
+  // the work (the whole model quantized on the host, each step).
+  const model::Model& model() const {
+    cpu_model_current();
+    return *model_;
+  }
+  model::Model& model() {
+    cpu_model_current();
+    return *model_;
+  }
   const model::ModelConfig& config() const { return weights_->cfg; }
   const model::PrecisionConfig& precision() const { return model_->precision(); }
   bool batch_invariant() const { return model_->precision().batch_invariant(); }
   EngineOptions options;
   const EngineStats& stats() const { return stats_; }
 
-  // Runs the steps on `b` from now on (nullptr: back to the CPU model). sync() syncs both.
+  // Runs the steps on `b` from now on (nullptr: back to the CPU model). sync() syncs both (the CPU
+  // model when it is next used).
   void set_backend(std::unique_ptr<StepBackend> b) { backend_ = std::move(b); }
   StepBackend* backend() const { return backend_.get(); }
 
@@ -127,6 +137,12 @@ class RolloutEngine {
   std::unique_ptr<StepBackend> backend_;
   std::unique_ptr<model::Weights> weights_;
   std::unique_ptr<model::Model> model_;
+  mutable bool model_stale_ = false;  // weights_ changed since model_ last quantized them
+  void cpu_model_current() const {
+    if (!model_stale_) return;
+    model_->sync();
+    model_stale_ = false;
+  }
   EngineStats stats_;
 };
 

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <string>
 
 #include "common/fixtures.h"
 #include "model/model.h"
@@ -111,19 +112,29 @@ TEST(RolloutStepBackend, CpuModelBehindTheInterfaceIsBitwiseTheEngine) {
   }
 }
 
+// With a backend, the engine's CPU model re-quantizes the synced weights when it is next used
+// (model(), or a generate() after set_backend(nullptr)): either way it is the new weights' model.
 TEST(RolloutStepBackend, SyncReachesTheBackend) {
-  const auto prec = model::PrecisionConfig::preset("fp32");
-  Calls calls;
-  RolloutEngine eng(weights(), prec);
-  eng.set_backend(std::make_unique<CpuBackend>(weights(), prec, &calls));
-  model::Weights w2 = weights();
-  for (auto& x : w2.data) x *= 0.5f;
-  eng.sync(w2);
-  EXPECT_EQ(calls.syncs, 1);
-  RolloutEngine ref(w2, prec);
-  Request r = requests()[4];
-  EXPECT_EQ(eng.generate({r})[0].tokens, ref.generate({r})[0].tokens);
-  eng.set_backend(nullptr);
-  EXPECT_EQ(eng.backend(), nullptr);
-  EXPECT_EQ(eng.generate({r})[0].tokens, ref.generate({r})[0].tokens);
+  for (const std::string preset : {"fp32", "nvfp4"}) {
+    const auto prec = model::PrecisionConfig::preset(preset);
+    Calls calls;
+    RolloutEngine eng(weights(), prec);
+    eng.set_backend(std::make_unique<CpuBackend>(weights(), prec, &calls));
+    model::Weights w2 = weights();
+    for (auto& x : w2.data) x *= 0.5f;
+    eng.sync(w2);
+    EXPECT_EQ(calls.syncs, 1) << preset;
+    RolloutEngine ref(w2, prec);
+    Request r = requests()[4];
+    EXPECT_EQ(eng.generate({r})[0].tokens, ref.generate({r})[0].tokens) << preset;
+    model::StepItem it;
+    it.tokens = r.prompt;
+    model::KVCache c1(w2.cfg, 1), c2(w2.cfg, 1);
+    EXPECT_EQ(eng.model().step(c1, {it}), ref.model().step(c2, {it})) << preset << ": the CPU model after sync";
+    eng.sync(weights());  // back, and straight to the CPU model
+    eng.set_backend(nullptr);
+    EXPECT_EQ(eng.backend(), nullptr);
+    RolloutEngine ref0(weights(), prec);
+    EXPECT_EQ(eng.generate({r})[0].tokens, ref0.generate({r})[0].tokens) << preset;
+  }
 }
