@@ -1101,13 +1101,15 @@ struct GpuModel::Impl {
                                  Y, static_cast<int>(out)));
   }
 
-  // Y [n, out] = rows r0 .. r0+n of the operand times W^T.
+  // The router's logits come from the post-attention norm kernel (router_norm_on) for this layer
+  // at T rows, where the o_proj before it is W4A4 (the caller's condition).
   bool router_in_norm(const LayerIdx& li, int64_t T) const {
     if (!router_norm_on || !li.sparse) return false;
     const DevLinear& Lr = lin[li.router];
     return Lr.mode == GpuLinearMode::BF16 && Lr.rac_nsel == 0 && kern::router_fusable(T, Lr.in, static_cast<int>(Lr.out));
   }
 
+  // Y [n, out] = rows r0 .. r0+n of the operand times W^T.
   void gemm(const DevLinear& L, const Operand& op, int64_t r0, int64_t n, float* Y) {
     QUADS_CHECK(op.mode == L.mode && op.k == L.in && r0 + n <= op.rows, "GpuModel: operand mismatch at {}", L.name);
     stats.weight_bytes += L.bytes();
