@@ -3,7 +3,9 @@
 // head_dim 128, untied; 2.70B parameters): greedy decode tokens/s at batch 1 / 16 / 64 (128-token
 // prompts, 128 new tokens) and prefill tokens/s (16 x 1024), per precision, beside the weight-read
 // bound (GEMM weight bytes read per decode step, counted by the model, over the measured copy
-// bandwidth) and the transformers 5.17 numbers of issue 6 (same H200 model, bf16).
+// bandwidth) and the transformers 5.17 numbers of issue 6 (same H200 model, bf16); then a row of
+// sampled decode (temperature 1 through GpuModel::step_sample, the rollout engine's call, 64 new
+// tokens) with the draws on the device and on the host.
 //   bench_model_gpu [--quick] [--precisions bf16,nvfp4,nvfp4+rac] [--train-only | --rollout-only]
 //   bench_model_gpu --ncu P | --ncu-decode P | --ncu-train P   (regions for ncu, see below)
 // Training rows (cuda::GpuTrainer, cuda/train_gpu.h): tokens/s of one optimizer step on 8 x 1024
