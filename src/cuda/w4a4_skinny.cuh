@@ -135,10 +135,10 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
   auto load = [&](int s, int j, int i) {
     if (s >= s_end) return;
     if (s < s_data) {
-      ca[i] = __ldg(reinterpret_cast<const uint4*>(pa + j * 64));
-      cb[i] = __ldg(reinterpret_cast<const uint4*>(pb + j * 64));
-      sca[i] = __ldg(reinterpret_cast<const uint16_t*>(qa + j * 8));
-      scb[i] = __ldg(reinterpret_cast<const uint16_t*>(qb + j * 8));
+      ca[i] = ldg_pf<128>(pa + j * 64);
+      cb[i] = ldg_pf<128>(pb + j * 64);
+      sca[i] = ldg_pf_u16<128>(qa + j * 8);
+      scb[i] = ldg_pf_u16<128>(qb + j * 8);
     } else {
       ca[i] = cb[i] = make_uint4(0, 0, 0, 0);
       sca[i] = scb[i] = 0;
