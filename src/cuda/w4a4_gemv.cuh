@@ -13,6 +13,7 @@
 #include "cuda/device.h"  // sm_count
 #include "cuda/gemm.h"
 #include "cuda/kernel_util.cuh"
+#include "cuda/mma_util.cuh"  // e4m3x2_float2
 #include "cuda/pdl.cuh"
 #include "cuda/quant_row.cuh"
 
@@ -221,13 +222,17 @@ __global__ void __launch_bounds__(32 * kGemvWarps, NW == 4 ? 2 : 3) w4a4_gemv_ke
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ uint32_t s_wmax[kGemvWarps];  // fused: the warps' row amax bits
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t K = p.K, nb = K / 16, kpad = gemv_kpad(K);
+  // Counts and indices below fit 32 bits (K < 2^31, rows and tiles < 2^31; the launcher checks):
+  // with a short row (2 steps at K = 2048, batch 1) a warp's index math and bounds checks are most
+  // of its instructions, so only the pointer offsets are 64-bit.
+  const int64_t K = p.K, kpad = gemv_kpad(K);
+  const int nb = static_cast<int>(K / 16);
   uint8_t* sx = smem;
   float* sxs = reinterpret_cast<float*>(smem + R * kpad);
   const int64_t wrow = p.Kw / 2, wsrow = p.Kw / 16;
-  const int64_t nsteps = (nb + 63) / 64;
-  const int64_t ntiles = (p.N + kGemvWarps * NW - 1) / (kGemvWarps * NW);
-  const int64_t tile0 = blockIdx.x, tstride = gridDim.x;
+  const int nsteps = (nb + 63) / 64, N = static_cast<int>(p.N);
+  const int ntiles = (N + kGemvWarps * NW - 1) / (kGemvWarps * NW);
+  const int tile0 = blockIdx.x, tstride = gridDim.x;
   constexpr int PF = 4 / NW;
   const bool chain = nsteps % PF == 0;  // a refill past a tile's last step lands in the same buffer
 
@@ -239,12 +244,18 @@ __global__ void __launch_bounds__(32 * kGemvWarps, NW == 4 ? 2 : 3) w4a4_gemv_ke
 
   // Raw codes (gather: block 0 in x, y and block 1 in z, w) and the two scale bytes of step s of
   // tile t; steps past the tile's last are those of the CTA's next tiles (with chain), else none.
-  auto load = [&](int64_t t, int64_t s, uint4 (&c)[NW], uint32_t (&sc)[NW]) {
-    if (s >= nsteps) {
-      t = chain ? t + (s / nsteps) * tstride : ntiles;
-      s %= nsteps;
+  auto load = [&](int t, int s, uint4 (&c)[NW], uint32_t (&sc)[NW]) {
+    if (s >= nsteps) {  // s < nsteps + PF: a step or a few past the tile
+      if (chain) {
+        do {
+          s -= nsteps;
+          t += tstride;
+        } while (s >= nsteps);
+      } else {
+        t = ntiles;
+      }
     }
-    const int64_t b0 = s * 64 + 2 * lane;
+    const int b0 = s * 64 + 2 * lane;
     const bool act = t < ntiles && b0 < nb;  // nb is a multiple of 4: block b0 + 1 exists too
     int64_t g0 = b0, g1 = b0 + 1;
     if constexpr (GATHER) {
@@ -253,13 +264,13 @@ __global__ void __launch_bounds__(32 * kGemvWarps, NW == 4 ? 2 : 3) w4a4_gemv_ke
         g1 = __ldg(blk + b0 + 1);
       }
     }
-    const int64_t nbase = (t * kGemvWarps + warp) * NW;
+    const int nbase = (t * kGemvWarps + warp) * NW;
 #pragma unroll
     for (int i = 0; i < NW; ++i) {
-      const int64_t n = nbase + i;
+      const int n = nbase + i;
       c[i] = make_uint4(0, 0, 0, 0);
       sc[i] = 0;
-      if (!act || n >= p.N) continue;
+      if (!act || n >= N) continue;
       const uint8_t* wr = wq + n * wrow;
       const uint8_t* wsr = ws + n * wsrow;
       if constexpr (!GATHER) {
@@ -316,10 +327,10 @@ __global__ void __launch_bounds__(32 * kGemvWarps, NW == 4 ? 2 : 3) w4a4_gemv_ke
     if constexpr (FUSED) {
       fused_prologue<R, FUSE == 2>(p, row0 + r0, nr, sx, sxs, s_wmax);
     } else {
-      const int64_t nch = K / 32;  // 32-element chunks (2 blocks) per row
-      for (int64_t q = threadIdx.x; q < nr * nch; q += blockDim.x) {
-        const int r = static_cast<int>(q / nch);
-        const int64_t ch = q % nch, b = 2 * ch, gr = x_row(p, row0 + r0 + r);
+      const int nch = nb / 2;  // 32-element chunks (2 blocks) per row
+      for (int q = threadIdx.x; q < nr * nch; q += blockDim.x) {
+        const int r = q / nch, ch = q - r * nch, b = 2 * ch;
+        const int64_t gr = x_row(p, row0 + r0 + r);
         const uint4 v = __ldg(reinterpret_cast<const uint4*>(p.xq + gr * (K / 2) + ch * 16));
         const uint32_t xsb = __ldg(reinterpret_cast<const uint16_t*>(p.xs + gr * nb + b));
         uint4 lo, hi;
@@ -327,12 +338,12 @@ __global__ void __launch_bounds__(32 * kGemvWarps, NW == 4 ? 2 : 3) w4a4_gemv_ke
         uint8_t* dst = sx + r * kpad + (b >> 6) * 1024 + ((b >> 1) & 31) * 16;
         *reinterpret_cast<uint4*>(dst) = lo;
         *reinterpret_cast<uint4*>(dst + 512) = hi;
-        *reinterpret_cast<float2*>(sxs + r * nb + b) = make_float2(dev::e4m3_decode(xsb & 0xFFu), dev::e4m3_decode(xsb >> 8));
+        *reinterpret_cast<float2*>(sxs + r * nb + b) = e4m3x2_float2(xsb);
       }
     }
     __syncthreads();
 
-    for (int64_t t = tile0; t < ntiles; t += tstride) {
+    for (int t = tile0; t < ntiles; t += tstride) {
       if (!chain && t != tile0) {
 #pragma unroll
         for (int j = 0; j < PF; ++j) load(t, j, c[j], sc[j]);
@@ -342,10 +353,10 @@ __global__ void __launch_bounds__(32 * kGemvWarps, NW == 4 ? 2 : 3) w4a4_gemv_ke
       for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int i = 0; i < NW; ++i) acc[r][i] = 0.f;
-      for (int64_t s0 = 0; s0 < nsteps; s0 += PF) {
+      for (int s0 = 0; s0 < nsteps; s0 += PF) {
 #pragma unroll
         for (int j = 0; j < PF; ++j) {
-          const int64_t s = s0 + j, b0 = s * 64 + 2 * lane;
+          const int s = s0 + j, b0 = s * 64 + 2 * lane;
           if (s >= nsteps) break;  // uniform
           const bool lane_act = b0 < nb;
           uint4 wlo[NW], whi[NW];
@@ -354,8 +365,9 @@ __global__ void __launch_bounds__(32 * kGemvWarps, NW == 4 ? 2 : 3) w4a4_gemv_ke
 #pragma unroll
             for (int i = 0; i < NW; ++i) {
               e2m1x32_to_s8(c[j][i], wlo[i], whi[i]);
-              ws0[i] = dev::e4m3_decode(sc[j][i] & 0xFFu);
-              ws1[i] = dev::e4m3_decode((sc[j][i] >> 8) & 0xFFu);
+              const float2 wsf = e4m3x2_float2(sc[j][i]);
+              ws0[i] = wsf.x;
+              ws1[i] = wsf.y;
             }
           }
           load(t, s + PF, c[j], sc[j]);  // every lane: the next tile's steps may have work for it
@@ -380,7 +392,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps, NW == 4 ? 2 : 3) w4a4_gemv_ke
 
       // lanes combine in a fixed butterfly; acc * 2^-16 (exact) is the tile kernels' raw sum (their
       // operands are code * scale * 2^-7, ours twice the code), then the same epilogue.
-      const int64_t nbase = (t * kGemvWarps + warp) * NW;
+      const int nbase = (t * kGemvWarps + warp) * NW;
 #pragma unroll
       for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -469,6 +481,7 @@ void launch_gemv_nw(const Params& p, const GemvPlan& g, dim3 grid, cudaStream_t 
 template <bool GATHER, bool GROUPED, int FUSE = 0>
 void launch_gemv(Params p, GemvPlan g, int64_t grid_y, cudaStream_t s) {
   QUADS_CHECK(g.R > 0, "w4a4_gemm: K = {} is too long for the GEMV (a row of X must fit in shared memory)", p.K);
+  QUADS_CHECK(p.N < (int64_t(1) << 30), "w4a4_gemm: {} weight rows are too many for the GEMV (its indices are 32-bit)", p.N);
   if (GATHER) g.NW = 1;
   const int64_t rows_per_cta = int64_t(kGemvWarps) * g.NW, chunks = GROUPED ? 1 : (p.M + g.R - 1) / g.R;
   QUADS_CHECK(chunks <= 65535, "w4a4_gemm: {} rows are too many for the GEMV", p.M);
