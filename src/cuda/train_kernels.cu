@@ -965,12 +965,81 @@ __device__ void route_block(const int32_t* __restrict__ idx, int n, int E, int32
   for (int r = s_total + threadIdx.x; r < n; r += blockDim.x) perm[r] = 0;
 }
 
+// route_block for a batch whose n = T * k <= 32 entries are one CTA's (decode batches up to 4 at
+// top-8), by one warp: lane i takes entry i, its id read from the top-k warps' shared memory (the
+// ids router_topk_row wrote to idx), so no global round trip and no block barriers. The same
+// outputs as route_block: counts, eoff, perm in flat order within an expert, inv, active, bad.
+// ecnt: E ints of shared memory outside the top-k scratch.
+__device__ void route_warp(const float* topk_smem, int T, int E, int k, int32_t* ecnt, int32_t* __restrict__ counts,
+                           int32_t* __restrict__ eoff, int32_t* __restrict__ perm, int32_t* __restrict__ inv,
+                           unsigned long long* active, int32_t* bad, int lane) {
+  const int n = T * k;
+  const unsigned below = (1u << lane) - 1u;
+  int v = -1;
+  if (lane < n) {
+    const int t = lane / k;
+    v = reinterpret_cast<const int32_t*>(topk_smem + t * (E + k) + E)[lane - t * k];
+  }
+  const bool ok = lane < n && v >= 0 && v < E;
+  const bool anybad = __any_sync(0xffffffffu, lane < n && !ok);
+  for (int e = lane; e < E; e += 32) ecnt[e] = 0;
+  __syncwarp();
+  const unsigned same = __match_any_sync(0xffffffffu, ok ? v : -1);
+  if (ok && (same & below) == 0) ecnt[v] = __popc(same);
+  __syncwarp();
+  // exclusive scan over the experts, lane l taking experts l * epw .. l * epw + epw - 1
+  const int epw = (E + 31) / 32;
+  int loc = 0, used = 0;
+  for (int j = 0; j < epw; ++j) {
+    const int e = lane * epw + j;
+    if (e < E) {
+      loc += ecnt[e];
+      used += ecnt[e] > 0;
+    }
+  }
+  int incl = loc;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  for (int o = 16; o > 0; o >>= 1) used += __shfl_xor_sync(0xffffffffu, used, o);
+  const int total = __shfl_sync(0xffffffffu, incl, 31);
+  int run = incl - loc;
+  for (int j = 0; j < epw; ++j) {
+    const int e = lane * epw + j;
+    if (e < E) {
+      const int c = ecnt[e];
+      counts[e] = c;
+      eoff[e] = run;
+      ecnt[e] = run;  // the expert's first row, for the entries below
+      run += c;
+    }
+  }
+  if (lane == 0) {
+    eoff[E] = total;
+    if (active && used > 0) atomicAdd(active, static_cast<unsigned long long>(used));
+    if (bad && anybad) *bad = 1;
+  }
+  __syncwarp();
+  if (lane < n) {
+    if (ok) {
+      const int r = ecnt[v] + __popc(same & below);
+      perm[r] = lane;
+      inv[lane] = r;
+    } else {
+      inv[lane] = 0;  // an invalid id (reported through bad) reads row 0, as route_block
+    }
+  }
+  for (int r = total + lane; r < n; r += 32) perm[r] = 0;
+}
+
 template <int EPL>
 __global__ void __launch_bounds__(32 * kRouteWarps)
 router_route_kernel(const float* __restrict__ logits, int64_t T, int E, int k, bool norm_topk,
                     float* __restrict__ probs, int32_t* __restrict__ idx, float* __restrict__ w,
                     int32_t* __restrict__ counts, int32_t* __restrict__ eoff, int32_t* __restrict__ perm,
-                    int32_t* __restrict__ inv, unsigned long long* active, int32_t* bad, unsigned int* ticket) {
+                    int32_t* __restrict__ inv, unsigned long long* active, int32_t* bad, unsigned int* ticket,
+                    bool warp_route) {
   pdl_begin();
   extern __shared__ float route_smem[];
   __shared__ int s_last;
@@ -987,6 +1056,12 @@ router_route_kernel(const float* __restrict__ logits, int64_t T, int E, int k, b
     if (threadIdx.x == 0) *ticket = 0;  // ready for the next launch
   } else {
     __syncthreads();
+    if (warp_route && T * k <= 32) {  // uniform: the whole CTA returns here
+      if (warp == 0)
+        route_warp(route_smem, static_cast<int>(T), E, k, reinterpret_cast<int32_t*>(route_smem + kRouteWarps * (E + k)),
+                   counts, eoff, perm, inv, active, bad, lane);
+      return;
+    }
   }
   // the top-k scratch [kRouteWarps][E + k] is free now and holds route_block's [kRouteWarps][E]
   route_block(idx, static_cast<int>(T * k), E, reinterpret_cast<int32_t*>(route_smem), counts, eoff, perm, inv, active,
@@ -1487,6 +1562,15 @@ void router_topk_fwd(const float* logits, int64_t T, int E, int k, bool norm_top
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
+// QUADS_GPU_ROUTE_WARP=0 keeps route_block for batches that route_warp could take (A/B runs).
+static bool route_warp_on() {
+  static const bool on = [] {
+    const char* e = std::getenv("QUADS_GPU_ROUTE_WARP");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  return on;
+}
+
 void router_route(const float* logits, int64_t T, int E, int k, bool norm_topk, float* probs, int32_t* idx, float* w,
                   int32_t* counts, int32_t* eoff, int32_t* perm, int32_t* inv, unsigned long long* active, int32_t* bad,
                   uint32_t* ticket, cudaStream_t s) {
@@ -1504,16 +1588,16 @@ void router_route(const float* logits, int64_t T, int E, int k, bool norm_topk, 
   const dim3 block(32 * kRouteWarps);
   if (E <= 32)
     launch_pdl(router_route_kernel<1>, grid, block, smem, s, logits, T, E, k, norm_topk, probs, idx, w, counts, eoff,
-               perm, inv, active, bad, ticket);
+               perm, inv, active, bad, ticket, route_warp_on());
   else if (E <= 64)
     launch_pdl(router_route_kernel<2>, grid, block, smem, s, logits, T, E, k, norm_topk, probs, idx, w, counts, eoff,
-               perm, inv, active, bad, ticket);
+               perm, inv, active, bad, ticket, route_warp_on());
   else if (E <= 128)
     launch_pdl(router_route_kernel<4>, grid, block, smem, s, logits, T, E, k, norm_topk, probs, idx, w, counts, eoff,
-               perm, inv, active, bad, ticket);
+               perm, inv, active, bad, ticket, route_warp_on());
   else
     launch_pdl(router_route_kernel<8>, grid, block, smem, s, logits, T, E, k, norm_topk, probs, idx, w, counts, eoff,
-               perm, inv, active, bad, ticket);
+               perm, inv, active, bad, ticket, route_warp_on());
 }
 
 void moe_route_one(const int32_t* idx, int64_t n, int E, int32_t* counts, int32_t* eoff, int32_t* perm, int32_t* inv,
