@@ -492,14 +492,13 @@ void launch_absmax(const T* x, int64_t n, float* amax, cudaStream_t s) {
   launch_pdl(absmax_kernel<T>, grid_for(n / Vec<T>::N + 1, 256), 256, 0, s, x, n, reinterpret_cast<uint32_t*>(amax));
 }
 
-// A CTA a row where a warp a row would leave most SMs idle: decode-batch activations (16 x 4096
-// float: 10 us a call under ncu with a warp a row, mostly that warp's round trips over its 16 KB;
-// the SwiGLU rows of batch 16's experts, 128 x 768, took 8.2 us in 32 CTAs, half the lanes doing
-// two blocks' exponentials). Rows shorter than 32 * kRowWarps blocks leave lanes idle.
+// A CTA a row where a warp a row would leave most SMs idle and the row has a block for each lane
+// of the CTA: decode-batch activations (16 x 4096 float: 10 us a call under ncu with a warp a
+// row, mostly that warp's round trips over its 16 KB).
 template <Kind K>
 int row_warps(int64_t rows, int64_t cols) {
   const int64_t nblk = cols / (K == kMx ? 32 : 16);
-  return rows < 2LL * sm_count() && nblk >= 32 ? kRowWarps : 1;
+  return rows < 2LL * sm_count() && nblk >= 32LL * kRowWarps ? kRowWarps : 1;
 }
 template <typename T, bool FAKE, Kind K, bool SW = false>
 void launch_row(RowArgs<T> a, cudaStream_t s) {

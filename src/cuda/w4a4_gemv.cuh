@@ -456,12 +456,11 @@ void launch_gemv_k(const Params& p, int64_t smem, dim3 grid, cudaStream_t s) {
   const GemvTileLoop mode = gemv_tile_loop();
   if (mode == GemvTileLoop::On ||
       (mode == GemvTileLoop::Auto && !GATHER && (!GROUPED || FUSE != 0 || p.M <= 1))) {
-    // at most one wave: the CTAs an SM holds (registers: the launch bound; shared memory; 1 KB of it
-    // reserved per CTA) times the SMs, over the grid's y and z, rounded down (the batch-1 gate/up, 8
-    // experts: 49 x 8 CTAs in 396 slots; 50 x 8 left 4 CTAs for a second wave)
+    // about one wave: the CTAs an SM holds (registers: the launch bound; shared memory; 1 KB of it
+    // reserved per CTA) times the SMs, over the grid's y and z
     const int64_t per_sm = std::min<int64_t>(NW == 4 ? 2 : 3, (228 * 1024) / (smem + 32 + 1024));
     const int64_t yz = int64_t(grid.y) * grid.z;
-    const int64_t want = std::max<int64_t>(per_sm, 1) * sm_count() / yz;
+    const int64_t want = (std::max<int64_t>(per_sm, 1) * sm_count() + yz - 1) / yz;
     grid.x = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(grid.x, want)));
   }
   launch_pdl(kern, grid, 32 * kGemvWarps, static_cast<size_t>(smem), s, p);
