@@ -19,30 +19,13 @@
 #include "cuda/check.h"
 #include "cuda/model_kernels.h"
 #include "cuda/pdl.cuh"
+#include "rollout/philox.h"  // the host sampler's draw, on the device
 
 namespace quads::cuda::kern {
 
 namespace {
 
 constexpr int kSampleThreads = 512;
-
-// rollout::philox4x32_10 and uniform_draw, the same integer operations.
-__device__ double uniform_draw_dev(uint64_t seed, uint64_t pos) {
-  constexpr uint32_t M0 = 0xD2511F53u, M1 = 0xCD9E8D57u, W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;
-  uint32_t c0 = uint32_t(pos), c1 = uint32_t(pos >> 32), c2 = 0, c3 = 0;
-  uint32_t k0 = uint32_t(seed), k1 = uint32_t(seed >> 32);
-  for (int r = 0; r < 10; ++r) {
-    const uint32_t hi0 = __umulhi(M0, c0), lo0 = M0 * c0, hi1 = __umulhi(M1, c2), lo1 = M1 * c2;
-    c0 = hi1 ^ c1 ^ k0;
-    c1 = lo1;
-    c2 = hi0 ^ c3 ^ k1;
-    c3 = lo0;
-    k0 += W0;
-    k1 += W1;
-  }
-  const uint64_t bits = (uint64_t(c0) << 21) ^ (uint64_t(c1) >> 11);
-  return double(bits & ((uint64_t(1) << 53) - 1)) * 0x1.0p-53;
-}
 
 __device__ __forceinline__ double z_of(float l, double T) { return T == 1.0 ? double(l) : double(l) / T; }
 
@@ -120,7 +103,7 @@ __global__ void __launch_bounds__(kSampleThreads)
     // the first column whose running sum passes u * total, walked from each chunk's prefix by
     // the chunks that start at or below it (the lowest find wins); none (rounding): the last
     // column with a positive term, as the host's walk ends
-    const double target = uniform_draw_dev(jb.seed, jb.pos) * total;
+    const double target = rollout::uniform_draw(jb.seed, jb.pos) * total;
     int64_t found = INT64_MAX;
     if (prefix <= target) {
       double cum = prefix;

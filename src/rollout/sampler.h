@@ -21,16 +21,9 @@
 #include <string>
 #include <vector>
 
+#include "rollout/philox.h"  // philox4x32_10, uniform_draw
+
 namespace quads::rollout {
-
-// Philox4x32 with 10 rounds (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11).
-struct Philox4x32 {
-  uint32_t v[4];
-};
-Philox4x32 philox4x32_10(const uint32_t counter[4], const uint32_t key[2]);
-
-// Uniform double in [0, 1) with 53 random bits: the draw for (seed, pos).
-double uniform_draw(uint64_t seed, uint64_t pos);
 
 struct SamplingParams {
   bool greedy = false;       // argmax (lowest id on ties); same as temperature == 0
