@@ -14,7 +14,9 @@ ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/
 # QUADS_NCU_DETAIL=REGEX: instead, Nsight Compute's speed-of-light, warp-state, occupancy and memory
 # sections for the first 3 decode-step kernels whose names match REGEX (what limits one kernel);
 # QUADS_NCU_STALLS=1 adds the stall reasons (cycles a warp waits per issued instruction, by reason)
-# and the instructions executed.
+# and the instructions executed. QUADS_NCU_SKIP=N skips the first N matching kernels and
+# QUADS_NCU_COUNT=N profiles N (default 0 and 3: in a decode step the W4A4 kernels come as q/k/v,
+# o_proj, the experts' gate/up, down, layer after layer).
 stall_metrics=smsp__inst_executed.sum,smsp__thread_inst_executed_per_inst_executed.ratio
 for r in long_scoreboard short_scoreboard wait math_pipe_throttle mio_throttle lg_throttle barrier not_selected \
   selected dispatch_stall no_instruction tex_throttle branch_resolving drain membar sleeping imc_miss misc; do
@@ -25,7 +27,7 @@ if [ -n "${QUADS_NCU_DETAIL:-}" ]; then
   for p in "${@:-nvfp4}"; do
     out=$logdir/ncu_detail_${p//+/_}_b${QUADS_NCU_DECODE_BATCH:-64}.txt
     timeout 300 "$ncu" --profile-from-start off --clock-control none --kernel-name "regex:$QUADS_NCU_DETAIL" \
-      --launch-count 3 --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
+      --launch-skip "${QUADS_NCU_SKIP:-0}" --launch-count "${QUADS_NCU_COUNT:-3}" --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
       --section MemoryWorkloadAnalysis "${extra[@]}" "$build/bench_model_gpu" --ncu-decode "$p" >"$out" 2>&1 \
       || echo "ncu failed for $p"
     [ "${QUADS_NCU_STALLS:-0}" = 1 ] && grep -E "stalled|inst_executed" "$out" | head -40

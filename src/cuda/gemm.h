@@ -69,8 +69,9 @@ struct W4A4Options {
   // Skinny, dense: CTAs of a cluster that split K (1, 2, 4, 8); 0 = choose where splits is 0
   // (enough CTAs to cover the SMs), else 1.
   int kcluster = 0;
-  // The GEMV (dense): W was not written by the kernel just before this call in the stream, so its
-  // first weights may be loaded before that kernel ends (as FusedAct::weights_ready).
+  // The GEMV and the skinny tiles (dense): W was not written by the kernel just before this call
+  // in the stream, so its first weights may be loaded before that kernel ends (as
+  // FusedAct::weights_ready; QUADS_GPU_SKINNY_EARLY=0 turns it off for the skinny tiles).
   bool weights_ready = false;
 };
 

@@ -1487,7 +1487,9 @@ struct GpuModel::Impl {
           w4a4_gemv_fused(fused_act(ap, qd, T, Lo, true), Lo.wv, xp, true, stream);
         } else {
           const Operand oo = prepare(Lo, ap, T);
-          w4a4_gemm_emulated(oo.v, Lo.wv, xp, true, stream);
+          W4A4Options o;
+          o.weights_ready = true;  // no kernel of a step writes weights (requantize() runs between steps)
+          w4a4_gemm_emulated(oo.v, Lo.wv, xp, true, stream, o);
         }
         if (fuse) {
           kern::RowRouter rr;

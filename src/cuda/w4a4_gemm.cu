@@ -408,6 +408,16 @@ bool skinny_enabled(bool grouped) {
   return grouped ? !off : skinny_dense_max_rows() > 0;
 }
 
+// QUADS_GPU_SKINNY_EARLY=0: the dense skinny tiles wait for the previous kernel before their first
+// weight loads even where weights_ready allows them earlier (an A/B switch).
+bool skinny_early_on() {
+  static const bool on = [] {
+    const char* e = std::getenv("QUADS_GPU_SKINNY_EARLY");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  return on;
+}
+
 template <bool GATHER>
 void dispatch(const Params& p, const W4A4Options& opt, cudaStream_t s) {
   W4A4Tile tile = opt.tile;
@@ -417,7 +427,9 @@ void dispatch(const Params& p, const W4A4Options& opt, cudaStream_t s) {
     tile = W4A4Tile::Skinny;
   if (tile == W4A4Tile::Skinny) {
     QUADS_CHECK(!GATHER, "w4a4_gemm_gather: the skinny tiles have no gather variant");
-    launch_skinny<false>(p, p.M, 1, opt.splits, opt.kcluster, s);
+    Params q = p;
+    q.early_w = p.early_w && skinny_early_on();
+    launch_skinny<false>(q, q.M, 1, opt.splits, opt.kcluster, s);
     return;
   }
   // M = 17..32 runs two 16-row tiles over the same weights (measured faster than one 64-row tile);

@@ -150,6 +150,14 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
     }
   };
   if (!GROUPED) set_weight(p.wq, p.ws);
+  // A dense call whose weights the previous kernel did not write (early_w) issues its first
+  // stages before waiting for that kernel (PDL), as the GEMV does: the weight stream starts under
+  // the previous kernel's tail. X is read only after pdl_begin().
+  const bool early = !GROUPED && p.early_w;
+  if (early) {
+#pragma unroll
+    for (int j = 0; j < kSkinnyPF; ++j) load(s_beg + j, j, j);
+  }
 
   pdl_begin();
   int64_t row0 = 0, rows = p.M;
@@ -167,8 +175,10 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
   for (int64_t c0 = 0; c0 < rows; c0 += 8 * NT) {
     const int ntu = static_cast<int>(min(static_cast<int64_t>(NT), (rows - c0 + 7) / 8));  // n-tiles with rows
     if (c0 > 0) __syncthreads();  // the last chunk's readers are done
+    if (!early || c0 > 0) {
 #pragma unroll
-    for (int j = 0; j < kSkinnyPF; ++j) load(s_beg + j, j, j);
+      for (int j = 0; j < kSkinnyPF; ++j) load(s_beg + j, j, j);
+    }
     // X rows c0 .. c0 + nrow (consecutive rows of X), columns kbeg .. kbeg + kc, copied raw into
     // shared memory, all at once (16-byte pieces of codes, 4-byte pieces of scales; 32-bit index
     // math: a 64-bit division costs ~100 instructions)
@@ -194,13 +204,17 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
     // nt * 8 + g, times the block scale, as the B fragments of the word's two k-steps. A half-warp
     // takes a row (its 16 words a stage: 64 consecutive bytes of codes), stage after stage.
     {
-      const int wi = lane & 15, qt = wi >> 2, hw = wi & 3;
-      for (int r = warp * 2 + (lane >> 4); r < 8 * ntu; r += 2 * kSkinnyWarps) {
+      // With 8 rows (one n-tile: the routed decode batches), two half-warps share a row, taking
+      // alternate stages, so all 8 warps work instead of 4.
+      const int wi = lane & 15, qt = wi >> 2, hw = wi & 3, hwi = warp * 2 + (lane >> 4);
+      const bool two = ntu == 1;
+      const int s0 = two ? hwi >> 3 : 0, sstep = two ? 2 : 1;
+      for (int r = two ? hwi & 7 : hwi; r < 8 * ntu; r += 2 * kSkinnyWarps) {
         uint4* dst = sx + (hw * NT + (r >> 3)) * 32 + (r & 7) * 4 + qt;
         const uint8_t* src = raw + r * rowb + wi * 4;
         const uint8_t* ssrc = raw_s + r * rows_s + 2 * qt + (hw >> 1);
         const bool live = r < nrow;
-        for (int s = 0; s < ncs; ++s) {
+        for (int s = s0; s < ncs; s += sstep) {
           uint4 v = make_uint4(0, 0, 0, 0);
           if (live && (cs_beg + s) * 8 + 2 * qt + (hw >> 1) < nb) {
             const uint32_t w = *reinterpret_cast<const uint32_t*>(src + s * 64);
