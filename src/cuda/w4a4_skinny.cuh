@@ -152,7 +152,9 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
   if (!GROUPED) set_weight(p.wq, p.ws);
   // A dense call whose weights the previous kernel did not write (early_w) issues its first
   // stages before waiting for that kernel (PDL), as the GEMV does: the weight stream starts under
-  // the previous kernel's tail. X is read only after pdl_begin().
+  // the previous kernel's tail. X is read only after pdl_begin(). (The same for the grouped down
+  // projection behind quantize_swiglu, its group found from L2 before the wait, measured within
+  // the noise: not kept.)
   const bool early = !GROUPED && p.early_w;
   if (early) {
 #pragma unroll
