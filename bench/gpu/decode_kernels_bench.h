@@ -130,18 +130,23 @@ inline int run() {
       }, s, bytes);
     }
   }
-  // The pipelined kernel's split count at batch 64 (the first row is the automatic choice).
-  std::vector<int32_t> pl(Tmax, 511);
-  pos.upload(pl);
-  std::printf("\nattention_decode_split (new), T 64, ctx 512: us by forced split count\n| splits | us | GB/s |\n|---|---|---|\n");
-  for (int sp : {0, 1, 2, 3, 4, 8}) {
-    int used = 0;
-    const double us = graph_us([&](cudaStream_t st) {
-      used = kern::attention_decode_split_n(q.data(), kc.data(), vc.data(), slot.data(), pos.data(), 64, nh, nkv, hd,
-                                            0.08838835f, max_len, 512, ao.data(), st, sp);
-    }, s);
-    std::printf("| %d%s | %.2f | %.0f |\n", used, sp == 0 ? " (auto)" : "", us, 2.0 * 64 * 512 * nkv * hd * 4 / us / 1e3);
-  }
+  // The pipelined kernel's split count at decode batches 16 and 64 (the first row of each is the
+  // automatic choice; splits > 1 add the merge kernel).
+  std::printf("\nattention_decode_split (new): us by forced split count\n| T | ctx | splits | us | GB/s |\n|---|---|---|---|---|\n");
+  for (int64_t T : {16, 64})
+    for (int64_t ctx : {256, 512}) {
+      std::vector<int32_t> pl(Tmax, static_cast<int32_t>(ctx - 1));
+      pos.upload(pl);
+      for (int sp : {0, 1, 2, 3, 4, 8}) {
+        int used = 0;
+        const double us = graph_us([&](cudaStream_t st) {
+          used = kern::attention_decode_split_n(q.data(), kc.data(), vc.data(), slot.data(), pos.data(), T, nh, nkv,
+                                                hd, 0.08838835f, max_len, ctx, ao.data(), st, sp);
+        }, s);
+        std::printf("| %lld | %lld | %d%s | %.2f | %.0f |\n", static_cast<long long>(T), static_cast<long long>(ctx),
+                    used, sp == 0 ? " (auto)" : "", us, 2.0 * T * ctx * nkv * hd * 4 / us / 1e3);
+      }
+    }
 
   // ---- fused kernels vs the sequences they replace (current kernels on both sides)
   kern::set_legacy_decode_kernels(false);

@@ -1508,7 +1508,12 @@ DecodePlan decode_plan(int64_t T, int nh, int nkv, int hd, int64_t max_ctx, int 
   // 64, context 512 (3 CTAs per SM): 1 split 46.8 us, 2 splits 53.3, 3 50.1, 4 48.4, 8 52.7: a
   // second partial wave costs more than the longer key loop, which the pipeline hides.
   int64_t nsplit = p.pipe ? std::max<int64_t>(1, int64_t(occ) * sms / base) : (2 * sms + base - 1) / base;
+  static const int env_splits = [] {
+    const char* e = std::getenv("QUADS_GPU_ATTN_SPLITS");  // an A/B switch: force the split count
+    return e ? std::atoi(e) : 0;
+  }();
   if (splits > 0) nsplit = splits;
+  else if (env_splits > 0) nsplit = env_splits;
   nsplit = std::clamp<int64_t>(nsplit, 1, tiles);
   p.nsplit_bound = nsplit;
   const int64_t chunk = (tiles + nsplit - 1) / nsplit * kDecTile;
