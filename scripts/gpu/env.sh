@@ -1,7 +1,8 @@
 # Sourced by the scripts in scripts/gpu/ on the GPU machine (CUDA 13, cmake 4, g++ 13, no network):
 # unpacks the Debian packages carried in .debs/ into a prefix of our own (never into /; see
 # /work/shared/GPU.md), points pkg-config, the loader and cmake at it, and defines
-#   gpu_build TARGET...   configure build-gpu (or $QUADS_GPU_BUILD) for sm_90 and build the targets.
+#   gpu_build TARGET...   configure build-gpu (or $QUADS_GPU_BUILD) for sm_90 and build the targets
+#                         (extra cmake arguments in $QUADS_GPU_CMAKE_ARGS, e.g. a -DCMAKE_CUDA_FLAGS variant).
 # Sets root, prefix, build, logdir ($OUT or /tmp/quads-gpu-logs).
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 root=$PWD
@@ -22,7 +23,7 @@ gpu_build() {
   start=$(date +%s)
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix/usr" \
     -DQUADS_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DQUADS_BUILD_BENCH=OFF \
-    -DCMAKE_PROJECT_INCLUDE="$root/scripts/gpu/add_gpu_bench.cmake" >"$logdir/configure.log" 2>&1 \
+    -DCMAKE_PROJECT_INCLUDE="$root/scripts/gpu/add_gpu_bench.cmake" ${QUADS_GPU_CMAKE_ARGS:-} >"$logdir/configure.log" 2>&1 \
     || { tail -40 "$logdir/configure.log"; return 1; }
   cmake --build "$build" -j "$(nproc)" --target "$@" >"$logdir/build.log" 2>&1 \
     || { grep -E "error|Error" "$logdir/build.log" | head -40; tail -20 "$logdir/build.log"; return 1; }

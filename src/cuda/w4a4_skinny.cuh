@@ -137,9 +137,11 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
   uint4 ca[kSkinnyPF], cb[kSkinnyPF];
   uint32_t sca[kSkinnyPF], scb[kSkinnyPF];
   // stage s (j stages past the stage pa points at) into ring slot i
-  auto load = [&](int s, int j, int i) {
+  // FULL: every stage has all its blocks (K % 128 == 0 or not this warp's last stage), so no
+  // zero-fill path (its register zeroing was issued in every K step otherwise)
+  auto load = [&](int s, int j, int i, auto full) {
     if (s >= s_end) return;
-    if (s < s_data) {
+    if (decltype(full)::value || s < s_data) {
       ca[i] = ldg_pf<128>(pa + j * 64);
       cb[i] = ldg_pf<128>(pb + j * 64);
       sca[i] = ldg_pf_u16<128>(qa + j * 8);
@@ -158,7 +160,7 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
   const bool early = !GROUPED && p.early_w;
   if (early) {
 #pragma unroll
-    for (int j = 0; j < kSkinnyPF; ++j) load(s_beg + j, j, j);
+    for (int j = 0; j < kSkinnyPF; ++j) load(s_beg + j, j, j, std::false_type{});
   }
 
   pdl_begin();
@@ -179,7 +181,7 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
     if (c0 > 0) __syncthreads();  // the last chunk's readers are done
     if (!early || c0 > 0) {
 #pragma unroll
-      for (int j = 0; j < kSkinnyPF; ++j) load(s_beg + j, j, j);
+      for (int j = 0; j < kSkinnyPF; ++j) load(s_beg + j, j, j, std::false_type{});
     }
     // X rows c0 .. c0 + nrow (consecutive rows of X), columns kbeg .. kbeg + kc, copied raw into
     // shared memory, all at once (16-byte pieces of codes, 4-byte pieces of scales; 32-bit index
@@ -235,7 +237,7 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[nt][q] = 0.f;
     // the K loop for NTU n-tiles with rows (a compile-time count: no branch per MMA)
-    auto k_loop = [&](auto ntu_c) {
+    auto k_loop = [&](auto ntu_c, auto full) {
       constexpr int NTU = decltype(ntu_c)::value;
 #pragma unroll 1
       for (int s0 = s_beg; s0 < s_end; s0 += kSkinnyPF) {
@@ -245,7 +247,6 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
           if (s >= s_end) break;  // uniform
           const uint4 A = ca[j], B = cb[j];
           const uint32_t fa = scales_f16x2(sca[j]), fb = scales_f16x2(scb[j]);
-          load(s + kSkinnyPF, j + kSkinnyPF, j);
           const uint4* xs_s = sx + (s - cs_beg) * 4 * NT * 32 + lane;
           const uint32_t wa[4] = {A.x, A.y, A.z, A.w}, wb[4] = {B.x, B.y, B.z, B.w};
 #pragma unroll
@@ -260,6 +261,11 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
               mma16816(acc[nt], a1, xf.z, xf.w);
             }
           }
+          // The slot's next stage is loaded once this stage's codes are decoded: loaded first, into
+          // fresh registers, ptxas copied the whole ring back at the loop's back edge (IMAD.MOV).
+          // With the zero-fill path out of FULL loops: IMAD.MOV 88 -> 74 in the grouped gate/up
+          // kernel, decode tok/s at batch 16 / 64 +1.5% (bash scripts/gpu/variants.sh, H200).
+          load(s + kSkinnyPF, j + kSkinnyPF, j, full);
         }
         pa += kSkinnyPF * 64;
         pb += kSkinnyPF * 64;
@@ -268,8 +274,13 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
       }
     };
     // the n-tiles with rows rounded up to NT or NT / 2 (padding n-tiles hold zeros)
-    if (ntu > NT / 2 || NT == 1) k_loop(std::integral_constant<int, NT>{});
-    else k_loop(std::integral_constant<int, (NT > 1 ? NT / 2 : 1)>{});
+    if (s_data == s_end) {
+      if (ntu > NT / 2 || NT == 1) k_loop(std::integral_constant<int, NT>{}, std::true_type{});
+      else k_loop(std::integral_constant<int, (NT > 1 ? NT / 2 : 1)>{}, std::true_type{});
+    } else {
+      if (ntu > NT / 2 || NT == 1) k_loop(std::integral_constant<int, NT>{}, std::false_type{});
+      else k_loop(std::integral_constant<int, (NT > 1 ? NT / 2 : 1)>{}, std::false_type{});
+    }
     {  // back to stage s_beg for the next chunk (the K loop advanced kSkinnyPF stages a pass)
       const int back = (s_end - s_beg + kSkinnyPF - 1) / kSkinnyPF * kSkinnyPF;
       pa -= back * 64, pb -= back * 64, qa -= back * 8, qb -= back * 8;
