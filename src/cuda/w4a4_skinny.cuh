@@ -274,7 +274,7 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
       }
     };
     // the n-tiles with rows rounded up to NT or NT / 2 (padding n-tiles hold zeros)
-    if (s_data == s_end) {
+    if (K % 128 == 0 || s_end < nst) {  // warp-uniform (s_data is not: lanes t >= 2 stop early)
       if (ntu > NT / 2 || NT == 1) k_loop(std::integral_constant<int, NT>{}, std::true_type{});
       else k_loop(std::integral_constant<int, (NT > 1 ? NT / 2 : 1)>{}, std::true_type{});
     } else {
