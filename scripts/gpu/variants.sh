@@ -3,7 +3,7 @@
 # variant (build-v0, build-v1, ... with the variant's extra CUDA flags), then runs
 # `bench_model_gpu $QUADS_AB_ARGS` (default: --rollout-only --precisions nvfp4) for each, the
 # variants interleaved $QUADS_AB_ROUNDS times (default 2).
-#   bash scripts/gpu/variants.sh "-DQUADS_SKINNY_KLOOP=0" "-DQUADS_SKINNY_KLOOP=1"
+#   bash scripts/gpu/variants.sh "-DMY_SWITCH=0" "-DMY_SWITCH=1"   (a macro the code tests with #if)
 # QUADS_VARIANT_SASS=REGEX also prints, per variant, the SASS instruction counts (all, IMAD.MOV,
 # CS2R, HMMA) of the w4a4_gemm.cu kernels whose mangled names match REGEX.
 set -uo pipefail

@@ -137,8 +137,9 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
   uint4 ca[kSkinnyPF], cb[kSkinnyPF];
   uint32_t sca[kSkinnyPF], scb[kSkinnyPF];
   // stage s (j stages past the stage pa points at) into ring slot i
-  // FULL: every stage has all its blocks (K % 128 == 0 or not this warp's last stage), so no
-  // zero-fill path (its register zeroing was issued in every K step otherwise)
+  // full (std::true_type): every stage of the warp has all its blocks (K % 128 == 0, or the warp's
+  // stages end before a half last stage), so no zero-fill path: its register zeroing was issued
+  // in every K step otherwise
   auto load = [&](int s, int j, int i, auto full) {
     if (s >= s_end) return;
     if (decltype(full)::value || s < s_data) {
