@@ -265,7 +265,7 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
           // The slot's next stage is loaded once this stage's codes are decoded: loaded first, into
           // fresh registers, ptxas copied the whole ring back at the loop's back edge (IMAD.MOV).
           // With the zero-fill path out of FULL loops: IMAD.MOV 88 -> 74 in the grouped gate/up
-          // kernel, decode tok/s at batch 16 / 64 +1.5% (bash scripts/gpu/variants.sh, H200).
+          // kernel, decode tok/s at batch 16 / 64 +1.2% / +1.4% (scripts/gpu/variants.sh, H200).
           load(s + kSkinnyPF, j + kSkinnyPF, j, full);
         }
         pa += kSkinnyPF * 64;
