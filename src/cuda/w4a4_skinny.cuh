@@ -75,7 +75,7 @@ void prepare_mma_kernel(int64_t smem_max) {
 // n-tile). The 8 warps of a CTA take 8 / ks row tiles, ks warps splitting each tile's stages;
 // their sums are added in warp order through shared memory. The products are the tile kernels'
 // (the same FP16 operands in the same K slots); with ks = 1 the sums are M16's too (same bits).
-// Two stages in flight a lane: ptxas keeps a stage's operands live ahead of its MMAs, and 3 or 4
+// A ring of two stages a lane, a slot reloaded once its stage is decoded (see the K loop): 3 or 4
 // stages spill under the launch bounds below.
 // Dense calls with more rows (9 .. 64: 16, 32 or 64 rows of X at a time) also split K over the CL
 // CTAs of a thread-block cluster (Hopper): a CTA stages and dequantizes X only over its own K
