@@ -5,6 +5,8 @@
 // `bench_cuda --gemv`: the copy bandwidth, the decode GEMV table (GEMV vs 16-row tile) and the fused
 // quantizer + GEMV table (fused vs quantize + GEMM) alone.
 // `bench_cuda --decode-kernels`: the decode step's small kernels, old vs new (decode_kernels_bench.h).
+// `bench_cuda --skinny-trace`: phase stamps of the skinny W4A4 launches (a build with
+// -DQUADS_SKINNY_TRACE; skinny_trace_table below).
 // `bench_cuda --fp8`: the copy bandwidth and the FP8 table (GEMV vs W8A8 tiles vs SGEMM) alone.
 #include <cuda_runtime.h>
 
@@ -148,6 +150,30 @@ ExpertLayers expert_layers(int64_t n, int64_t k, int E, uint64_t seed, double ro
   return el;
 }
 
+// `count` group-offset sets (E + 1 entries each) of a decode batch of T tokens routed top-`active`
+// of E at random; experts: the mean number of non-empty groups a set.
+std::vector<std::vector<int32_t>> routed_sets(int64_t T, int E, int active, int count, std::mt19937& rng,
+                                              double& experts) {
+  std::vector<std::vector<int32_t>> sets;
+  experts = 0;
+  for (int s = 0; s < count; ++s) {
+    std::vector<int32_t> cnt(E, 0);
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<int> perm(E);
+      for (int e = 0; e < E; ++e) perm[e] = e;
+      std::shuffle(perm.begin(), perm.end(), rng);
+      for (int j = 0; j < active; ++j) ++cnt[perm[j]];
+    }
+    std::vector<int32_t> off(E + 1, 0);
+    for (int e = 0; e < E; ++e) {
+      off[e + 1] = off[e] + cnt[e];
+      experts += cnt[e] > 0 ? 1.0 / count : 0.0;
+    }
+    sets.push_back(off);
+  }
+  return sets;
+}
+
 // Decode GEMV against the 16-row tile at the peer model's shapes (hidden 2048, 64 experts top-8,
 // moe_intermediate 768, q/k/v fused N = 6144, o_proj K = 4096). Every call reads weights that are
 // not in L2: the calls rotate over copies (dense) or over layers x disjoint sets of 8 experts
@@ -263,23 +289,8 @@ void gemv_table(double copy_gbs) {
     }
     std::mt19937 rng(7);
     for (int64_t T : {4, 16, 64}) {  // decode batches: rows per expert from a random top-8 routing
-      std::vector<std::vector<int32_t>> sets;
       double experts = 0;
-      for (int s = 0; s < 8; ++s) {
-        std::vector<int32_t> cnt(E, 0);
-        for (int64_t t = 0; t < T; ++t) {
-          std::vector<int> perm(E);
-          for (int e = 0; e < E; ++e) perm[e] = e;
-          std::shuffle(perm.begin(), perm.end(), rng);
-          for (int j = 0; j < active; ++j) ++cnt[perm[j]];
-        }
-        std::vector<int32_t> off(E + 1, 0);
-        for (int e = 0; e < E; ++e) {
-          off[e + 1] = off[e] + cnt[e];
-          experts += cnt[e] > 0 ? 1.0 / 8 : 0.0;
-        }
-        sets.push_back(off);
-      }
+      const std::vector<std::vector<int32_t>> sets = routed_sets(T, E, active, 8, rng, experts);
       const std::string what = std::string(g.name) + ", routed batch " + std::to_string(T);
       run(what.c_str(), active * T, T, sets, T, static_cast<int>(experts + 0.5));
     }
@@ -615,6 +626,130 @@ void fp8_table(double copy_gbs) {
 
 }  // namespace
 
+// `bench_cuda --skinny-trace` (quads_cuda built with -DQUADS_SKINNY_TRACE in CMAKE_CUDA_FLAGS):
+// where the time of one skinny W4A4 launch goes, at the peer model's decode shapes. Each case runs
+// 20 launches back to back in a stream (PDL: a launch's CTAs may start before the one before it
+// ends); the stamps are the last launch's. Times in us from the first CTA's release from the PDL
+// wait (t0): CTAs' entry (negative: started under the previous launch) and end, p50 / max; then
+// the median and the max over CTAs of each phase in SM cycles (wait -> X copied -> X dequantized ->
+// the last warp's K loop done -> sums added -> stored).
+int skinny_trace_table() {
+  const int slots = skinny_trace_slots();
+  const int64_t max_ctas = 1 << 16;
+  DeviceArray<unsigned long long> buf(max_ctas * slots);
+  if (!skinny_trace(buf.data())) {
+    std::printf("--skinny-trace: quads_cuda was built without -DQUADS_SKINNY_TRACE in CMAKE_CUDA_FLAGS\n");
+    skinny_trace(nullptr);
+    return 1;
+  }
+  int clock_khz = 0;
+  QUADS_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
+  std::printf("SM clock %.2f GHz (cycles below)\n\n", clock_khz / 1e6);
+  std::printf("| call | rows | CTAs (SMs, max a SM) | entry p50 / min us | wait released p50 / max us | end p50 / max us "
+              "| X copy cyc p50 / max | X deq | K loop | sums | store |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+  auto report = [&](const std::string& what, int64_t rows, const std::function<void(int)>& launch) {
+    QUADS_CUDA_CHECK(cudaMemset(buf.data(), 0, buf.bytes()));
+    QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+    for (int i = 0; i < 20; ++i) launch(i);
+    QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<unsigned long long> h(static_cast<size_t>(max_ctas) * slots);
+    QUADS_CUDA_CHECK(cudaMemcpy(h.data(), buf.data(), buf.bytes(), cudaMemcpyDeviceToHost));
+    std::vector<const unsigned long long*> cta;
+    for (int64_t c = 0; c < max_ctas; ++c)
+      if (h[c * slots + 9] != 0) cta.push_back(&h[c * slots]);
+    if (cta.empty()) {
+      std::printf("| %s | %lld | no CTA stamped |\n", what.c_str(), static_cast<long long>(rows));
+      return;
+    }
+    unsigned long long t0 = ~0ull;
+    std::vector<int> per_sm(1024, 0);
+    for (auto* c : cta) {
+      t0 = std::min(t0, c[1]);
+      ++per_sm[std::min<unsigned long long>(c[10], 1023)];
+    }
+    int sms = 0, max_sm = 0;
+    for (int n : per_sm) sms += n > 0, max_sm = std::max(max_sm, n);
+    auto pct = [](std::vector<double> v, double q) {
+      std::sort(v.begin(), v.end());
+      return v[std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())))];
+    };
+    auto us_of = [&](int slot) {
+      std::vector<double> v;
+      for (auto* c : cta) v.push_back((static_cast<double>(c[slot]) - static_cast<double>(t0)) / 1e3);
+      return v;
+    };
+    auto cyc_of = [&](int from, int to) {
+      std::vector<double> v;
+      for (auto* c : cta) v.push_back(c[to] >= c[from] ? static_cast<double>(c[to] - c[from]) : 0.0);
+      return v;
+    };
+    const std::vector<double> entry = us_of(0), rel = us_of(1), end = us_of(9);
+    std::printf("| %s | %lld | %zu (%d, %d) | %.2f / %.2f | %.2f / %.2f | %.2f / %.2f |", what.c_str(),
+                static_cast<long long>(rows), cta.size(), sms, max_sm, pct(entry, 0.5), pct(entry, 0.0),
+                pct(rel, 0.5), pct(rel, 1.0), pct(end, 0.5), pct(end, 1.0));
+    for (auto [a, b] : {std::pair{3, 4}, {4, 5}, {5, 6}, {6, 7}, {7, 8}}) {
+      const std::vector<double> v = cyc_of(a, b);
+      std::printf(" %.0f / %.0f |", pct(v, 0.5), pct(v, 1.0));
+    }
+    std::printf("\n");
+  };
+  num::QConfig xc = num::QConfig::nvfp4_act();
+  xc.global = num::Global::PerRow;
+  struct S {
+    const char* name;
+    int64_t n, k;
+  };
+  for (const S& d : {S{"dense q/k/v", 5120, 2048}, S{"dense o_proj", 2048, 4096}}) {
+    const double wbytes = d.n * d.k * (0.5 + 1.0 / 16);
+    const int copies = static_cast<int>(150e6 / wbytes) + 1;
+    DeviceArray<float> w(d.n * d.k);
+    fill_device(w, randn(std::min<int64_t>(d.n * d.k, 1 << 22), 11, 0.02f));
+    std::vector<DeviceQTensor> wq;
+    for (int c = 0; c < copies; ++c) {
+      wq.push_back(make_qtensor(d.n, d.k, num::QConfig::nvfp4_weight(true)));
+      quantize(w.data(), wq.back());
+    }
+    for (int64_t M : {4, 16, 64}) {
+      DeviceArray<float> x(M * d.k), y(M * d.n);
+      fill_device(x, randn(M * d.k, 12));
+      DeviceQTensor xq = make_qtensor(M, d.k, xc);
+      quantize(x.data(), xq);
+      for (bool early : {false, true}) {
+        W4A4Options o;
+        o.tile = W4A4Tile::Skinny;
+        o.weights_ready = early;
+        report(std::string(d.name) + (early ? ", weights early" : ""), M, [&](int i) {
+          w4a4_gemm_emulated(nvfp4_view(xq), nvfp4_view(wq[i % copies]), y.data(), false, nullptr, o);
+        });
+      }
+    }
+  }
+  std::mt19937 rng(7);
+  for (const S& g : {S{"experts gate/up", 1536, 2048}, S{"experts down", 2048, 768}}) {
+    const int E = 64, active = 8;
+    ExpertLayers el = expert_layers(g.n, g.k, E, 13);
+    for (int64_t T : {4, 16, 64}) {
+      double experts = 0;
+      const std::vector<std::vector<int32_t>> sets = routed_sets(T, E, active, 1, rng, experts);
+      DeviceArray<int32_t> deoff;
+      deoff.upload(sets[0]);
+      const int64_t rows = active * T;
+      DeviceArray<float> x(rows * g.k), y(rows * g.n);
+      fill_device(x, randn(rows * g.k, 14));
+      DeviceQTensor xq = make_qtensor(rows, g.k, xc);
+      quantize(x.data(), xq);
+      report(std::string(g.name) + ", routed batch " + std::to_string(T) + " (" +
+                 std::to_string(static_cast<int>(experts + 0.5)) + " experts)",
+             rows, [&](int i) {
+               w4a4_gemm_grouped(nvfp4_view(xq), el.tabs[i % el.layers].data(), false, g.n, E, deoff.data(), T,
+                                 y.data(), nullptr, 0, W4A4Tile::Skinny);
+             });
+    }
+  }
+  skinny_trace(nullptr);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (device_count() == 0) {
     std::printf("no CUDA device\n");
@@ -623,6 +758,7 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "--profile") return profile();
   if (argc > 1 && std::string(argv[1]) == "--decode-kernels") return decode_bench::run();  // decode_kernels_bench.h
   if (argc > 1 && std::string(argv[1]) == "--route") return route_bench::run();  // route_bench.h
+  if (argc > 1 && std::string(argv[1]) == "--skinny-trace") return skinny_trace_table();
   cudaDeviceProp prop{};
   QUADS_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs, L2 %d MB\n\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);

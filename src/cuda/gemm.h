@@ -80,6 +80,13 @@ struct W4A4Options {
 void w4a4_gemm_emulated(const Nvfp4View& x, const Nvfp4View& w, float* y, bool accumulate = false,
                         cudaStream_t stream = nullptr, const W4A4Options& opt = {});
 
+// Phase stamps of the skinny tiles (`bench_cuda --skinny-trace`): with quads_cuda built with
+// -DQUADS_SKINNY_TRACE in CMAKE_CUDA_FLAGS, each CTA of the skinny launches that follow writes
+// skinny_trace_slots() values at buf + its linear index * that (see w4a4_skinny.cuh); nullptr
+// stops it. False (and nothing written) in a build without the flag.
+bool skinny_trace(unsigned long long* buf);
+int skinny_trace_slots();
+
 // RAC residual: Y (+)= Xr . W[:, S]^T where S is the list of W's 16-element blocks `blocks`
 // (int32 device array, xr.k / 16 entries: block i of Xr multiplies W's block blocks[i]). Xr is the
 // quantized residual of the selected blocks, compact [M, xr.k]; xr.k a multiple of 64 (pad the

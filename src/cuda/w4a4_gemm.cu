@@ -631,4 +631,15 @@ void gather_blocks_grouped(const float* x, int64_t m, int64_t k, const int32_t* 
   launch_pdl(gather_blocks_grouped_kernel, blocks_n, 256, 0, s, x, m, k, blocks, nsel, out_cols / 16, eoff, groups, out);
 }
 
+bool skinny_trace(unsigned long long* buf) {
+#ifdef QUADS_SKINNY_TRACE
+  QUADS_CUDA_CHECK(cudaMemcpyToSymbol(g_skinny_trace, &buf, sizeof(buf)));
+  return true;
+#else
+  (void)buf;
+  return false;
+#endif
+}
+int skinny_trace_slots() { return kSkinnyTraceSlots; }
+
 }  // namespace quads::cuda

@@ -82,6 +82,45 @@ void prepare_mma_kernel(int64_t smem_max) {
 // range, so 128 weight rows a CTA still make enough CTAs, and the CTAs of rank 1 .. CL - 1 hand
 // their sums to rank 0 through distributed shared memory, added in rank order (no workspace, no
 // second kernel, the same bits every run).
+// QUADS_SKINNY_TRACE (a build flag for `bench_cuda --skinny-trace` only): thread 0 of each CTA
+// writes when it reached each phase of the kernel (kSkinnyTraceSlots a CTA: the global timer at
+// entry, after the PDL wait and at the end; SM cycles at entry, after the wait, after X's copy,
+// after X's dequantization, the last warp's end of the K loop, after the sums, at the end; its SM).
+// Without the flag the stamps compile to nothing.
+constexpr int kSkinnyTraceSlots = 12;
+#ifdef QUADS_SKINNY_TRACE
+__device__ unsigned long long* g_skinny_trace = nullptr;
+__device__ __forceinline__ unsigned long long* skinny_trace_cta() {
+  if (g_skinny_trace == nullptr) return nullptr;
+  const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  return g_skinny_trace + static_cast<size_t>(cta) * kSkinnyTraceSlots;
+}
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#define SKINNY_STAMP(slot, value) \
+  do {                                                                        \
+    if (threadIdx.x == 0) {                                                   \
+      if (unsigned long long* tr_ = skinny_trace_cta()) tr_[slot] = (value);  \
+    }                                                                         \
+  } while (0)
+#define SKINNY_STAMP_WARPS_MAX(slot)                                                                      \
+  do {                                                                                                    \
+    if ((threadIdx.x & 31) == 0) {                                                                        \
+      if (unsigned long long* tr_ = skinny_trace_cta()) atomicMax(tr_ + (slot), static_cast<unsigned long long>(clock64())); \
+    }                                                                                                     \
+  } while (0)
+#else
+#define SKINNY_STAMP(slot, value) \
+  do {                            \
+  } while (0)
+#define SKINNY_STAMP_WARPS_MAX(slot) \
+  do {                               \
+  } while (0)
+#endif
+
 constexpr int kSkinnyWarps = 8, kSkinnyPF = 2;
 // Shared memory of `stages` 128-wide stages of 8 * nt rows: X's fragments (or, after the K loop,
 // the warps' sums: at least kSkinnyWarps * nt * 512 bytes), then the rows' raw codes and scales.
@@ -106,6 +145,8 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
 #endif
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int64_t K = p.K;
+  SKINNY_STAMP(0, global_ns());
+  SKINNY_STAMP(2, clock64());
   const int nb = static_cast<int>(K / 16), nst = static_cast<int>((K + 127) / 128);
   // this CTA's stages (rank blockIdx.z of its cluster), then its warps' share of them
   const int cz = CL > 1 ? static_cast<int>(blockIdx.z) : 0;
@@ -165,6 +206,9 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
   }
 
   pdl_begin();
+  SKINNY_STAMP(1, global_ns());
+  SKINNY_STAMP(3, clock64());
+  SKINNY_STAMP(6, 0ull);  // the warps' atomicMax starts from 0 (after the wait: the launch before has ended)
   int64_t row0 = 0, rows = p.M;
   if constexpr (GROUPED) {
     // CTA row j of the grid takes the j-th non-empty group (as the grouped GEMV)
@@ -180,13 +224,11 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
   for (int64_t c0 = 0; c0 < rows; c0 += 8 * NT) {
     const int ntu = static_cast<int>(min(static_cast<int64_t>(NT), (rows - c0 + 7) / 8));  // n-tiles with rows
     if (c0 > 0) __syncthreads();  // the last chunk's readers are done
-    if (!early || c0 > 0) {
-#pragma unroll
-      for (int j = 0; j < kSkinnyPF; ++j) load(s_beg + j, j, j, std::false_type{});
-    }
     // X rows c0 .. c0 + nrow (consecutive rows of X), columns kbeg .. kbeg + kc, copied raw into
     // shared memory, all at once (16-byte pieces of codes, 4-byte pieces of scales; 32-bit index
-    // math: a 64-bit division costs ~100 instructions)
+    // math: a 64-bit division costs ~100 instructions), issued before the ring's first weight
+    // loads so that it does not queue behind them. (X's copy is still ~3.5 us of a grouped gate/up
+    // CTA at routed batch 16 under load, eoff's lookup included: bench_cuda --skinny-trace.)
     const int nrow = static_cast<int>(min(static_cast<int64_t>(8 * ntu), rows - c0));
     const int rowb = static_cast<int>(kc / 2), rows_s = static_cast<int>(kc / 16);
     {
@@ -201,9 +243,14 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
         cp_async4(raw_s + i * 4, p.xs + x_row(p, row0 + c0 + r) * (K / 16) + kbeg / 16 + (i - r * spr) * 4, 4);
       }
       cp_async_commit();
+      if (!early || c0 > 0) {
+#pragma unroll
+        for (int j = 0; j < kSkinnyPF; ++j) load(s_beg + j, j, j, std::false_type{});
+      }
       cp_async_wait<0>();
     }
     __syncthreads();
+    SKINNY_STAMP(4, clock64());
     // ... then as FP16 fragments: entry ((s * 4 + hw) * NT + nt) * 32 + g * 4 + t (s counted from
     // cs_beg) holds word hw (elements 8 hw .. 8 hw + 7 of blocks 2t, 2t + 1 of stage s) of row
     // nt * 8 + g, times the block scale, as the B fragments of the word's two k-steps. A half-warp
@@ -219,18 +266,33 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
         const uint8_t* src = raw + r * rowb + wi * 4;
         const uint8_t* ssrc = raw_s + r * rows_s + 2 * qt + (hw >> 1);
         const bool live = r < nrow;
-        for (int s = s0; s < ncs; s += sstep) {
-          uint4 v = make_uint4(0, 0, 0, 0);
-          if (live && (cs_beg + s) * 8 + 2 * qt + (hw >> 1) < nb) {
-            const uint32_t w = *reinterpret_cast<const uint32_t*>(src + s * 64);
-            const uint32_t sc = lo2(scales_f16x2(ssrc[s * 8]));
-            v = make_uint4(deq<0>(w, sc), deq<4>(w, sc), deq<8>(w, sc), deq<12>(w, sc));
+        // kXU stages at a time, their shared-memory reads issued before any store (one stage at
+        // a time, each waited for its read: 8.2k -> 5.6k cycles at 64 dense rows, 3.8k -> 3.3k
+        // in a grouped gate/up CTA at routed batch 16; bench_cuda --skinny-trace, H200)
+        constexpr int kXU = 4;
+        for (int sb = s0; sb < ncs; sb += kXU * sstep) {
+          uint32_t w[kXU], sc[kXU];
+          bool ok[kXU];
+#pragma unroll
+          for (int u = 0; u < kXU; ++u) {
+            const int s = sb + u * sstep;
+            ok[u] = live && s < ncs && (cs_beg + s) * 8 + 2 * qt + (hw >> 1) < nb;
+            w[u] = ok[u] ? *reinterpret_cast<const uint32_t*>(src + s * 64) : 0u;
+            sc[u] = ok[u] ? ssrc[s * 8] : 0u;
           }
-          dst[s * 4 * NT * 32] = v;
+#pragma unroll
+          for (int u = 0; u < kXU; ++u) {
+            const int s = sb + u * sstep;
+            if (s >= ncs) break;
+            const uint32_t f = lo2(scales_f16x2(sc[u]));
+            dst[s * 4 * NT * 32] = ok[u] ? make_uint4(deq<0>(w[u], f), deq<4>(w[u], f), deq<8>(w[u], f), deq<12>(w[u], f))
+                                         : make_uint4(0, 0, 0, 0);
+          }
         }
       }
     }
     __syncthreads();
+    SKINNY_STAMP(5, clock64());
 
     float acc[NT][4];
 #pragma unroll
@@ -282,6 +344,7 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
       if (ntu > NT / 2 || NT == 1) k_loop(std::integral_constant<int, NT>{}, std::false_type{});
       else k_loop(std::integral_constant<int, (NT > 1 ? NT / 2 : 1)>{}, std::false_type{});
     }
+    SKINNY_STAMP_WARPS_MAX(6);
     {  // back to stage s_beg for the next chunk (the K loop advanced kSkinnyPF stages a pass)
       const int back = (s_end - s_beg + kSkinnyPF - 1) / kSkinnyPF * kSkinnyPF;
       pa -= back * 64, pb -= back * 64, qa -= back * 8, qb -= back * 8;
@@ -325,11 +388,22 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
       __trap();
 #endif
     }
+    SKINNY_STAMP(7, clock64());
     if (kidx > 0 || cz > 0) continue;
     // outputs (n0 + g, n0 + g + 8) x (rows c0 + 8 nt + 2 t, + 1): acc * (X's and W's global factors)
     const int64_t na = n0 + g, nb8 = n0 + g + 8;
     const float wfa = na < p.N ? wamax[p.wamax_row ? na : 0] * kInv : 0.f;
     const float wfb = nb8 < p.N ? wamax[p.wamax_row ? nb8 : 0] * kInv : 0.f;
+    // X's row factors all read before the first store (y may alias xamax for the compiler: read
+    // between the stores, each load waited for the store before it)
+    float rfs[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int64_t r = c0 + nt * 8 + 2 * t + j;
+        rfs[nt][j] = nt < ntu && r < rows ? p.xamax[p.xamax_row ? x_row(p, row0 + r) : 0] * kInv * 16384.f : 0.f;
+      }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       if (nt >= ntu) break;
@@ -338,7 +412,7 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
         const int64_t r = c0 + nt * 8 + 2 * t + j;
         if (r >= rows) continue;
         const int64_t row = row0 + r;
-        const float rf = p.xamax[p.xamax_row ? x_row(p, row) : 0] * kInv * 16384.f;
+        const float rf = rfs[nt][j];
         float* dst = p.y + row * p.ldy + na;
         if (na < p.N) {
           const float out = acc[nt][j] * rf * wfa;
@@ -350,7 +424,13 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
         }
       }
     }
-  }
+  }  SKINNY_STAMP(8, clock64());
+  SKINNY_STAMP(9, global_ns());
+#ifdef QUADS_SKINNY_TRACE
+  unsigned smid_;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid_));
+  SKINNY_STAMP(10, smid_ + 1ull);
+#endif
 }
 
 // The skinny tiles' shared memory is X's rows dequantized (4 KB a 128-wide stage for 16 rows) and
