@@ -100,17 +100,20 @@ __device__ __forceinline__ unsigned long long global_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
-#define SKINNY_STAMP(slot, value) \
+// (the value is read before the buffer's pointer: that load's latency is not in the stamp)
+#define SKINNY_STAMP(slot, value)                                             \
   do {                                                                        \
     if (threadIdx.x == 0) {                                                   \
-      if (unsigned long long* tr_ = skinny_trace_cta()) tr_[slot] = (value);  \
+      const unsigned long long v_ = (value);                                  \
+      if (unsigned long long* tr_ = skinny_trace_cta()) tr_[slot] = v_;       \
     }                                                                         \
   } while (0)
-#define SKINNY_STAMP_WARPS_MAX(slot)                                                                      \
-  do {                                                                                                    \
-    if ((threadIdx.x & 31) == 0) {                                                                        \
-      if (unsigned long long* tr_ = skinny_trace_cta()) atomicMax(tr_ + (slot), static_cast<unsigned long long>(clock64())); \
-    }                                                                                                     \
+#define SKINNY_STAMP_WARPS_MAX(slot)                                          \
+  do {                                                                        \
+    if ((threadIdx.x & 31) == 0) {                                            \
+      const unsigned long long v_ = clock64();                                \
+      if (unsigned long long* tr_ = skinny_trace_cta()) atomicMax(tr_ + (slot), v_); \
+    }                                                                         \
   } while (0)
 #else
 #define SKINNY_STAMP(slot, value) \
@@ -210,6 +213,10 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
   SKINNY_STAMP(3, clock64());
   SKINNY_STAMP(6, 0ull);  // the warps' atomicMax starts from 0 (after the wait: the launch before has ended)
   int64_t row0 = 0, rows = p.M;
+  if (!GROUPED && gridDim.y > 1) {  // dense, X's rows split over the grid's rows of CTAs
+    row0 = static_cast<int64_t>(blockIdx.y) * 8 * NT;
+    rows = min(static_cast<int64_t>(8 * NT), p.M - row0);
+  }
   if constexpr (GROUPED) {
     // CTA row j of the grid takes the j-th non-empty group (as the grouped GEMV)
     const int e = nth_nonempty_group(p.eoff, p.groups, blockIdx.y, lane);
@@ -424,7 +431,8 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
         }
       }
     }
-  }  SKINNY_STAMP(8, clock64());
+  }
+  SKINNY_STAMP(8, clock64());
   SKINNY_STAMP(9, global_ns());
 #ifdef QUADS_SKINNY_TRACE
   unsigned smid_;
@@ -457,8 +465,21 @@ bool skinny_cluster_ok() {
   return ok;
 }
 
+// Dense calls of more than 32 rows: X's rows split over the grid's rows of CTAs, 32 a CTA (4
+// n-tiles: 64 rows a CTA took 128 registers and spilled, one CTA an SM). H200, nvfp4 decode tok/s
+// at batch 64, two rounds in one call: 37513 / 37546 -> 39986 / 39947. QUADS_SKINNY_ROWSPLIT=0: 64
+// rows a CTA; =16: 16 rows a CTA.
+int skinny_row_split() {
+  static const int rows = [] {
+    const char* e = std::getenv("QUADS_SKINNY_ROWSPLIT");
+    if (e == nullptr) return 32;
+    const int v = std::atoi(e);
+    return v == 0 ? 0 : v <= 16 ? 16 : 32;
+  }();
+  return rows;
+}
 struct SkinnyPlan {
-  int nt = 1, ks = 1, cl = 1, cper = 1;
+  int nt = 1, ks = 1, cl = 1, cper = 1, rsplit = 1;
   int64_t smem = 0;
 };
 // rows: rows of X per weight (dense: M; grouped: the bound on a group's rows); active: weights
@@ -475,20 +496,25 @@ SkinnyPlan skinny_plan(const Params& p, bool grouped, int64_t rows, int64_t acti
     pl.ks = splits > 0 ? splits : skinny_ks(row_tiles * active, p.K);
     pl.cl = kcluster > 0 ? kcluster : 1;
   } else {
-    // Dense, more rows: 16, 32 or 64 rows of X at a time, a warp per row tile (X dequantized once
-    // for 128 weight rows), K split over a cluster's CTAs until the grid covers the SMs (16 rows) or
-    // half of them (more rows: each CTA has more MMAs, and a cluster's sums take longer to add),
+    // Dense, more rows: 16 or 32 rows of X a CTA (more rows: 32 a CTA, the rows split over the
+    // grid, see skinny_row_split), a warp per row tile (X dequantized once for 128 weight rows), K
+    // split over a cluster's CTAs until the grid covers the SMs (16 rows, or rows split) or half of
+    // them (32 rows: each CTA has more MMAs, and a cluster's sums take longer to add),
     // at most 4 CTAs a cluster and 2 stages a CTA. H200, bench_cuda --gemv, us for 1 / 2 / 4 / 8
     // CTAs a cluster: q/k/v (6144 x 2048) at 16 rows 13.8 / 10.1 / 9.6 / 15.0, at 64 rows 32.5 /
     // 19.5 / 21.9 / 35.4; o_proj (2048 x 4096) at 16 rows 24.1 / 14.7 / 10.0 / 10.4, at 64 rows
     // 83.6 / 34.5 / 20.4 / 24.9.
     pl.nt = rows <= 16 ? 2 : rows <= 32 ? 4 : 8;
+    if (const int rs = skinny_row_split(); pl.nt == 8 && splits <= 0 && rs > 0) {
+      pl.nt = rs / 8;
+      pl.rsplit = static_cast<int>((rows + rs - 1) / rs);
+    }
     pl.ks = splits > 0 ? splits : 1;
     if (kcluster > 0) {
       pl.cl = kcluster;
     } else if (splits <= 0 && skinny_cluster_ok()) {
-      const int64_t ctas = (p.N + 16LL * (kSkinnyWarps / pl.ks) - 1) / (16LL * (kSkinnyWarps / pl.ks));
-      const int64_t want = rows <= 16 ? sm_count() : sm_count() / 2;
+      const int64_t ctas = (p.N + 16LL * (kSkinnyWarps / pl.ks) - 1) / (16LL * (kSkinnyWarps / pl.ks)) * pl.rsplit;
+      const int64_t want = rows <= 16 || pl.rsplit > 1 ? sm_count() : sm_count() / 2;
       while (pl.cl < 4 && ctas * pl.cl < want && (nst + 2 * pl.cl - 1) / (2 * pl.cl) >= 2) pl.cl *= 2;
     }
   }
@@ -531,7 +557,8 @@ void launch_skinny(const Params& p, int64_t rows, int64_t active, int splits, in
   const SkinnyPlan pl = skinny_plan(p, GROUPED, rows, active, splits, kcluster);
   const int64_t rows_per_cta = 16LL * (kSkinnyWarps / pl.ks);
   QUADS_CHECK(active <= 65535, "w4a4_gemm: {} groups are too many for the skinny tiles", active);
-  const dim3 grid(static_cast<unsigned>((p.N + rows_per_cta - 1) / rows_per_cta), static_cast<unsigned>(active));
+  const dim3 grid(static_cast<unsigned>((p.N + rows_per_cta - 1) / rows_per_cta),
+                  static_cast<unsigned>(GROUPED ? active : pl.rsplit));
   if constexpr (GROUPED) {
     if (pl.nt == 1) launch_skinny_nt<1, true>(p, pl, grid, s);
     else launch_skinny_nt<2, true>(p, pl, grid, s);
