@@ -122,6 +122,21 @@ int profile() {
   return 0;
 }
 
+// Copies of one random weight [n, k] quantized with cfg, enough (of `bytes` each) that calls
+// rotating over them read more than rotate_bytes: weights that are not in L2.
+std::vector<DeviceQTensor> weight_copies(int64_t n, int64_t k, const num::QConfig& cfg, uint64_t seed, double bytes,
+                                         double rotate_bytes) {
+  DeviceArray<float> w(n * k);
+  fill_device(w, randn(std::min<int64_t>(n * k, 1 << 22), seed, 0.02f));
+  std::vector<DeviceQTensor> wq;
+  const int copies = static_cast<int>(rotate_bytes / bytes) + 1;
+  for (int c = 0; c < copies; ++c) {
+    wq.push_back(make_qtensor(n, k, cfg));
+    quantize(w.data(), wq.back());
+  }
+  return wq;
+}
+
 // NVFP4 expert weights [n, k] of E experts for enough layers that calls rotating over them read
 // weights that are not in L2 (more than rotate_bytes), and each layer's device table.
 struct ExpertLayers {
@@ -195,14 +210,8 @@ void gemv_table(double copy_gbs) {
   };
   for (const S& d : {S{"dense q/k/v", 6144, 2048}, S{"dense o_proj", 2048, 4096}}) {
     const double wbytes = d.n * d.k * (0.5 + 1.0 / 16);
-    const int copies = static_cast<int>(kRotateBytes / wbytes) + 1;
-    DeviceArray<float> w(d.n * d.k);
-    fill_device(w, randn(std::min<int64_t>(d.n * d.k, 1 << 22), 11, 0.02f));
-    std::vector<DeviceQTensor> wq;
-    for (int c = 0; c < copies; ++c) {
-      wq.push_back(make_qtensor(d.n, d.k, num::QConfig::nvfp4_weight(true)));
-      quantize(w.data(), wq.back());
-    }
+    const std::vector<DeviceQTensor> wq = weight_copies(d.n, d.k, num::QConfig::nvfp4_weight(true), 11, wbytes, kRotateBytes);
+    const int copies = static_cast<int>(wq.size());
     for (int64_t M : {1, 4, 8, 16, 32, 64}) {
       DeviceArray<float> x(M * d.k), y(M * d.n);
       fill_device(x, randn(M * d.k, 12));
@@ -345,14 +354,8 @@ void fused_table(double copy_gbs) {
   };
   for (const D& d : {D{"dense q/k/v", 5120, 2048, false}, D{"dense o_proj (+= residual)", 2048, 4096, true}}) {
     const double wbytes = d.n * d.k * (0.5 + 1.0 / 16);
-    const int copies = static_cast<int>(kRotateBytes / wbytes) + 1;
-    DeviceArray<float> w(d.n * d.k);
-    fill_device(w, randn(std::min<int64_t>(d.n * d.k, 1 << 22), 21, 0.02f));
-    std::vector<DeviceQTensor> wq;
-    for (int c = 0; c < copies; ++c) {
-      wq.push_back(make_qtensor(d.n, d.k, num::QConfig::nvfp4_weight(true)));
-      quantize(w.data(), wq.back());
-    }
+    const std::vector<DeviceQTensor> wq = weight_copies(d.n, d.k, num::QConfig::nvfp4_weight(true), 21, wbytes, kRotateBytes);
+    const int copies = static_cast<int>(wq.size());
     for (int64_t M : {1, 4, 16}) {
       DeviceArray<float> x(M * d.k), y(M * d.n);
       fill_device(x, randn(M * d.k, 22));
@@ -518,14 +521,9 @@ void fp8_table(double copy_gbs) {
   };
   for (const S& d : {S{"dense q_proj", 4096, 2048}, S{"dense o_proj", 2048, 4096}}) {
     const double wbytes = double(d.n) * d.k;
-    const int copies = static_cast<int>(kRotateBytes / wbytes) + 1;
-    DeviceArray<float> w(d.n * d.k), wdq(d.n * d.k);
-    fill_device(w, randn(std::min<int64_t>(d.n * d.k, 1 << 22), 21, 0.02f));
-    std::vector<DeviceQTensor> wq;
-    for (int c = 0; c < copies; ++c) {
-      wq.push_back(make_qtensor(d.n, d.k, wc));
-      quantize(w.data(), wq.back());
-    }
+    const std::vector<DeviceQTensor> wq = weight_copies(d.n, d.k, wc, 21, wbytes, kRotateBytes);
+    const int copies = static_cast<int>(wq.size());
+    DeviceArray<float> wdq(d.n * d.k);
     const Fp8Layout g = fp8_layout(wc, d.n, d.k);
     for (int64_t M : {1, 2, 4, 8, 16, 64, 1024, 8192}) {
       DeviceArray<float> x(M * d.k), y(M * d.n);
@@ -576,24 +574,8 @@ void fp8_table(double copy_gbs) {
     const Fp8Layout lay = fp8_layout(wc, g.n, g.k);
     std::mt19937 rng(9);
     for (int64_t T : {1, 2, 4, 8, 16, 32, 64, 1024, 16384}) {  // random top-8 routing of T tokens
-      std::vector<std::vector<int32_t>> sets;
       double experts = 0;
-      const int nsets = T >= 1024 ? 1 : 8;
-      for (int s = 0; s < nsets; ++s) {
-        std::vector<int32_t> cnt(E, 0);
-        std::vector<int> perm(E);
-        for (int64_t t = 0; t < T; ++t) {
-          for (int e = 0; e < E; ++e) perm[e] = e;
-          std::shuffle(perm.begin(), perm.end(), rng);
-          for (int j = 0; j < active; ++j) ++cnt[perm[j]];
-        }
-        std::vector<int32_t> off(E + 1, 0);
-        for (int e = 0; e < E; ++e) {
-          off[e + 1] = off[e] + cnt[e];
-          experts += cnt[e] > 0 ? 1.0 / nsets : 0.0;
-        }
-        sets.push_back(off);
-      }
+      const std::vector<std::vector<int32_t>> sets = routed_sets(T, E, active, T >= 1024 ? 1 : 8, rng, experts);
       std::vector<DeviceArray<int32_t>> deoff(sets.size());
       for (size_t s = 0; s < sets.size(); ++s) deoff[s].upload(sets[s]);
       const int64_t rows = active * T;
@@ -701,14 +683,8 @@ int skinny_trace_table() {
   };
   for (const S& d : {S{"dense q/k/v", 5120, 2048}, S{"dense o_proj", 2048, 4096}}) {
     const double wbytes = d.n * d.k * (0.5 + 1.0 / 16);
-    const int copies = static_cast<int>(150e6 / wbytes) + 1;
-    DeviceArray<float> w(d.n * d.k);
-    fill_device(w, randn(std::min<int64_t>(d.n * d.k, 1 << 22), 11, 0.02f));
-    std::vector<DeviceQTensor> wq;
-    for (int c = 0; c < copies; ++c) {
-      wq.push_back(make_qtensor(d.n, d.k, num::QConfig::nvfp4_weight(true)));
-      quantize(w.data(), wq.back());
-    }
+    const std::vector<DeviceQTensor> wq = weight_copies(d.n, d.k, num::QConfig::nvfp4_weight(true), 11, wbytes, 150e6);
+    const int copies = static_cast<int>(wq.size());
     for (int64_t M : {4, 16, 64}) {
       DeviceArray<float> x(M * d.k), y(M * d.n);
       fill_device(x, randn(M * d.k, 12));
