@@ -73,6 +73,10 @@ struct W4A4Options {
   // in the stream, so its first weights may be loaded before that kernel ends (as
   // FusedAct::weights_ready; QUADS_GPU_SKINNY_EARLY=0 turns it off for the skinny tiles).
   bool weights_ready = false;
+  // Skinny, dense: rows of X a CTA (16, 32 or 64; more rows split over the grid's rows of CTAs);
+  // 0 = choose (32 above 32 rows, QUADS_SKINNY_ROWSPLIT=0 / 16 to change it). The bits do not
+  // depend on it.
+  int row_block = 0;
 };
 
 // Y (+)= X . W^T, emulated (any GPU from sm_80; tests and benchmarks use it on Hopper). K must be a

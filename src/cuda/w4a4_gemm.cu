@@ -429,7 +429,7 @@ void dispatch(const Params& p, const W4A4Options& opt, cudaStream_t s) {
     QUADS_CHECK(!GATHER, "w4a4_gemm_gather: the skinny tiles have no gather variant");
     Params q = p;
     q.early_w = p.early_w && skinny_early_on();
-    launch_skinny<false>(q, q.M, 1, opt.splits, opt.kcluster, s);
+    launch_skinny<false>(q, q.M, 1, opt.splits, opt.kcluster, s, opt.row_block);
     return;
   }
   // M = 17..32 runs two 16-row tiles over the same weights (measured faster than one 64-row tile);

@@ -140,7 +140,7 @@ __host__ __device__ constexpr int64_t skinny_smem(int nt, int64_t k) { return sk
 // cper: stages a CTA of the cluster takes (CL = 1: all).
 template <int NT, bool GROUPED, int CL>
 __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
-    w4a4_skinny_kernel(const Params p, int ks, int cper) {
+    w4a4_skinny_kernel(const Params p, int ks, int cper, int rblock) {
   static_assert(CL == 1 || !GROUPED, "the grouped skinny tiles split K over warps only");
   extern __shared__ __align__(16) uint8_t smem[];
 #ifndef QUADS_MMA_SM80
@@ -213,9 +213,9 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
   SKINNY_STAMP(3, clock64());
   SKINNY_STAMP(6, 0ull);  // the warps' atomicMax starts from 0 (after the wait: the launch before has ended)
   int64_t row0 = 0, rows = p.M;
-  if (!GROUPED && gridDim.y > 1) {  // dense, X's rows split over the grid's rows of CTAs
-    row0 = static_cast<int64_t>(blockIdx.y) * 8 * NT;
-    rows = min(static_cast<int64_t>(8 * NT), p.M - row0);
+  if (!GROUPED && rblock > 0) {  // dense, X's rows split over the grid's rows of CTAs, rblock a CTA
+    row0 = static_cast<int64_t>(blockIdx.y) * rblock;
+    rows = min(static_cast<int64_t>(rblock), p.M - row0);
   }
   if constexpr (GROUPED) {
     // CTA row j of the grid takes the j-th non-empty group (as the grouped GEMV)
@@ -479,13 +479,14 @@ int skinny_row_split() {
   return rows;
 }
 struct SkinnyPlan {
-  int nt = 1, ks = 1, cl = 1, cper = 1, rsplit = 1;
+  int nt = 1, ks = 1, cl = 1, cper = 1, rsplit = 1, rblock = 0;  // rblock: rows of X a CTA row (rsplit > 1)
   int64_t smem = 0;
 };
 // rows: rows of X per weight (dense: M; grouped: the bound on a group's rows); active: weights
 // with rows (dense 1; grouped min(groups, rows of X)); splits: warps per row tile, kcluster: CTAs
 // of a cluster splitting K (dense only); 0: choose.
-SkinnyPlan skinny_plan(const Params& p, bool grouped, int64_t rows, int64_t active, int splits, int kcluster) {
+SkinnyPlan skinny_plan(const Params& p, bool grouped, int64_t rows, int64_t active, int splits, int kcluster,
+                       int row_block) {
   SkinnyPlan pl;
   const int nst = static_cast<int>((p.K + 127) / 128);
   const int64_t row_tiles = (p.N + 15) / 16;
@@ -505,9 +506,13 @@ SkinnyPlan skinny_plan(const Params& p, bool grouped, int64_t rows, int64_t acti
     // 19.5 / 21.9 / 35.4; o_proj (2048 x 4096) at 16 rows 24.1 / 14.7 / 10.0 / 10.4, at 64 rows
     // 83.6 / 34.5 / 20.4 / 24.9.
     pl.nt = rows <= 16 ? 2 : rows <= 32 ? 4 : 8;
-    if (const int rs = skinny_row_split(); pl.nt == 8 && splits <= 0 && rs > 0) {
+    QUADS_CHECK(row_block == 0 || row_block == 16 || row_block == 32 || row_block == 64,
+                "w4a4_gemm: the skinny tiles take 16, 32 or 64 rows of X a CTA, not {}", row_block);
+    const int rs = row_block > 0 ? row_block : splits <= 0 ? skinny_row_split() : 0;
+    if (rs > 0 && rows > rs) {
       pl.nt = rs / 8;
       pl.rsplit = static_cast<int>((rows + rs - 1) / rs);
+      pl.rblock = rs;  // NT may still shrink below (shared memory): the kernel then takes it in chunks
     }
     pl.ks = splits > 0 ? splits : 1;
     if (kcluster > 0) {
@@ -537,7 +542,7 @@ void launch_skinny_k(const Params& p, const SkinnyPlan& pl, dim3 grid, cudaStrea
   prepare_mma_kernel<kern>(kSkinnySmemMax);
   grid.z = CL;
   launch_pdl_cluster(kern, grid, 32 * kSkinnyWarps, static_cast<size_t>(pl.smem), s, dim3(1, 1, CL), p, pl.ks,
-                     pl.cper);
+                     pl.cper, pl.rblock);
 }
 template <int NT, bool GROUPED>
 void launch_skinny_nt(const Params& p, const SkinnyPlan& pl, dim3 grid, cudaStream_t s) {
@@ -553,8 +558,9 @@ void launch_skinny_nt(const Params& p, const SkinnyPlan& pl, dim3 grid, cudaStre
   }
 }
 template <bool GROUPED>
-void launch_skinny(const Params& p, int64_t rows, int64_t active, int splits, int kcluster, cudaStream_t s) {
-  const SkinnyPlan pl = skinny_plan(p, GROUPED, rows, active, splits, kcluster);
+void launch_skinny(const Params& p, int64_t rows, int64_t active, int splits, int kcluster, cudaStream_t s,
+                   int row_block = 0) {
+  const SkinnyPlan pl = skinny_plan(p, GROUPED, rows, active, splits, kcluster, row_block);
   const int64_t rows_per_cta = 16LL * (kSkinnyWarps / pl.ks);
   QUADS_CHECK(active <= 65535, "w4a4_gemm: {} groups are too many for the skinny tiles", active);
   const dim3 grid(static_cast<unsigned>((p.N + rows_per_cta - 1) / rows_per_cta),

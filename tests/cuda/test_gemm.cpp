@@ -216,6 +216,20 @@ TEST(CudaGemm, SkinnyMatchesDequantizedCpuGemm) {
           opt.kcluster = cl;
           d.check(opt, " cluster=" + std::to_string(cl) + " ks=" + std::to_string(opt.splits));
         }
+        // X's rows split over the grid's rows of CTAs (16 or 32 a CTA) or not: the same bits
+        for (int cl : {1, 2, 4}) {
+          std::vector<float> whole;
+          for (int rb : {64, 32, 16}) {
+            W4A4Options opt;
+            opt.tile = W4A4Tile::Skinny;
+            opt.kcluster = cl;
+            opt.row_block = rb;
+            const std::vector<float> got =
+                d.check(opt, " cluster=" + std::to_string(cl) + " rows a CTA " + std::to_string(rb));
+            if (rb == 64) whole = got;
+            else EXPECT_EQ(first_float_mismatch(whole, got), -1) << shape << " cluster " << cl << ", rows a CTA " << rb;
+          }
+        }
         W4A4Options chosen;
         chosen.tile = W4A4Tile::Skinny;
         const std::vector<float> own = d.check(chosen, " skinny, own choice");
