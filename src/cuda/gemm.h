@@ -57,7 +57,8 @@ Nvfp4View nvfp4_view(const DeviceQTensor& q, const char* what = "operand");
 // registers, X as the B operand (8 .. 64 rows at a time, dequantized once per CTA into shared
 // memory); `splits` is the number of warps (1, 2, 4, 8) that share a row tile's K, 0 = choose;
 // dense calls of more than 8 rows also split K over the CTAs of a thread-block cluster
-// (`kcluster`, sm_90), their sums added in rank order through distributed shared memory.
+// (`kcluster`, sm_90), their sums added in rank order through distributed shared memory, and
+// calls of more than 32 rows split X's rows over CTAs (`row_block`).
 // With one warp a tile and no cluster every output is M16's MMA chain with the operands' roles
 // swapped, and the bits are M16's (one split). Auto takes it from kGemvAutoMaxRows + 1 rows per
 // weight up to kSkinnyDenseMaxRows (dense) and kSkinnyAutoMaxRows (grouped: the bound on a group's

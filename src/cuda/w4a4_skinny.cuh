@@ -77,9 +77,10 @@ void prepare_mma_kernel(int64_t smem_max) {
 // (the same FP16 operands in the same K slots); with ks = 1 the sums are M16's too (same bits).
 // A ring of two stages a lane, a slot reloaded once its stage is decoded (see the K loop): 3 or 4
 // stages spill under the launch bounds below.
-// Dense calls with more rows (9 .. 64: 16, 32 or 64 rows of X at a time) also split K over the CL
-// CTAs of a thread-block cluster (Hopper): a CTA stages and dequantizes X only over its own K
-// range, so 128 weight rows a CTA still make enough CTAs, and the CTAs of rank 1 .. CL - 1 hand
+// Dense calls of more than 32 rows split X's rows over the grid's rows of CTAs (32 a CTA: see
+// skinny_row_split). Dense calls of 9 .. 64 rows also split K over the CL CTAs of a thread-block
+// cluster (Hopper): a CTA stages and dequantizes X only over its own K range, so 128 weight
+// rows a CTA still make enough CTAs, and the CTAs of rank 1 .. CL - 1 hand
 // their sums to rank 0 through distributed shared memory, added in rank order (no workspace, no
 // second kernel, the same bits every run).
 // QUADS_SKINNY_TRACE (a build flag for `bench_cuda --skinny-trace` only): thread 0 of each CTA
