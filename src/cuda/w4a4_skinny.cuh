@@ -403,7 +403,8 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
     const float wfa = na < p.N ? wamax[p.wamax_row ? na : 0] * kInv : 0.f;
     const float wfb = nb8 < p.N ? wamax[p.wamax_row ? nb8 : 0] * kInv : 0.f;
     // X's row factors all read before the first store (y may alias xamax for the compiler: read
-    // between the stores, each load waited for the store before it)
+    // between the stores, no load could be issued before the store ahead of it, and the loads'
+    // latencies added up)
     float rfs[NT][2];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -467,7 +468,8 @@ bool skinny_cluster_ok() {
 }
 
 // Dense calls of more than 32 rows: X's rows split over the grid's rows of CTAs, 32 a CTA (4
-// n-tiles: 64 rows a CTA took 128 registers and spilled, one CTA an SM). H200, nvfp4 decode tok/s
+// n-tiles: 64 rows a CTA took 128 registers and spilled, one CTA an SM). Each row block reads the
+// weights; the second read mostly hits L2 (the blocks run at the same time). H200, nvfp4 decode tok/s
 // at batch 64, two rounds in one call: 37513 / 37546 -> 39986 / 39947. QUADS_SKINNY_ROWSPLIT=0: 64
 // rows a CTA; =16: 16 rows a CTA.
 int skinny_row_split() {
