@@ -469,7 +469,7 @@ bool skinny_cluster_ok() {
 
 // Dense calls of more than 32 rows: X's rows split over the grid's rows of CTAs, 32 a CTA (4
 // n-tiles: 64 rows a CTA took 128 registers and spilled, one CTA an SM). Each row block reads the
-// weights; the second read mostly hits L2 (the blocks run at the same time). H200, nvfp4 decode tok/s
+// weights (the second read hits L2 where the blocks run together). H200, nvfp4 decode tok/s
 // at batch 64, two rounds in one call: 37513 / 37546 -> 39986 / 39947. QUADS_SKINNY_ROWSPLIT=0: 64
 // rows a CTA; =16: 16 rows a CTA.
 int skinny_row_split() {
