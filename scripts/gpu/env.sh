@@ -4,6 +4,11 @@
 #   gpu_build TARGET...   configure build-gpu (or $QUADS_GPU_BUILD) for sm_90 and build the targets
 #                         (extra cmake arguments in $QUADS_GPU_CMAKE_ARGS, e.g. a -DCMAKE_CUDA_FLAGS variant).
 # Sets root, prefix, build, logdir ($OUT or /tmp/quads-gpu-logs).
+# .debs/ (an ignored folder, carried to the GPU machine) is filled here, on Debian 12, with
+#   mkdir -p .debs && cd .debs && apt-get download nlohmann-json3-dev libcli11-dev libtomlplusplus-dev \
+#     libtomlplusplus3 libfmt-dev libfmt9 libopenblas-dev libopenblas0-pthread libopenblas-pthread-dev \
+#     libopenblas0 libgfortran5 libpcre2-dev libpcre2-8-0 libutf8proc-dev libutf8proc2
+# (GPU.md's list lacks the last two: configure fails without them, the tokenizer's normalization.)
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 root=$PWD
 prefix=/tmp/quads-deps
@@ -11,6 +16,7 @@ build=${QUADS_GPU_BUILD:-build-gpu}
 logdir=${OUT:-/tmp/quads-gpu-logs}
 mkdir -p "$prefix" "$logdir"
 for f in .debs/*.deb; do dpkg -x "$f" "$prefix"; done
+ls .debs/libutf8proc-dev_*.deb >/dev/null 2>&1 || echo "note: .debs/ has no libutf8proc-dev: configure will fail (see the list above)"
 L=$prefix/usr/lib/x86_64-linux-gnu
 export PKG_CONFIG_ALLOW_SYSTEM_CFLAGS=1 PKG_CONFIG_SYSROOT_DIR=$prefix
 export PKG_CONFIG_PATH=$L/pkgconfig:$L/openblas-pthread/pkgconfig
