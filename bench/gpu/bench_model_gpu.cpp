@@ -8,6 +8,7 @@
 // tokens) with the draws on the device and on the host.
 //   bench_model_gpu [--quick] [--precisions bf16,nvfp4,nvfp4+rac] [--train-only | --rollout-only]
 //   bench_model_gpu --ncu P | --ncu-decode P | --ncu-train P   (regions for ncu, see below)
+//   bench_model_gpu --step-trace P [--step-trace P2 ...]        (scripts/gpu/step_trace.sh, see below)
 // Training rows (cuda::GpuTrainer, cuda/train_gpu.h): tokens/s of one optimizer step on 8 x 1024
 // random tokens (forward + CE on the device + backward + clipping + AdamW + re-quantization; best
 // of 3 after a warm-up step) for the `bf16` and `qat` presets, beside the transformers bf16 number
@@ -20,6 +21,7 @@
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -219,6 +221,101 @@ void ncu_regions(const model::ModelConfig& cfg, const std::string& p, bool decod
     if (r == 1 && decode) cudaProfilerStop();
   }
   unsetenv("QUADS_GPU_GRAPHS");
+}
+
+// --step-trace P (a build with QUADS_STEP_TRACE, scripts/gpu/step_trace.sh): one replayed decode
+// graph of precision P at each batch of QUADS_STEP_TRACE_BATCHES (default 1,16,64; 128-token
+// prompts), with pdl.cuh's record of every kernel that waits for its predecessor. Per kernel of
+// the step: its grid and block, how long its first CTA sat resident before the predecessor was
+// done ("early", us), and the time from its predecessor's completion to its own ("adds", us: what
+// it puts on the step's critical path; a kernel without PDL, cuBLAS's, shows inside its
+// successor's). Then the same summed over kernels of one shape (the layers' repeats), largest
+// first. The full listing goes to $OUT/step_trace_P_bB.txt when OUT is set.
+void step_trace(const model::ModelConfig& cfg, const std::string& p) {
+  const int cap = 4096;
+  cuda::DeviceArray<unsigned long long> buf(4 + 4 * cap);
+  if (!cuda::step_trace_set(nullptr)) {
+    std::printf("--step-trace: this build has no QUADS_STEP_TRACE (use scripts/gpu/step_trace.sh)\n");
+    return;
+  }
+  std::vector<int> batches{1, 16, 64};
+  if (const char* e = std::getenv("QUADS_STEP_TRACE_BATCHES")) {
+    batches.clear();
+    std::stringstream ss(e);
+    for (std::string b; std::getline(ss, b, ',');) batches.push_back(std::atoi(b.c_str()));
+  }
+  cuda::GpuModel g(cfg, model::PrecisionConfig::preset(p));
+  g.randomize(42, 0.02f);
+  for (const int B : batches) {
+    QUADS_CHECK(B > 0, "QUADS_STEP_TRACE_BATCHES: {} is not a batch size", B);
+    g.reset_cache(B, 160);
+    std::vector<model::StepItem> items(B);
+    for (int b = 0; b < B; ++b) {
+      items[b].slot = b;
+      items[b].tokens = random_prompt(128, 1000 + b, cfg.vocab_size);
+    }
+    std::vector<int32_t> next = g.step_greedy(items);
+    std::vector<unsigned long long> h(4 + 4 * cap);
+    for (int r = 0; r < 6; ++r) {  // eager, capture, replays; the last replay is traced
+      for (int b = 0; b < B; ++b) items[b].tokens.assign(1, next[b]);
+      QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+      if (r == 5) {
+        h[0] = 0;
+        h[1] = cap;
+        QUADS_CUDA_CHECK(cudaMemcpy(buf.data(), h.data(), 32, cudaMemcpyHostToDevice));
+        cuda::step_trace_set(buf.data());
+      }
+      next = g.step_greedy(items);
+      QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    cuda::step_trace_set(nullptr);
+    QUADS_CUDA_CHECK(cudaMemcpy(h.data(), buf.data(), 8 * h.size(), cudaMemcpyDeviceToHost));
+    const int n = static_cast<int>(std::min<unsigned long long>(h[0], cap));
+    struct Rec {
+      unsigned long long t0, t1, grid, block;
+    };
+    std::vector<Rec> rec(n);
+    for (int i = 0; i < n; ++i) rec[i] = {h[4 + 4 * i], h[5 + 4 * i], h[6 + 4 * i], h[7 + 4 * i]};
+    std::sort(rec.begin(), rec.end(), [](const Rec& a, const Rec& b) { return a.t1 < b.t1; });
+    auto shape = [](const Rec& r) {
+      return fmt::format("({},{},{})x{}", r.grid & 0xFFFFFF, (r.grid >> 24) & 0xFFFFF, r.grid >> 44, r.block);
+    };
+    // marks (step_mark, pdl.cuh) are listed where they fell, with the time since the event before
+    // them; a kernel's "adds" runs to the next kernel's record
+    const bool marks = std::any_of(rec.begin(), rec.end(), [](const Rec& r) { return r.grid >> 63; });
+    std::string listing = fmt::format("{} batch {}: {} records\n| # | grid x block | early us | at us | adds us |\n", p, B, n);
+    std::vector<std::pair<std::string, std::pair<double, int>>> by;
+    for (int i = 0; i < n; ++i) {
+      if (rec[i].grid >> 63) {
+        listing += fmt::format("|   | mark {} (CTA {}) | | {:.2f} | +{:.2f} since the last event |\n", rec[i].grid & 0xFFFFFFFF,
+                               rec[i].block, (rec[i].t1 - rec[0].t1) / 1e3, i ? (rec[i].t1 - rec[i - 1].t1) / 1e3 : 0.0);
+        continue;
+      }
+      int nx = i + 1;
+      while (nx < n && rec[nx].grid >> 63) ++nx;
+      const double adds = nx < n ? (rec[nx].t1 - rec[i].t1) / 1e3 : 0.0;
+      listing += fmt::format("| {} | {} | {:.2f} | {:.2f} | {:.2f} |\n", i, shape(rec[i]), (rec[i].t1 - rec[i].t0) / 1e3,
+                             (rec[i].t1 - rec[0].t1) / 1e3, adds);
+      const std::string k = shape(rec[i]);
+      auto it = std::find_if(by.begin(), by.end(), [&](const auto& x) { return x.first == k; });
+      if (it == by.end()) by.push_back({k, {adds, 1}});
+      else it->second.first += adds, ++it->second.second;
+    }
+    if (const char* out = std::getenv("OUT")) {
+      std::string name = p;
+      for (char& c : name) c = c == '+' ? '_' : c;
+      if (FILE* f = std::fopen(fmt::format("{}/step_trace_{}_b{}.txt", out, name, B).c_str(), "w")) {
+        std::fputs(listing.c_str(), f);
+        std::fclose(f);
+      }
+    }
+    std::sort(by.begin(), by.end(), [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
+    const double span = n > 1 ? (rec[n - 1].t1 - rec[0].t1) / 1e3 : 0.0;
+    std::printf("\n%s batch %d: %d records, first to last wait %.1f us; by shape (sum of 'adds', count):\n", p.c_str(), B,
+                n, span);
+    for (const auto& [k, v] : by) std::printf("  %-28s %8.1f us %4d\n", k.c_str(), v.first, v.second);
+    if (B == batches.front() || marks) std::fputs(listing.c_str(), stdout);
+  }
 }
 
 // One precision's rows of the table; returns false (after printing the error) on failure.
@@ -448,6 +545,10 @@ int main(int argc, char** argv) {
       else if ((!std::strcmp(argv[i], "--ncu") || !std::strcmp(argv[i], "--ncu-decode")) && i + 1 < argc) {
         ncu_regions(peer_config(), argv[i + 1], !std::strcmp(argv[i], "--ncu-decode"));
         return 0;
+      }
+      else if (!std::strcmp(argv[i], "--step-trace") && i + 1 < argc) {
+        step_trace(peer_config(), argv[++i]);
+        if (i + 1 == argc) return 0;
       }
       else if (!std::strcmp(argv[i], "--precisions") && i + 1 < argc) {
         precisions.clear();

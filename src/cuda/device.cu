@@ -1,6 +1,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "cuda/check.h"
 #include "cuda/device.h"
@@ -39,4 +40,20 @@ int sm_count() {
   }();
   return n;
 }
+
+#ifdef QUADS_STEP_TRACE
+namespace {
+std::vector<void (*)(unsigned long long*)>& step_trace_setters() {
+  static std::vector<void (*)(unsigned long long*)> v;  // filled during static initialization
+  return v;
+}
+}  // namespace
+void step_trace_register(void (*set)(unsigned long long*)) { step_trace_setters().push_back(set); }
+bool step_trace_set(unsigned long long* buf) {
+  for (auto* set : step_trace_setters()) set(buf);
+  return true;
+}
+#else
+bool step_trace_set(unsigned long long*) { return false; }
+#endif
 }  // namespace quads::cuda

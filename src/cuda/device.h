@@ -13,4 +13,8 @@ void keep_pool_memory();
 // Streaming multiprocessors of the current device (queried once; grids are sized by it); 132 (an
 // H100/H200) where there is none, so launch plans can be checked without a GPU.
 int sm_count();
+// The step trace of a build with QUADS_STEP_TRACE (pdl.cuh): `buf` (device memory, 4 + 4 * cap
+// words, buf[0] = 0 and buf[1] = cap) receives a record per kernel from now on; nullptr stops it.
+// Returns false, and does nothing, in a build without the flag.
+bool step_trace_set(unsigned long long* buf);
 }  // namespace quads::cuda

@@ -18,9 +18,81 @@
 
 namespace quads::cuda {
 
+// QUADS_STEP_TRACE (a build flag for `bench_model_gpu --step-trace` only, scripts/gpu/step_trace.sh):
+// thread 0 of CTA (0, 0, 0) of every kernel that calls pdl_begin() appends a record of 4 words to
+// the buffer set by step_trace_set() (device.h): the global timer (ns) before the wait and after
+// it, the grid (x | y << 24 | z << 44) and the block's threads. Kernels run in stream order, so
+// the time from one record's "after the wait" to the next one's is what that kernel adds to the
+// step's critical path. Every translation unit has its own copy of the buffer's pointer
+// (no separate compilation), registered at start-up. Without the flag nothing is compiled.
+#ifdef QUADS_STEP_TRACE
+void step_trace_register(void (*set)(unsigned long long*));  // device.cu
+namespace {
+__device__ unsigned long long* g_step_trace = nullptr;
+void step_trace_set_here(unsigned long long* p) {
+  QUADS_CUDA_CHECK(cudaMemcpyToSymbol(g_step_trace, &p, sizeof(p)));
+}
+[[maybe_unused]] const bool g_step_trace_registered = (step_trace_register(&step_trace_set_here), true);
+}  // namespace
+__device__ __forceinline__ unsigned long long step_trace_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#endif
+
+// A mark inside a kernel for the step trace, in builds with QUADS_STEP_TRACE=2 only (each costs
+// its thread an atomic's round trip, ~0.4 us, which the marked kernel's time then includes): the
+// calling thread appends {now, now, 1 << 63 | id, its CTA's linear index}; the listing shows it
+// between the kernels' records, with the time since the event before it. The ids: 10-12 the
+// router (its first warp's token done, the routing CTA's tokens done, routed), 20-23 the decode
+// attention (first tile in, keys done, the merging CTA starts, merged), 30-31 the norm (normalized
+// and quantized, router logits), 40-41 the residual norm (combined, normalized), 50-53 the GEMV
+// (group found, X staged, a tile's K loop done, the fused quantizer's amax known).
+__device__ __forceinline__ void step_mark(int id) {
+#if defined(QUADS_STEP_TRACE) && QUADS_STEP_TRACE >= 2
+  const unsigned long long t = step_trace_ns();
+  if (unsigned long long* b = g_step_trace) {
+    const unsigned long long i = atomicAdd(b, 1ull);
+    if (i < b[1]) {
+      unsigned long long* r = b + 4 + 4 * i;
+      r[0] = t;
+      r[1] = t;
+      r[2] = (1ull << 63) | static_cast<unsigned>(id);
+      r[3] = blockIdx.x + gridDim.x * (blockIdx.y + static_cast<unsigned long long>(gridDim.y) * blockIdx.z);
+    }
+  }
+#endif
+}
+// step_mark by thread 0 of CTA (0, 0, 0)
+__device__ __forceinline__ void step_mark0(int id) {
+#if defined(QUADS_STEP_TRACE) && QUADS_STEP_TRACE >= 2
+  if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) step_mark(id);
+#endif
+}
+
 __device__ __forceinline__ void pdl_begin() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#ifdef QUADS_STEP_TRACE
+  const unsigned long long t0 = step_trace_ns();
+#endif
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#ifdef QUADS_STEP_TRACE
+  if (threadIdx.x == 0 && threadIdx.y == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
+    const unsigned long long t1 = step_trace_ns();
+    if (unsigned long long* b = g_step_trace) {
+      const unsigned long long i = atomicAdd(b, 1ull);
+      if (i < b[1]) {  // b[1]: the records the buffer holds
+        unsigned long long* r = b + 4 + 4 * i;
+        r[0] = t0;
+        r[1] = t1;
+        r[2] = gridDim.x | (static_cast<unsigned long long>(gridDim.y) << 24) |
+               (static_cast<unsigned long long>(gridDim.z) << 44);
+        r[3] = blockDim.x * blockDim.y * blockDim.z;
+      }
+    }
+  }
+#endif
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }

@@ -182,6 +182,7 @@ __device__ __forceinline__ void fused_prologue(const Params& p, int64_t xr0, int
 #pragma unroll
     for (int w = 0; w < GW; ++w) m = max(m, s_wmax[r * GW + w]);
     amax = dev::u2f(m);
+    step_mark0(53);  // (step trace builds only) the row's amax known
   }
   if (!live) return;
   const dev::NvGlobal g = dev::nv_global<false>(amax);
@@ -304,6 +305,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps, NW == 4 ? 2 : 3) w4a4_gemv_ke
     // exit is uniform for the CTA, before any barrier).
     const int e = nth_nonempty_group(p.eoff, p.groups, blockIdx.y, lane);
     if (e < 0) return;
+    step_mark0(50);  // (step trace builds only) the group found
     row0 = p.eoff[e];
     rows = p.eoff[e + 1] - row0;
     wq = p.wtab[e].codes;
@@ -342,6 +344,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps, NW == 4 ? 2 : 3) w4a4_gemv_ke
       }
     }
     __syncthreads();
+    step_mark0(51);  // X staged
 
     for (int t = tile0; t < ntiles; t += tstride) {
       if (!chain && t != tile0) {
@@ -390,6 +393,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps, NW == 4 ? 2 : 3) w4a4_gemv_ke
         }
       }
 
+      step_mark0(52);  // the K loop done
       // lanes combine in a fixed butterfly; acc * 2^-16 (exact) is the tile kernels' raw sum (their
       // operands are code * scale * 2^-7, ours twice the code), then the same epilogue.
       const int nbase = (t * kGemvWarps + warp) * NW;
