@@ -232,6 +232,11 @@ struct GpuModel::Impl {
   // whose GEMV updates the residual so the norm runs alone: kern::RowRouter) instead of a BF16
   // GEMM launch; QUADS_GPU_ROUTER_NORM=0 keeps the GEMM.
   bool router_norm_on = true;
+  // Loads a decode step's kernels start before the PDL wait, where what they read was written
+  // two or more kernels earlier (weights between steps, the cache rows of earlier positions, the
+  // routing): the attention's first K/V tile, the router's weights in the post-attention norm,
+  // the MoE combine's routing and the next norm's weights. QUADS_GPU_EARLY=0 waits first.
+  bool early_on = true;
   // Prefills of fresh slots (every item from position 0, at least kGemmAttnTokens tokens): the
   // attention as FP32 SGEMMs per sequence (AttentionTc::set_fp32: the CPU's arithmetic up to
   // summation order, ~6x the one-warp-per-row kernel at 16 x 1024); QUADS_GPU_ATTN=direct keeps
@@ -320,6 +325,7 @@ struct GpuModel::Impl {
     norm_quant_on = !env_is("QUADS_GPU_NORM_QUANT", "0");
     device_sampling = !env_is("QUADS_GPU_SAMPLE", "host");
     router_norm_on = !env_is("QUADS_GPU_ROUTER_NORM", "0");
+    early_on = !env_is("QUADS_GPU_EARLY", "0");
     if (attn_gemm_on) {  // now, not in the first prefill: creating its cuBLAS handle takes ~0.1 s
       attn_gemm = std::make_unique<AttentionTc>();
       attn_gemm->set_fp32(true);
@@ -1409,7 +1415,8 @@ struct GpuModel::Impl {
         y = xfp;
         yb = bf_final;
       }
-      if (moe && wn) kern::moe_combine_add_rmsnorm(ye, inv.data(), w.data(), T, K, H, xp, wn, eps, y, yb, stream, yq);
+      if (moe && wn)
+        kern::moe_combine_add_rmsnorm(ye, inv.data(), w.data(), T, K, H, xp, wn, eps, y, yb, stream, yq, early_on);
       else if (moe) kern::moe_combine_add(ye, inv.data(), w.data(), T, K, H, xp, stream);
       else if (wn) kern::add_rmsnorm(xp, ye, T, H, wn, eps, y, yb, stream, yq);
       else kern::add_inplace(xp, ye, T * H, stream);
@@ -1474,9 +1481,10 @@ struct GpuModel::Impl {
                               attn_tpc, ap, stream);
       else if (attn_fused)
         kern::attention_decode_fused(qp, kcl, vcl, d_slot, d_pos, T, nh, nkv, hd, scale, max_len, max_ctx, ap,
-                                     attn_ws.data(), attn_ws_bytes, stream);
+                                     attn_ws.data(), attn_ws_bytes, stream, 0, early_on);
       else if (decode && attn_split_decode && kern::attention_decode_split_supported(nh, nkv, hd))
-        kern::attention_decode_split(qp, kcl, vcl, d_slot, d_pos, T, nh, nkv, hd, scale, max_len, max_ctx, ap, stream);
+        kern::attention_decode_split_n(qp, kcl, vcl, d_slot, d_pos, T, nh, nkv, hd, scale, max_len, max_ctx, ap, stream,
+                                       0, early_on);
       else
         kern::attention(qp, kcl, vcl, d_slot, d_pos, T, nh, nkv, hd, scale, max_len, max_ctx, decode, ap, stream,
                         attn_tokens);
@@ -1495,7 +1503,7 @@ struct GpuModel::Impl {
           kern::RowRouter rr;
           if (router_in_norm(li, T)) {
             const DevLinear& Lr = lin[li.router];
-            rr = {Lr.wb.data(), static_cast<int>(Lr.out), rlogits.data()};
+            rr = {Lr.wb.data(), static_cast<int>(Lr.out), rlogits.data(), early_on};
             stats.weight_bytes += Lr.bytes();
           }
           kern::rmsnorm_bf16(xp, M + o.post_norm, T, H, eps, xnp, bf_post(l), stream,

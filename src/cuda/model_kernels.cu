@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "cuda/check.h"
 #include "cuda/codecs.cuh"
@@ -795,13 +797,32 @@ __device__ __forceinline__ RowNvfp4 row_nvfp4_at(const RowNvfp4& q, int64_t r, i
 // Router logits of row r for experts 8 * blockIdx.y + warp from the row's BF16 bits in shared
 // memory: lane l takes elements 256 i + 8 l .. + 8 (16-byte loads, the warp's consecutive), then
 // a butterfly.
-__device__ __forceinline__ void router_logits_row(const uint16_t* yb_s, int64_t D, const RowRouter& rr, int64_t r) {
-  const int lane = threadIdx.x & 31, e = static_cast<int>(blockIdx.y) * (kThreads / 32) + (threadIdx.x >> 5);
+// PER: the row's 16-byte pieces a lane takes (D <= 256 PER); wpre: those of the weight row, loaded
+// before the wait where rr.early (else loaded here).
+__device__ __forceinline__ int router_expert() {
+  return static_cast<int>(blockIdx.y) * (kThreads / 32) + (threadIdx.x >> 5);
+}
+template <int PER>
+__device__ __forceinline__ void router_weights_load(int64_t D, const RowRouter& rr, uint4 (&wpre)[PER]) {
+  const int lane = threadIdx.x & 31, e = router_expert();
+  const uint16_t* wr = rr.w + int64_t(e < rr.E ? e : 0) * D;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int64_t c = 8 * lane + 256 * int64_t(i);
+    wpre[i] = c < D ? __ldg(reinterpret_cast<const uint4*>(wr + c)) : make_uint4(0, 0, 0, 0);
+  }
+}
+template <int PER>
+__device__ __forceinline__ void router_logits_row(const uint16_t* yb_s, int64_t D, const RowRouter& rr, int64_t r,
+                                                  const uint4 (&wpre)[PER]) {
+  const int lane = threadIdx.x & 31, e = router_expert();
   if (e >= rr.E) return;
-  const uint16_t* wr = rr.w + int64_t(e) * D;
   float acc = 0.f;
-  for (int64_t c = 8 * lane; c < D; c += 256) {
-    const uint4 wv = __ldg(reinterpret_cast<const uint4*>(wr + c));
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int64_t c = 8 * lane + 256 * int64_t(i);
+    if (c >= D) break;
+    const uint4 wv = wpre[i];
     const uint4 yv = *reinterpret_cast<const uint4*>(yb_s + c);
     const uint32_t ww[4] = {wv.x, wv.y, wv.z, wv.w}, yy[4] = {yv.x, yv.y, yv.z, yv.w};
 #pragma unroll
@@ -822,7 +843,10 @@ __global__ void __launch_bounds__(kThreads) rmsnorm_reg_kernel(const float* __re
                                                               int64_t D, float eps, float* __restrict__ y,
                                                               uint16_t* __restrict__ yb, const RowNvfp4 yq,
                                                               const RowRouter rr) {
+  uint4 wpre[PER];
+  if (rr.w && rr.early) router_weights_load<PER>(D, rr, wpre);
   pdl_begin();
+  if (rr.w && !rr.early) router_weights_load<PER>(D, rr, wpre);
   __shared__ double red[kThreads / 32];
   __shared__ __align__(16) float ys[yq_rows_smem(PER)];
   __shared__ __align__(16) uint16_t yb_s[PER * kThreads];
@@ -838,9 +862,11 @@ __global__ void __launch_bounds__(kThreads) rmsnorm_reg_kernel(const float* __re
   }
   rmsnorm_reg_row<PER>(xv, wv, D, eps, red, lead ? y + r * D : nullptr, lead && yb ? yb + r * D : nullptr, ys,
                        lead ? row_nvfp4_at(yq, r, D) : RowNvfp4{}, rr.w ? yb_s : nullptr);
+  step_mark0(30);
   if (!rr.w) return;
   __syncthreads();
-  router_logits_row(yb_s, D, rr, r);
+  router_logits_row<PER>(yb_s, D, rr, r, wpre);
+  step_mark0(31);
 }
 
 // x[r] += the MoE combine sum_s cw[r, s] * ye[inv[r*k + s]] (moe_combine_add's operations; inv null:
@@ -853,14 +879,35 @@ template <int PER, int BD>
 __global__ void __launch_bounds__(BD)
 residual_rmsnorm_kernel(const float* __restrict__ ye, const int32_t* __restrict__ inv, const float* __restrict__ cw,
                         int k, int64_t D, float* __restrict__ x, const float* __restrict__ w, float eps,
-                        float* __restrict__ y, uint16_t* __restrict__ yb, const RowNvfp4 yq) {
+                        float* __restrict__ y, uint16_t* __restrict__ yb, const RowNvfp4 yq, int early) {
   static_assert(BD >= kThreads && BD % kThreads == 0, "the norm needs the first kThreads threads");
   constexpr int PC = (PER * kThreads + BD - 1) / BD, KU = PC >= 8 ? 32 / PC : 8;
+  const int64_t r = blockIdx.x;
+  // early: the combine's weights and rows (inv, cw) and the norm's weights were written before the
+  // previous kernel (the router, two kernels back): the first KU of them, and w, before the wait
+  float cw0[KU];
+  int32_t inv0[KU];
+  float wv[PER];
+  auto load_w = [&] {
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int64_t c = threadIdx.x + int64_t(i) * kThreads;
+      wv[i] = threadIdx.x < kThreads && c < D ? w[c] : 0.f;
+    }
+  };
+  if (early) {
+    if (inv)
+#pragma unroll
+      for (int u = 0; u < KU; ++u) {
+        cw0[u] = u < k ? __ldcg(cw + r * k + u) : 0.f;
+        inv0[u] = u < k ? __ldcg(inv + r * k + u) : 0;
+      }
+    load_w();
+  }
   pdl_begin();
   __shared__ double red[kThreads / 32];
   extern __shared__ float4 rr_smem4[];
   float* xs = reinterpret_cast<float*>(rr_smem4);  // [D]
-  const int64_t r = blockIdx.x;
   float* xr = x + r * D;
   float acc[PC], xo[PC];
 #pragma unroll
@@ -875,8 +922,9 @@ residual_rmsnorm_kernel(const float* __restrict__ ye, const int32_t* __restrict_
 #pragma unroll
       for (int u = 0; u < KU; ++u) {
         const bool ok = s0 + u < k;
-        ws[u] = ok ? cw[r * k + s0 + u] : 0.f;
-        const float* src = ye + (ok ? int64_t(inv[r * k + s0 + u]) * D : 0);
+        const bool pre = early && s0 == 0;
+        ws[u] = !ok ? 0.f : pre ? cw0[u] : cw[r * k + s0 + u];
+        const float* src = ye + (ok ? int64_t(pre ? inv0[u] : inv[r * k + s0 + u]) * D : 0);
 #pragma unroll
         for (int j = 0; j < PC; ++j) {
           const int64_t c = threadIdx.x + int64_t(j) * BD;
@@ -906,15 +954,17 @@ residual_rmsnorm_kernel(const float* __restrict__ ye, const int32_t* __restrict_
     }
   }
   __syncthreads();
+  step_mark0(40);
   if (threadIdx.x >= kThreads) return;  // whole warps; rmsnorm_reg_row's barrier counts the first kThreads
-  float xv[PER], wv[PER];
+  if (!early) load_w();
+  float xv[PER];
 #pragma unroll
   for (int i = 0; i < PER; ++i) {
     const int64_t c = threadIdx.x + int64_t(i) * kThreads;
     xv[i] = c < D ? xs[c] : 0.f;
-    wv[i] = c < D ? w[c] : 0.f;
   }
   rmsnorm_reg_row<PER>(xv, wv, D, eps, red, y + r * D, yb ? yb + r * D : nullptr, xs, row_nvfp4_at(yq, r, D));
+  step_mark0(41);
 }
 
 // norm_rope_row with the row in registers (HD = hd known, HD % 64 == 0): lane holds elements
@@ -1020,8 +1070,11 @@ attention_decode_pipe_kernel(const float* __restrict__ q, const float* __restric
                              const float* __restrict__ vcache, const int32_t* __restrict__ slot,
                              const int32_t* __restrict__ pos, int nh, int nkv, float scale, int64_t max_len,
                              int64_t chunk, float* __restrict__ part_o, float* __restrict__ part_ml,
-                             float* __restrict__ out, unsigned* __restrict__ counters) {
-  pdl_begin();
+                             float* __restrict__ out, unsigned* __restrict__ counters, int kv_early) {
+  // kv_early: slot, pos and the cache rows before each token's new one were written before the
+  // previous kernel (a decode step: only the new row is that kernel's), so the first tile's old
+  // rows are copied before the wait and only q and the new row after it.
+  if (!kv_early) pdl_begin();
   constexpr int HD = ND * 32, H4 = HD / 4, KS = HD + 4, TILE = 32;
   extern __shared__ float4 dec_smem4[];
   float* smem = reinterpret_cast<float*>(dec_smem4);
@@ -1038,12 +1091,14 @@ attention_decode_pipe_kernel(const float* __restrict__ q, const float* __restric
   const int64_t kvd = int64_t(nkv) * HD;
   const float* kb = kcache + int64_t(slot[t]) * max_len * kvd + int64_t(g) * HD;
   const float* vb = vcache + int64_t(slot[t]) * max_len * kvd + int64_t(g) * HD;
-  auto load = [&](int stage, int64_t jt) {
+  // skip: a row of the tile left out (copied later by load_row), or -1
+  auto load = [&](int stage, int64_t jt, int skip = -1) {
     const int64_t n = min(int64_t(TILE), j1 - jt);
     float* ks = kt + stage * TILE * KS;
     float* vs = vt + stage * TILE * HD;
     for (int i = threadIdx.x; i < TILE * H4; i += blockDim.x) {
       const int r = i / H4, c = i - r * H4;
+      if (r == skip) continue;
       const bool ok = r < n;
       const int64_t off = (ok ? (jt + r) * kvd : 0) + 4 * c;
       dec_cp16(ks + r * KS + 4 * c, kb + off, ok);
@@ -1059,8 +1114,24 @@ attention_decode_pipe_kernel(const float* __restrict__ q, const float* __restric
 #pragma unroll
     for (int i = 0; i < ND; ++i) acc[u][i] = 0.f;
   }
-  if (ntiles > 0) {  // q travels in the first tile's copy group: one memory round trip, not two
-    const float* qg = q + (t * nh + int64_t(g) * G) * HD;
+  const float* qg = q + (t * nh + int64_t(g) * G) * HD;
+  if (kv_early) {
+    // the new row L - 1, where it is in the first tile, and q after the wait (a second copy group:
+    // the loop's waits count the first tile's two groups as one)
+    const int fresh = L - 1 - j0 < TILE ? static_cast<int>(L - 1 - j0) : -1;
+    if (ntiles > 0) load(0, j0, fresh);
+    pdl_begin();
+    if (ntiles > 0) {
+      for (int i = threadIdx.x; i < G * H4; i += blockDim.x) dec_cp16(qs + 4 * i, qg + 4 * i, true);
+      if (fresh >= 0)
+        for (int c = threadIdx.x; c < H4; c += blockDim.x) {
+          const int64_t off = (L - 1) * kvd + 4 * c;
+          dec_cp16(kt + fresh * KS + 4 * c, kb + off, true);
+          dec_cp16(vt + fresh * HD + 4 * c, vb + off, true);
+        }
+      cp_async_commit();
+    }
+  } else if (ntiles > 0) {  // q travels in the first tile's copy group: one memory round trip, not two
     for (int i = threadIdx.x; i < G * H4; i += blockDim.x) dec_cp16(qs + 4 * i, qg + 4 * i, true);
     load(0, j0);
   }
@@ -1074,6 +1145,7 @@ attention_decode_pipe_kernel(const float* __restrict__ q, const float* __restric
       cp_async_wait<0>();
     }
     __syncthreads();  // tile `it` (and q) visible to every thread
+    if (it == 0) step_mark0(20);
     const float* ks = kt + (it & 1) * TILE * KS;
     const float* vs = vt + (it & 1) * TILE * HD;
     float sj[HPW];
@@ -1172,6 +1244,7 @@ attention_decode_pipe_kernel(const float* __restrict__ q, const float* __restric
       }
     }
   }
+  step_mark0(21);
   // FUSED (attention_decode_fused): the last CTA of (t, g) to finish merges the group's heads, as
   // attention_decode_merge_kernel would, and leaves its counter at 0 for the next launch (a CUDA
   // graph replays the same counters). The unfused instances compile none of this.
@@ -1191,7 +1264,9 @@ attention_decode_pipe_kernel(const float* __restrict__ q, const float* __restric
     }
     __syncthreads();
     if (!last_s) return;
+    if (threadIdx.x == 0 && t == 0 && g == 0) step_mark(22);
     decode_merge_heads<ND, HPW>(part_o, part_ml, t * nh + int64_t(g) * G + warp * HPW, nsplit, lane, out);
+    if (threadIdx.x == 0 && t == 0 && g == 0) step_mark(23);
   }
 }
 
@@ -1229,7 +1304,8 @@ int& residual_norm_threads_knob() {
 
 // x += (MoE combine or plain addend), then the norm: one kernel for rows of at most 16 * kThreads.
 void residual_rmsnorm(const float* ye, const int32_t* inv, const float* cw, int k, int64_t rows, int64_t D, float* x,
-                      const float* w_norm, float eps, float* y, uint16_t* yb, cudaStream_t s, const RowNvfp4& yq) {
+                      const float* w_norm, float eps, float* y, uint16_t* yb, cudaStream_t s, const RowNvfp4& yq,
+                      bool early = false) {
   if (rows == 0 || D == 0) return;
   QUADS_CHECK(rows < (int64_t(1) << 31), "cuda residual rmsnorm: {} rows is too many", rows);
   const int64_t per = (D + kThreads - 1) / kThreads;
@@ -1249,10 +1325,10 @@ void residual_rmsnorm(const float* ye, const int32_t* inv, const float* cw, int 
   do {                                                                                                     \
     if (bd == 1024)                                                                                        \
       launch_pdl(residual_rmsnorm_kernel<PER, 1024>, grid, 1024, smem, s, ye, inv, cw, k, D, x, w_norm, eps, y, yb, \
-                 yq);                                                                                      \
+                 yq, int(early));                                                                          \
     else                                                                                                   \
       launch_pdl(residual_rmsnorm_kernel<PER, kThreads>, grid, kThreads, smem, s, ye, inv, cw, k, D, x, w_norm, eps, y, \
-                 yb, yq);                                                                                  \
+                 yb, yq, int(early));                                                                      \
   } while (0)
   if (per <= 1) QUADS_RESNORM(1);
   else if (per <= 2) QUADS_RESNORM(2);
@@ -1280,9 +1356,9 @@ void rmsnorm_bf16(const float* x, const float* w, int64_t rows, int64_t D, float
 
 void moe_combine_add_rmsnorm(const float* ye, const int32_t* inv, const float* w, int64_t T, int k, int64_t D, float* x,
                              const float* w_norm, float eps, float* y, uint16_t* y_bf16, cudaStream_t s,
-                             const RowNvfp4& yq) {
+                             const RowNvfp4& yq, bool early) {
   QUADS_CHECK(k > 0, "cuda moe_combine_add_rmsnorm: top-k {}", k);
-  residual_rmsnorm(ye, inv, w, k, T, D, x, w_norm, eps, y, y_bf16, s, yq);
+  residual_rmsnorm(ye, inv, w, k, T, D, x, w_norm, eps, y, y_bf16, s, yq, early);
 }
 
 void add_rmsnorm(float* x, const float* t, int64_t rows, int64_t D, const float* w_norm, float eps, float* y,
@@ -1402,7 +1478,7 @@ namespace {
 
 // The pipelined kernel's instance for (ND, HPW), or nullptr where only the old kernel serves.
 using DecodePipeFn = void (*)(const float*, const float*, const float*, const int32_t*, const int32_t*, int, int, float,
-                              int64_t, int64_t, float*, float*, float*, unsigned*);
+                              int64_t, int64_t, float*, float*, float*, unsigned*, int);
 template <int HPW, bool FUSED>
 DecodePipeFn decode_pipe_fn(int nd) {
   switch (nd) {
@@ -1446,6 +1522,24 @@ struct DecodePlan {
   int64_t nsplit_bound = 1;  // the most splits any context bound up to this one gets (workspace size)
 };
 
+// A pipelined instance's opt-in shared memory, raised to `bytes` where it is lower (never lowered:
+// one instance serves every group size, and its launches for a larger group must stay valid).
+void pipe_smem_optin(DecodePipeFn fn, size_t bytes) {
+  static std::vector<std::pair<DecodePipeFn, size_t>> set;
+  for (auto& [f, b] : set)
+    if (f == fn) {
+      if (b < bytes) {
+        QUADS_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(fn),
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+        b = bytes;
+      }
+      return;
+    }
+  QUADS_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(fn), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(bytes)));
+  set.push_back({fn, bytes});
+}
+
 DecodePlan decode_plan(int64_t T, int nh, int nkv, int hd, int64_t max_ctx, int splits, bool allow_pipe) {
   QUADS_CHECK(attention_decode_split_supported(nh, nkv, hd),
               "cuda attention_decode_split: heads {}/{} and head_dim {} unsupported (hd % 32, hd <= 256, group <= 32)",
@@ -1473,8 +1567,7 @@ DecodePlan decode_plan(int64_t T, int nh, int nkv, int hd, int64_t max_ctx, int 
       QUADS_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
       oc = -1;
       if (psmem <= size_t(max_smem)) {
-        QUADS_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(pipe),
-                                              cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(psmem)));
+        pipe_smem_optin(pipe, psmem);
         int blocks = 0;
         QUADS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, reinterpret_cast<const void*>(pipe),
                                                                        pthreads, psmem));
@@ -1493,8 +1586,7 @@ DecodePlan decode_plan(int64_t T, int nh, int nkv, int hd, int64_t max_ctx, int 
     int& fo = fused_ok[hpw - 1][nd][G];
     DecodePipeFn fused = hpw == 2 ? decode_pipe_fn<2, true>(nd) : decode_pipe_fn<1, true>(nd);
     if (fo == 0) {
-      QUADS_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(fused),
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(psmem)));
+      pipe_smem_optin(fused, psmem);
       int blocks = 0;
       QUADS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, reinterpret_cast<const void*>(fused),
                                                                      pthreads, psmem));
@@ -1538,7 +1630,7 @@ size_t decode_ws_bytes(int64_t T, int nh, int nkv, int hd, int64_t nsplit) {
 
 int attention_decode_split_n(const float* q, const float* kcache, const float* vcache, const int32_t* slot,
                              const int32_t* pos, int64_t T, int nh, int nkv, int hd, float scale, int64_t max_len,
-                             int64_t max_ctx, float* out, cudaStream_t s, int splits) {
+                             int64_t max_ctx, float* out, cudaStream_t s, int splits, bool kv_early) {
   if (T == 0) return 0;
   const DecodePlan p = decode_plan(T, nh, nkv, hd, max_ctx, splits, !legacy_decode_kernels());
   const int G = nh / nkv;
@@ -1551,7 +1643,7 @@ int attention_decode_split_n(const float* q, const float* kcache, const float* v
   const dim3 grid(static_cast<unsigned>(nsplit), static_cast<unsigned>(nkv), static_cast<unsigned>(T));
   if (p.pipe) {
     launch_pdl(p.pipe, grid, p.pthreads, p.psmem, s, q, kcache, vcache, slot, pos, nh, nkv, scale, max_len, chunk,
-               part_o, part_ml, out, static_cast<unsigned*>(nullptr));
+               part_o, part_ml, out, static_cast<unsigned*>(nullptr), int(kv_early));
   } else {
     const size_t smem = sizeof(float) * (size_t(G) * hd + size_t(kDecTile) * (hd + 4) + size_t(kDecTile) * hd);
     static size_t smem_set = 48 * 1024;
@@ -1585,12 +1677,12 @@ size_t attention_decode_fused_workspace(int64_t T, int nh, int nkv, int hd, int6
 int attention_decode_fused(const float* q, const float* kcache, const float* vcache, const int32_t* slot,
                            const int32_t* pos, int64_t T, int nh, int nkv, int hd, float scale, int64_t max_len,
                            int64_t max_ctx, float* out, void* workspace, size_t workspace_bytes, cudaStream_t s,
-                           int splits) {
+                           int splits, bool kv_early) {
   if (T == 0) return 0;
   const DecodePlan p = decode_plan(T, nh, nkv, hd, max_ctx, splits, true);
   if (!p.pipe_fused) {  // no pipelined instance for this shape: the two kernels (current or legacy)
     return attention_decode_split_n(q, kcache, vcache, slot, pos, T, nh, nkv, hd, scale, max_len, max_ctx, out, s,
-                                    splits);
+                                    splits, kv_early);
   }
   const int64_t nsplit = p.nsplit;
   const size_t need = decode_ws_bytes(T, nh, nkv, hd, nsplit);
@@ -1608,7 +1700,7 @@ int attention_decode_fused(const float* q, const float* kcache, const float* vca
   }
   const dim3 grid(static_cast<unsigned>(nsplit), static_cast<unsigned>(nkv), static_cast<unsigned>(T));
   launch_pdl(p.pipe_fused, grid, p.pthreads, p.psmem, s, q, kcache, vcache, slot, pos, nh, nkv, scale, max_len,
-             p.chunk, part_o, part_ml, out, counters);
+             p.chunk, part_o, part_ml, out, counters, int(kv_early));
   return static_cast<int>(nsplit);
 }
 

@@ -47,6 +47,9 @@ struct RowRouter {
   const uint16_t* w = nullptr;
   int E = 0;
   float* logits = nullptr;
+  // w was written before the kernel that precedes the norm in the stream (a decode step: weights
+  // change only between steps): each warp loads its expert's row before the wait (PDL).
+  bool early = false;
 };
 bool router_fusable(int64_t rows, int64_t D, int E);
 
@@ -57,10 +60,12 @@ void rmsnorm_bf16(const float* x, const float* w, int64_t rows, int64_t D, float
                   cudaStream_t s, const RowNvfp4& yq = {}, const RowRouter& router = {});
 // moe_combine_add(ye, inv, w, T, k, D, x) then rmsnorm_bf16(x, w_norm, T, D, eps, y, y_bf16): the
 // MoE output enters the residual stream x and the next layer's input norm (or the final norm) runs
-// in the same kernel; x is updated as moe_combine_add leaves it.
+// in the same kernel; x is updated as moe_combine_add leaves it. early: inv, w and w_norm were
+// written before the kernel that precedes this launch (a decode step: the router ran two kernels
+// before), so the first of them are read before the wait for it (PDL).
 void moe_combine_add_rmsnorm(const float* ye, const int32_t* inv, const float* w, int64_t T, int k, int64_t D, float* x,
                              const float* w_norm, float eps, float* y, uint16_t* y_bf16, cudaStream_t s,
-                             const RowNvfp4& yq = {});
+                             const RowNvfp4& yq = {}, bool early = false);
 // add_inplace(x, t, rows * D) then rmsnorm_bf16(x, w_norm, rows, D, eps, y, y_bf16) (the dense or
 // BF16 path, where o_proj's GEMM cannot accumulate into x).
 void add_rmsnorm(float* x, const float* t, int64_t rows, int64_t D, const float* w_norm, float eps, float* y,
@@ -124,9 +129,12 @@ void attention_decode_split(const float* q, const float* kcache, const float* vc
 // fits 16 warps (two heads per warp for even groups), a pipelined kernel runs: two K/V tiles in
 // flight through cp.async, at most one wave of resident CTAs. Otherwise, and with
 // legacy_decode_kernels(), the kernel described above.
+// kv_early (the pipelined kernel): slot, pos and every cache row before each token's new one were
+// written before the kernel that precedes this launch in the stream (a decode step: that kernel
+// stores only the new rows), so the first K/V tile is copied before the wait for it (PDL).
 int attention_decode_split_n(const float* q, const float* kcache, const float* vcache, const int32_t* slot,
                              const int32_t* pos, int64_t T, int nh, int nkv, int hd, float scale, int64_t max_len,
-                             int64_t max_ctx, float* out, cudaStream_t s, int splits);
+                             int64_t max_ctx, float* out, cudaStream_t s, int splits, bool kv_early = false);
 
 // The pipelined split-key kernel with the merge fused into it: the last CTA of each (token, kv
 // head) to finish (a device counter per pair, counted after a __threadfence) merges that group's
@@ -145,7 +153,7 @@ size_t attention_decode_fused_workspace(int64_t T, int nh, int nkv, int hd, int6
 int attention_decode_fused(const float* q, const float* kcache, const float* vcache, const int32_t* slot,
                            const int32_t* pos, int64_t T, int nh, int nkv, int hd, float scale, int64_t max_len,
                            int64_t max_ctx, float* out, void* workspace, size_t workspace_bytes, cudaStream_t s,
-                           int splits = 0);
+                           int splits = 0, bool kv_early = false);
 
 // Prefill attention with K/V staged through shared memory (QUADS_GPU_ATTN=tiled): the same bits as
 // attention(). blocks [nblocks, 2] = (first token, count): runs of consecutive tokens of ONE slot,

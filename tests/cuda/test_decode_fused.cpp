@@ -175,6 +175,101 @@ TEST(CudaDecodeFused, AttentionGraphReplays) {
   QUADS_CUDA_CHECK(cudaStreamDestroy(s));
 }
 
+// kv_early (a decode step's contract): the first K/V tile's old rows are copied before the PDL
+// wait, the new row after it. Each token's new row is written by the kernel launched just before
+// the attention (kv_rows back into the cache, over stale values), in one stream, eagerly and in a
+// graph: the same bits as kv_early off, and the CPU's result on the final cache.
+TEST(CudaDecodeFused, AttentionEarlyKvSameBits) {
+  QUADS_REQUIRE_GPU();
+  cuda::kern::set_legacy_decode_kernels(false);
+  struct Case {
+    int T;
+    int64_t max_ctx;
+  };
+  constexpr int nh = 32, nkv = 4, hd = 128;
+  for (const Case c : {Case{1, 160}, Case{1, 600}, Case{16, 256}, Case{64, 160}, Case{5, 33}}) {
+    const int64_t max_len = c.max_ctx + 2, kvd = int64_t(nkv) * hd;
+    const int slots = c.T + 2;
+    std::vector<int32_t> slot(c.T), pos(c.T);
+    for (int t = 0; t < c.T; ++t) {
+      slot[t] = slots - 1 - t;  // one new row a slot, as in a decode step
+      pos[t] = static_cast<int32_t>(t == 0 ? c.max_ctx - 1 : (t * 37 + 5) % c.max_ctx);  // tile edges among them
+    }
+    auto kc = randn(slots * max_len * kvd, 91 + c.T), vc = randn(slots * max_len * kvd, 92 + c.T);
+    const auto q = randn(int64_t(c.T) * nh * hd, 93 + c.T, 1.5f), knew = randn(c.T * kvd, 94 + c.T),
+               vnew = randn(c.T * kvd, 95 + c.T);
+    auto dq = dev(q), dk = dev(kc), dv = dev(vc), dkn = dev(knew), dvn = dev(vnew);
+    auto ds = dev(slot), dp = dev(pos);
+    for (int t = 0; t < c.T; ++t)  // the final cache, for the CPU
+      for (int64_t i = 0; i < kvd; ++i) {
+        kc[(slot[t] * max_len + pos[t]) * kvd + i] = knew[t * kvd + i];
+        vc[(slot[t] * max_len + pos[t]) * kvd + i] = vnew[t * kvd + i];
+      }
+    const std::vector<float> want = cpu_decode_attention(q, kc, vc, slot, pos, nh, nkv, hd, max_len);
+    const float scale = 1.f / std::sqrt(float(hd));
+    const size_t need = cuda::kern::attention_decode_fused_workspace(c.T, nh, nkv, hd, c.max_ctx);
+    DeviceArray<unsigned char> ws(std::max<size_t>(need, 1));
+    ws.fill_bytes(0);
+    DeviceArray<float> ref(q.size()), got(q.size());
+    cudaStream_t s;
+    QUADS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    const std::vector<float> stale = randn(c.T * kvd, 96 + c.T);
+    for (const bool fused : {false, true})
+      for (const bool graph : {false, true})
+        for (const bool early : {false, true}) {
+          const std::string what = "T " + std::to_string(c.T) + " ctx " + std::to_string(c.max_ctx) +
+                                   (fused ? " fused" : " split+merge") + (graph ? " graph" : "") +
+                                   (early ? " early" : "");
+          auto run = [&] {
+            cuda::kern::kv_rows(dk.data(), dv.data(), ds.data(), dp.data(), c.T, nkv, hd, max_len, nullptr, dkn.data(),
+                                dvn.data(), true, s);
+            if (fused)
+              cuda::kern::attention_decode_fused(dq.data(), dk.data(), dv.data(), ds.data(), dp.data(), c.T, nh, nkv, hd,
+                                                 scale, max_len, c.max_ctx, got.data(), ws.data(), need, s, 0, early);
+            else
+              cuda::kern::attention_decode_split_n(dq.data(), dk.data(), dv.data(), ds.data(), dp.data(), c.T, nh, nkv,
+                                                   hd, scale, max_len, c.max_ctx, got.data(), s, 0, early);
+          };
+          for (int rep = 0; rep < 2; ++rep) {
+            // stale values in the new rows, so a copy made before the write would show
+            std::vector<float> ks = kc, vs = vc;
+            for (int t = 0; t < c.T; ++t)
+              for (int64_t i = 0; i < kvd; ++i) {
+                ks[(slot[t] * max_len + pos[t]) * kvd + i] = stale[t * kvd + i];
+                vs[(slot[t] * max_len + pos[t]) * kvd + i] = -stale[t * kvd + i];
+              }
+            dk.upload(ks);
+            dv.upload(vs);
+            got.fill_bytes(0xFF);
+            QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+            if (graph) {
+              cudaGraph_t gr = nullptr;
+              cudaGraphExec_t ex = nullptr;
+              QUADS_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+              run();
+              QUADS_CUDA_CHECK(cudaStreamEndCapture(s, &gr));
+              QUADS_CUDA_CHECK(cudaGraphInstantiate(&ex, gr, 0));
+              QUADS_CUDA_CHECK(cudaGraphLaunch(ex, s));
+              QUADS_CUDA_CHECK(cudaStreamSynchronize(s));
+              QUADS_CUDA_CHECK(cudaGraphExecDestroy(ex));
+              QUADS_CUDA_CHECK(cudaGraphDestroy(gr));
+            } else {
+              run();
+              QUADS_CUDA_CHECK(cudaStreamSynchronize(s));
+            }
+            const auto g = got.download();
+            if (!early && !fused && !graph && rep == 0) {
+              QUADS_CUDA_CHECK(cudaMemcpy(ref.data(), got.data(), 4 * q.size(), cudaMemcpyDeviceToDevice));
+              EXPECT_LT(rel_l2(g, want), 2e-6) << what;
+            } else {  // (the fused kernel's bits are the split + merge ones)
+              EXPECT_EQ(first_float_mismatch(g, ref.download()), -1) << what << " rep " << rep;
+            }
+          }
+        }
+    QUADS_CUDA_CHECK(cudaStreamDestroy(s));
+  }
+}
+
 // qk-norm/RoPE/cache store from the fused q/k/v product (packed and with a padded row stride) vs
 // split_cols3 + qk_norm_rope_store.
 TEST(CudaDecodeFused, QkvNormRopeStoreSameBitsAsSplit) {
@@ -307,6 +402,13 @@ TEST(CudaDecodeFused, ResidualRmsnormSameBitsAsTwoKernels) {
       cuda::kern::moe_combine_add_rmsnorm(dye.data(), dinv.data(), dcw.data(), c.T, c.k, D, x3.data(), dwn.data(), 1e-6f,
                                           y3.data(), b3.data(), nullptr);
       EXPECT_EQ(first_float_mismatch(y2.download(), y3.download()), -1) << "no copy, " << what;
+      // the routing and norm weights read before the PDL wait (a decode step's early): the same bits
+      auto x4 = dev(x);
+      DeviceArray<float> y4(c.T * D);
+      cuda::kern::moe_combine_add_rmsnorm(dye.data(), dinv.data(), dcw.data(), c.T, c.k, D, x4.data(), dwn.data(), 1e-6f,
+                                          y4.data(), nullptr, nullptr, {}, true);
+      EXPECT_EQ(first_float_mismatch(x4.download(), x2.download()), -1) << "early x, " << what;
+      EXPECT_EQ(first_float_mismatch(y4.download(), y2.download()), -1) << "early y, " << what;
     }
   }
 }

@@ -435,6 +435,42 @@ TEST(CudaModelGpu, RouterInNormMatchesRouterGemm) {
   EXPECT_GE(gemm.stats().graph_kernels - fused.stats().graph_kernels, fused.config().num_hidden_layers);
 }
 
+// The loads a decode step's kernels start before their PDL wait (the attention's first K/V tile,
+// the router's weights in the norm, the combine's routing) give the bits of the step that waits
+// first (QUADS_GPU_EARLY=0), at batch 2 and at batch 1, as graphs.
+TEST(CudaModelGpu, EarlyLoadsSameBits) {
+  QUADS_REQUIRE_GPU();
+  const auto prec = model::PrecisionConfig::preset("nvfp4");
+  const model::Weights w = model::Weights::random(small_moe_config(), 37, 0.05f);
+  setenv("QUADS_GPU_EARLY", "0", 1);
+  cuda::GpuModel late(w, prec);
+  unsetenv("QUADS_GPU_EARLY");
+  cuda::GpuModel early(w, prec);
+  ASSERT_EQ(early.linear_mode("model.layers.0.mlp.experts.0.down_proj"), cuda::GpuLinearMode::W4A4);
+  int64_t gl = -1, ge = -1;
+  const auto ll = decode_logits(late, 6, nullptr, &gl);
+  const auto le = decode_logits(early, 6, nullptr, &ge);
+  EXPECT_EQ(ge, 5);
+  EXPECT_EQ(first_float_mismatch(le, ll), -1) << "batch 2";
+  auto one = [](cuda::GpuModel& g) {
+    g.reset_cache(1, 80);
+    g.reset_stats();
+    model::StepItem it;
+    it.slot = 0;
+    it.tokens = {3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5};
+    std::vector<float> out = g.step({it});
+    for (int i = 0; i < 12; ++i) {  // the context crosses the 32-key tile at 33
+      it.tokens = {(5 * i + 2) % 50};
+      const std::vector<float> lg = g.step({it});
+      out.insert(out.end(), lg.begin(), lg.end());
+    }
+    return out;
+  };
+  const auto o_late = one(late), o_early = one(early);
+  EXPECT_EQ(first_float_mismatch(o_early, o_late), -1) << "batch 1";
+  EXPECT_EQ(early.stats().graph_steps, 11) << "batch 1";
+}
+
 // Prefill attention with several tokens per CTA (QUADS_GPU_ATTN_TOKENS) gives the one-token launch's
 // bits: each warp's arithmetic is the same, only the grid differs.
 TEST(CudaModelKernels, AttentionTokensPerCtaSameBits) {
