@@ -743,6 +743,50 @@ __global__ void router_topk_fwd_kernel(const float* __restrict__ logits, int64_t
   }
 }
 
+// The k <= 32 largest of a warp's E <= 64 probabilities (lane l holds experts l and l + 32) in
+// (probability desc, id asc) order, by a bitonic sort of 64-bit keys (probability bits, then the
+// complement of the id: for probabilities >= +0 the key order is that order, ties included) in
+// registers: 21 compare-exchange steps, 20 of them a shuffle away, instead of every lane counting
+// the experts ahead of its own (64 dependent steps). Returns lane l's key of place l (places
+// 0..31 of the order); experts past E sort last (key 0).
+__device__ __forceinline__ uint64_t topk_sort_keys(const float (&pv)[2], int E, int lane) {
+  uint64_t key[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int e = lane + 32 * j;
+    key[j] = e < E ? (uint64_t(__float_as_uint(pv[j])) << 32) | uint64_t(0xFFFFu - unsigned(e)) : 0ull;
+  }
+  // element i = 32 j + lane; sorted descending over i
+#pragma unroll
+  for (int size = 2; size <= 64; size <<= 1) {
+#pragma unroll
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int i = 32 * j + lane;
+        // descending blocks where (i & size) == 0 (the last stage is one descending block)
+        const bool desc = size == 64 || (i & size) == 0;
+        if (stride == 32) {
+          if (j == 0) {  // the pair (lane, lane + 32) is this lane's two keys
+            const bool swap = desc ? key[0] < key[1] : key[0] > key[1];
+            if (swap) {
+              const uint64_t tmp = key[0];
+              key[0] = key[1];
+              key[1] = tmp;
+            }
+          }
+        } else {
+          const uint64_t other = __shfl_xor_sync(0xffffffffu, key[j], stride);
+          const bool lower = (i & stride) == 0;  // keeps the larger key where descending
+          const bool take = desc == lower ? other > key[j] : other < key[j];
+          if (take) key[j] = other;
+        }
+      }
+    }
+  }
+  return key[0];
+}
+
 // router_topk_fwd_kernel with a lane's logits and probabilities in registers (experts lane + 32 j,
 // EPL of them): a chosen expert is marked by its owner lane instead of every lane scanning the
 // chosen list for each candidate; lane 0's winner is broadcast by a shuffle. The softmax (max, exp
@@ -794,6 +838,23 @@ __device__ __forceinline__ void router_topk_row(const float* __restrict__ logits
   bool nan = false;
 #pragma unroll
   for (int j = 0; j < EPL; ++j) nan |= lane + 32 * j < E && pv[j] != pv[j];
+  if (EPL <= 2 && !forced && k <= 32 && !__any_sync(0xffffffffu, nan)) {
+    // the sorting network's order; lane s < k holds place s, and the weights' float sum runs in
+    // place order by lane 0 (the loop below's operations): the same selection and bits
+    const float q2[2] = {pv[0], pv[EPL - 1]};  // (EPL 1: the second is past E)
+    const uint64_t key = topk_sort_keys(q2, EPL > 1 ? E : min(E, 32), lane);
+    const int e = static_cast<int>(0xFFFFu - unsigned(key & 0xFFFFu));
+    const float pe = __uint_as_float(static_cast<uint32_t>(key >> 32));
+    float tot = 0.f;
+    for (int s = 0; s < k; ++s) tot = __fadd_rn(tot, __shfl_sync(0xffffffffu, pe, s));
+    if (lane < k) {
+      sel[lane] = e;
+      idx[t * k + lane] = e;
+      w[t * k + lane] = norm_topk ? __fdiv_rn(pe, tot) : pe;
+    }
+    __syncwarp();
+    return;
+  }
   if (forced) {
     for (int s = lane; s < k; s += 32) sel[s] = forced[t * k + s];
   } else if (!__any_sync(0xffffffffu, nan)) {
@@ -1046,6 +1107,7 @@ router_route_kernel(const float* __restrict__ logits, int64_t T, int E, int k, b
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t t = int64_t(blockIdx.x) * kRouteWarps + warp;
   if (t < T) router_topk_row<EPL>(logits, t, E, k, norm_topk, probs, idx, w, nullptr, route_smem + warp * (E + k), lane);
+  if (threadIdx.x == 0) step_mark(10);  // (step trace builds only) warp 0's token done
   if (gridDim.x > 1) {
     __threadfence();  // this CTA's idx before its ticket
     __syncthreads();
@@ -1057,15 +1119,19 @@ router_route_kernel(const float* __restrict__ logits, int64_t T, int E, int k, b
   } else {
     __syncthreads();
     if (warp_route && T * k <= 32) {  // uniform: the whole CTA returns here
+      if (threadIdx.x == 0) step_mark(11);
       if (warp == 0)
         route_warp(route_smem, static_cast<int>(T), E, k, reinterpret_cast<int32_t*>(route_smem + kRouteWarps * (E + k)),
                    counts, eoff, perm, inv, active, bad, lane);
+      if (threadIdx.x == 0) step_mark(12);
       return;
     }
   }
+  if (threadIdx.x == 0) step_mark(11);  // the routing CTA's tokens are all done
   // the top-k scratch [kRouteWarps][E + k] is free now and holds route_block's [kRouteWarps][E]
   route_block(idx, static_cast<int>(T * k), E, reinterpret_cast<int32_t*>(route_smem), counts, eoff, perm, inv, active,
               bad);
+  if (threadIdx.x == 0) step_mark(12);
 }
 
 __global__ void __launch_bounds__(32 * kRouteWarps)

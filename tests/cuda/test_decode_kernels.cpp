@@ -115,7 +115,9 @@ TEST(CudaDecodeKernels, RouterTopkSameBitsAsOldKernel) {
                        Case{64, 8, 13, false, false, true, false}, Case{8, 2, 5, true, true, false, false},
                        Case{100, 7, 9, true, true, true, false}, Case{128, 8, 33, true, false, false, false},
                        Case{256, 1, 4, false, true, false, false}, Case{300, 4, 6, true, false, false, false},
-                       Case{64, 8, 7, true, false, false, true}}) {
+                       Case{64, 8, 7, true, false, false, true}, Case{32, 4, 9, true, true, false, false},
+                       Case{48, 6, 11, false, true, false, false}, Case{64, 40, 3, true, true, false, false},
+                       Case{64, 32, 5, true, true, false, false}, Case{2, 2, 3, true, true, false, false}}) {
     auto logits = randn(c.T * c.E, 50 + c.E + c.T, 2.f);
     if (c.ties)  // few distinct values: equal probabilities, the lower id must win
       for (auto& x : logits) x = std::round(x * 2.f) / 2.f;
