@@ -189,9 +189,18 @@ std::vector<std::vector<int32_t>> routed_sets(int64_t T, int E, int active, int 
   return sets;
 }
 
+// A weight of the peer model; kPeerDense: its dense decode GEMMs, q/k/v fused (N = 32 x 128 +
+// 2 x 4 x 128) and o_proj (K = 4096, its output accumulated into the residual stream in decode).
+struct PeerShape {
+  const char* name;
+  int64_t n, k;
+  bool residual;
+};
+constexpr PeerShape kPeerDense[] = {{"dense q/k/v", 5120, 2048, false}, {"dense o_proj", 2048, 4096, true}};
+
 // Decode GEMV against the 16-row tile at the peer model's shapes (hidden 2048, 64 experts top-8,
-// moe_intermediate 768, q/k/v fused N = 6144, o_proj K = 4096). Every call reads weights that are
-// not in L2: the calls rotate over copies (dense) or over layers x disjoint sets of 8 experts
+// moe_intermediate 768, kPeerDense; before Part 17 this table ran q/k/v at N = 6144, not the
+// peer's 5120). Every call reads weights that are not in L2: the calls rotate over copies (dense) or over layers x disjoint sets of 8 experts
 // (grouped) worth more than 150 MB. GB/s counts the codes and scales of the weights read.
 void gemv_table(double copy_gbs) {
   const double kRotateBytes = 150e6;
@@ -204,11 +213,7 @@ void gemv_table(double copy_gbs) {
   };
   num::QConfig xc = num::QConfig::nvfp4_act();
   xc.global = num::Global::PerRow;
-  struct S {
-    const char* name;
-    int64_t n, k;
-  };
-  for (const S& d : {S{"dense q/k/v", 6144, 2048}, S{"dense o_proj", 2048, 4096}}) {
+  for (const PeerShape& d : kPeerDense) {
     const double wbytes = d.n * d.k * (0.5 + 1.0 / 16);
     const std::vector<DeviceQTensor> wq = weight_copies(d.n, d.k, num::QConfig::nvfp4_weight(true), 11, wbytes, kRotateBytes);
     const int copies = static_cast<int>(wq.size());
@@ -247,7 +252,7 @@ void gemv_table(double copy_gbs) {
   }
   // grouped: 64 experts; M rows for each of 8 active experts (max_rows = M), and a routed decode
   // batch of T tokens (top-8 of 64 at random: 8T rows, max_rows = T)
-  for (const S& g : {S{"experts gate/up", 1536, 2048}, S{"experts down", 2048, 768}}) {
+  for (const PeerShape& g : {PeerShape{"experts gate/up", 1536, 2048, false}, PeerShape{"experts down", 2048, 768, false}}) {
     const int E = 64, active = 8;
     ExpertLayers el = expert_layers(g.n, g.k, E, 13);
     const double ebytes = el.ebytes;
@@ -347,12 +352,8 @@ void fused_table(double copy_gbs) {
   W4A4Options gemv_opt;
   gemv_opt.tile = W4A4Tile::Gemv;
 
-  struct D {
-    const char* name;
-    int64_t n, k;
-    bool accumulate;
-  };
-  for (const D& d : {D{"dense q/k/v", 5120, 2048, false}, D{"dense o_proj (+= residual)", 2048, 4096, true}}) {
+  for (const PeerShape& d : kPeerDense) {
+    const std::string name = std::string(d.name) + (d.residual ? " (+= residual)" : "");
     const double wbytes = d.n * d.k * (0.5 + 1.0 / 16);
     const std::vector<DeviceQTensor> wq = weight_copies(d.n, d.k, num::QConfig::nvfp4_weight(true), 21, wbytes, kRotateBytes);
     const int copies = static_cast<int>(wq.size());
@@ -365,16 +366,16 @@ void fused_table(double copy_gbs) {
       for (bool loop : {false, true}) {
         set_gemv_tile_loop(loop ? GemvTileLoop::On : GemvTileLoop::Off);
         const double us = graph_us([&](int i) {
-          w4a4_gemm_emulated(nvfp4_view(xq), nvfp4_view(wq[i % copies]), y.data(), d.accumulate, st, gemv_opt);
+          w4a4_gemm_emulated(nvfp4_view(xq), nvfp4_view(wq[i % copies]), y.data(), d.residual, st, gemv_opt);
         });
-        print(d.name, d.n, d.k, M, loop ? "gemv only, tile loop" : "gemv only", us, wbytes);
+        print(name.c_str(), d.n, d.k, M, loop ? "gemv only, tile loop" : "gemv only", us, wbytes);
       }
       set_gemv_tile_loop(GemvTileLoop::Auto);
       const double us_auto = graph_us([&](int i) {
         quantize(x.data(), xq, st);
-        w4a4_gemm_emulated(nvfp4_view(xq), nvfp4_view(wq[i % copies]), y.data(), d.accumulate, st);
+        w4a4_gemm_emulated(nvfp4_view(xq), nvfp4_view(wq[i % copies]), y.data(), d.residual, st);
       });
-      print(d.name, d.n, d.k, M,
+      print(name.c_str(), d.n, d.k, M,
             M <= kGemvAutoMaxRows      ? "quantize + auto (gemv)"
             : M <= kSkinnyDenseMaxRows ? "quantize + auto (skinny)"
                                        : "quantize + auto (16x128/4w)",
@@ -382,9 +383,9 @@ void fused_table(double copy_gbs) {
       if (M > kGemvAutoMaxRows) {
         const double us = graph_us([&](int i) {
           quantize(x.data(), xq, st);
-          w4a4_gemm_emulated(nvfp4_view(xq), nvfp4_view(wq[i % copies]), y.data(), d.accumulate, st, gemv_opt);
+          w4a4_gemm_emulated(nvfp4_view(xq), nvfp4_view(wq[i % copies]), y.data(), d.residual, st, gemv_opt);
         });
-        print(d.name, d.n, d.k, M, "quantize + gemv", us, wbytes);
+        print(name.c_str(), d.n, d.k, M, "quantize + gemv", us, wbytes);
       }
       for (int v = 0; v < 3; ++v) {  // fused, early, early + tile loop
         const bool early = v > 0;
@@ -396,15 +397,16 @@ void fused_table(double copy_gbs) {
         a.k = d.k;
         a.cfg = xc;
         a.weights_ready = early;
-        const double us = graph_us([&](int i) { w4a4_gemv_fused(a, nvfp4_view(wq[i % copies]), y.data(), d.accumulate, st); });
-        print(d.name, d.n, d.k, M, v == 0 ? "fused" : v == 1 ? "fused early" : "fused early, tile loop", us, wbytes);
+        const double us = graph_us([&](int i) { w4a4_gemv_fused(a, nvfp4_view(wq[i % copies]), y.data(), d.residual, st); });
+        print(name.c_str(), d.n, d.k, M, v == 0 ? "fused" : v == 1 ? "fused early" : "fused early, tile loop", us, wbytes);
       }
       set_gemv_tile_loop(GemvTileLoop::Auto);
     }
   }
 
   // routed experts: 64, top-8 at random; 8 routings rotate with the weight layers
-  for (const D& g : {D{"experts gate/up (gather)", 1536, 2048, false}, D{"experts down (swiglu)", 2048, 768, false}}) {
+  for (const PeerShape& g : {PeerShape{"experts gate/up (gather)", 1536, 2048, false},
+                             PeerShape{"experts down (swiglu)", 2048, 768, false}}) {
     const int E = 64, topk = 8;
     const bool swiglu = g.k == 768;
     ExpertLayers el = expert_layers(g.n, g.k, E, 23);
@@ -677,11 +679,7 @@ int skinny_trace_table() {
   };
   num::QConfig xc = num::QConfig::nvfp4_act();
   xc.global = num::Global::PerRow;
-  struct S {
-    const char* name;
-    int64_t n, k;
-  };
-  for (const S& d : {S{"dense q/k/v", 5120, 2048}, S{"dense o_proj", 2048, 4096}}) {
+  for (const PeerShape& d : kPeerDense) {
     const double wbytes = d.n * d.k * (0.5 + 1.0 / 16);
     const std::vector<DeviceQTensor> wq = weight_copies(d.n, d.k, num::QConfig::nvfp4_weight(true), 11, wbytes, 150e6);
     const int copies = static_cast<int>(wq.size());
@@ -701,7 +699,7 @@ int skinny_trace_table() {
     }
   }
   std::mt19937 rng(7);
-  for (const S& g : {S{"experts gate/up", 1536, 2048}, S{"experts down", 2048, 768}}) {
+  for (const PeerShape& g : {PeerShape{"experts gate/up", 1536, 2048, false}, PeerShape{"experts down", 2048, 768, false}}) {
     const int E = 64, active = 8;
     ExpertLayers el = expert_layers(g.n, g.k, E, 13);
     for (int64_t T : {4, 16, 64}) {

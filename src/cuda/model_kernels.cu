@@ -797,11 +797,11 @@ __device__ __forceinline__ RowNvfp4 row_nvfp4_at(const RowNvfp4& q, int64_t r, i
 // Router logits of row r for experts 8 * blockIdx.y + warp from the row's BF16 bits in shared
 // memory: lane l takes elements 256 i + 8 l .. + 8 (16-byte loads, the warp's consecutive), then
 // a butterfly.
-// PER: the row's 16-byte pieces a lane takes (D <= 256 PER); wpre: those of the weight row, loaded
-// before the wait where rr.early (else loaded here).
 __device__ __forceinline__ int router_expert() {
   return static_cast<int>(blockIdx.y) * (kThreads / 32) + (threadIdx.x >> 5);
 }
+// PER: the row's 16-byte pieces a lane takes (D <= 256 PER); wpre: those of the weight row, loaded
+// before the PDL wait where rr.early, else after it.
 template <int PER>
 __device__ __forceinline__ void router_weights_load(int64_t D, const RowRouter& rr, uint4 (&wpre)[PER]) {
   const int lane = threadIdx.x & 31, e = router_expert();
