@@ -198,6 +198,55 @@ struct PeerShape {
 };
 constexpr PeerShape kPeerDense[] = {{"dense q/k/v", 5120, 2048, false}, {"dense o_proj", 2048, 4096, true}};
 
+// The dense skinny tiles' split of K (bench_cuda --dense-sweep): warps a row tile (ks) times CTAs
+// a cluster (cl) at the peer model's dense shapes, for 16 / 32 / 64 rows of X, against Auto's
+// choice (ks 1, cl chosen). Weights rotate over copies worth more than 150 MB (read from HBM) and
+// stream before the previous call ends (weights_ready, as in decode).
+void dense_sweep(double copy_gbs) {
+  const double kRotateBytes = 150e6;
+  std::printf("\n| dense skinny | weight N x K | M | ks x cl | CTAs | us | %% of copy |\n|---|---|---|---|---|---|---|\n");
+  num::QConfig xc = num::QConfig::nvfp4_act();
+  xc.global = num::Global::PerRow;
+  for (const PeerShape& d : kPeerDense) {
+    const double wbytes = d.n * d.k * (0.5 + 1.0 / 16);
+    const std::vector<DeviceQTensor> wq = weight_copies(d.n, d.k, num::QConfig::nvfp4_weight(true), 11, wbytes, kRotateBytes);
+    const int copies = static_cast<int>(wq.size());
+    for (int64_t M : {16, 32, 64}) {
+      DeviceArray<float> x(M * d.k), y(M * d.n);
+      fill_device(x, randn(M * d.k, 12));
+      DeviceQTensor xq = make_qtensor(M, d.k, xc);
+      quantize(x.data(), xq);
+      auto run = [&](int ks, int cl) {
+        W4A4Options o;
+        o.weights_ready = true;
+        if (ks > 0) {
+          o.tile = W4A4Tile::Skinny;
+          o.splits = ks;
+          o.kcluster = cl;
+          o.row_block = M > 32 ? 32 : 0;
+        }
+        int i = 0;
+        char what[32], ctas[16] = "";
+        std::snprintf(what, sizeof what, ks > 0 ? "%d x %d" : "auto", ks, cl);
+        if (ks > 0)
+          std::snprintf(ctas, sizeof ctas, "%lld", static_cast<long long>((d.n + 128 / ks - 1) / (128 / ks) * cl * (M > 32 ? (M + 31) / 32 : 1)));
+        try {
+          const double us = time_us([&] {
+            w4a4_gemm_emulated(nvfp4_view(xq), nvfp4_view(wq[i++ % copies]), y.data(), d.residual, nullptr, o);
+          });
+          std::printf("| %s | %lldx%lld | %lld | %s | %s | %.1f | %.0f |\n", d.name, static_cast<long long>(d.n),
+                      static_cast<long long>(d.k), static_cast<long long>(M), what, ctas, us, 100.0 * wbytes / us / 1e3 / copy_gbs);
+        } catch (const std::exception& e) {
+          std::printf("| %s | | %lld | %s | | n/a (%s) | |\n", d.name, static_cast<long long>(M), what, e.what());
+        }
+      };
+      run(0, 0);
+      for (int ks : {1, 2, 4})
+        for (int cl : {1, 2, 4, 8}) run(ks, cl);
+    }
+  }
+}
+
 // Decode GEMV against the 16-row tile at the peer model's shapes (hidden 2048, 64 experts top-8,
 // moe_intermediate 768, kPeerDense; before Part 17 this table ran q/k/v at N = 6144, not the
 // peer's 5120). Every call reads weights that are not in L2: the calls rotate over copies (dense) or over layers x disjoint sets of 8 experts
@@ -751,6 +800,12 @@ int main(int argc, char** argv) {
     dst.reset();
     gemv_table(copy_gbs);
     fused_table(copy_gbs);
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "--dense-sweep") {
+    src.reset();
+    dst.reset();
+    dense_sweep(copy_gbs);
     return 0;
   }
   if (argc > 1 && std::string(argv[1]) == "--fp8") {  // the FP8 GEMV / tile table alone
