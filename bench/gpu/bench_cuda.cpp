@@ -198,6 +198,17 @@ struct PeerShape {
 };
 constexpr PeerShape kPeerDense[] = {{"dense q/k/v", 5120, 2048, false}, {"dense o_proj", 2048, 4096, true}};
 
+// M random rows of K columns quantized as decode's activations (NVFP4, amax per row).
+DeviceQTensor decode_rows(int64_t M, int64_t K, uint64_t seed) {
+  num::QConfig xc = num::QConfig::nvfp4_act();
+  xc.global = num::Global::PerRow;
+  DeviceArray<float> x(M * K);
+  fill_device(x, randn(M * K, seed));
+  DeviceQTensor xq = make_qtensor(M, K, xc);
+  quantize(x.data(), xq);
+  return xq;
+}
+
 // The dense skinny tiles' split of K (bench_cuda --dense-sweep): warps a row tile (ks) times CTAs
 // a cluster (cl) at the peer model's dense shapes, for 16 / 32 / 64 rows of X, against Auto's
 // choice (ks 1, cl chosen). Weights rotate over copies worth more than 150 MB (read from HBM) and
@@ -205,17 +216,13 @@ constexpr PeerShape kPeerDense[] = {{"dense q/k/v", 5120, 2048, false}, {"dense 
 void dense_sweep(double copy_gbs) {
   const double kRotateBytes = 150e6;
   std::printf("\n| dense skinny | weight N x K | M | ks x cl | CTAs | us | %% of copy |\n|---|---|---|---|---|---|---|\n");
-  num::QConfig xc = num::QConfig::nvfp4_act();
-  xc.global = num::Global::PerRow;
   for (const PeerShape& d : kPeerDense) {
     const double wbytes = d.n * d.k * (0.5 + 1.0 / 16);
     const std::vector<DeviceQTensor> wq = weight_copies(d.n, d.k, num::QConfig::nvfp4_weight(true), 11, wbytes, kRotateBytes);
     const int copies = static_cast<int>(wq.size());
     for (int64_t M : {16, 32, 64}) {
-      DeviceArray<float> x(M * d.k), y(M * d.n);
-      fill_device(x, randn(M * d.k, 12));
-      DeviceQTensor xq = make_qtensor(M, d.k, xc);
-      quantize(x.data(), xq);
+      DeviceArray<float> y(M * d.n);
+      const DeviceQTensor xq = decode_rows(M, d.k, 12);
       auto run = [&](int ks, int cl) {
         W4A4Options o;
         o.weights_ready = true;
@@ -260,17 +267,13 @@ void gemv_table(double copy_gbs) {
     std::printf("| %s | %lldx%lld | %lld | %s | %.1f | %.0f | %.0f |\n", what, static_cast<long long>(n),
                 static_cast<long long>(k), static_cast<long long>(m), kern, us, gbs, 100.0 * gbs / copy_gbs);
   };
-  num::QConfig xc = num::QConfig::nvfp4_act();
-  xc.global = num::Global::PerRow;
   for (const PeerShape& d : kPeerDense) {
     const double wbytes = d.n * d.k * (0.5 + 1.0 / 16);
     const std::vector<DeviceQTensor> wq = weight_copies(d.n, d.k, num::QConfig::nvfp4_weight(true), 11, wbytes, kRotateBytes);
     const int copies = static_cast<int>(wq.size());
     for (int64_t M : {1, 4, 8, 16, 32, 64}) {
-      DeviceArray<float> x(M * d.k), y(M * d.n);
-      fill_device(x, randn(M * d.k, 12));
-      DeviceQTensor xq = make_qtensor(M, d.k, xc);
-      quantize(x.data(), xq);
+      DeviceArray<float> y(M * d.n);
+      const DeviceQTensor xq = decode_rows(M, d.k, 12);
       std::vector<W4A4Tile> tiles = {W4A4Tile::M16, W4A4Tile::M16W4, W4A4Tile::M16N64, W4A4Tile::M16W4S3,
                                      W4A4Tile::Auto};
       if (M <= 16) tiles.insert(tiles.begin() + 3, W4A4Tile::Gemv);
@@ -312,10 +315,8 @@ void gemv_table(double copy_gbs) {
                    int64_t show_m, int experts) {
       std::vector<DeviceArray<int32_t>> deoff(sets.size());
       for (size_t s = 0; s < sets.size(); ++s) deoff[s].upload(sets[s]);
-      DeviceArray<float> x(rows * g.k), y(rows * g.n);
-      fill_device(x, randn(rows * g.k, 14));
-      DeviceQTensor xq = make_qtensor(rows, g.k, xc);
-      quantize(x.data(), xq);
+      DeviceArray<float> y(rows * g.n);
+      const DeviceQTensor xq = decode_rows(rows, g.k, 14);
       const int ns = static_cast<int>(sets.size());
       std::vector<W4A4Tile> tiles = {W4A4Tile::M16, W4A4Tile::M16W4, W4A4Tile::M16N64, W4A4Tile::M16W4S3,
                                      W4A4Tile::Auto};
