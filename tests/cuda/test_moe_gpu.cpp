@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <numeric>
 #include <random>
 
@@ -332,6 +333,18 @@ std::vector<float> decode_logits(cuda::GpuModel& g, int steps, double* bytes, in
   return out;
 }
 
+// A model built with the environment switch `var` set to `value` (GpuModel reads its switches when
+// it is built); the variable is unset again however the construction ends.
+std::unique_ptr<cuda::GpuModel> model_with_env(const char* var, const char* value, const model::Weights& w,
+                                               const model::PrecisionConfig& p) {
+  setenv(var, value, 1);
+  struct Unset {
+    const char* v;
+    ~Unset() { unsetenv(v); }
+  } unset{var};
+  return std::make_unique<cuda::GpuModel>(w, p);
+}
+
 }  // namespace
 
 // Graph replay gives the eager step's bits; the device MoE path agrees with the host-routed one.
@@ -339,13 +352,11 @@ TEST(CudaModelGpu, GraphReplayEqualsEagerAndLegacyPath) {
   QUADS_REQUIRE_GPU();
   for (const std::string preset : {"fp32", "bf16", "nvfp4"}) {
     const auto prec = model::PrecisionConfig::preset(preset);
-    setenv("QUADS_GPU_GRAPHS", "0", 1);
-    cuda::GpuModel eager(fixture_weights(), prec);
-    unsetenv("QUADS_GPU_GRAPHS");
+    const auto eager_m = model_with_env("QUADS_GPU_GRAPHS", "0", fixture_weights(), prec);
+    cuda::GpuModel& eager = *eager_m;
     cuda::GpuModel graph(fixture_weights(), prec);
-    setenv("QUADS_GPU_MOE", "legacy", 1);
-    cuda::GpuModel legacy(fixture_weights(), prec);
-    unsetenv("QUADS_GPU_MOE");
+    const auto legacy_m = model_with_env("QUADS_GPU_MOE", "legacy", fixture_weights(), prec);
+    cuda::GpuModel& legacy = *legacy_m;
     double be = 0, bg = 0, bl = 0;
     int64_t ge = -1, gg = -1;
     const auto le = decode_logits(eager, 6, &be, &ge);
@@ -376,9 +387,8 @@ TEST(CudaModelGpu, NormQuantEqualsQuantizeLaunches) {
   for (const bool fixture : {true, false}) {
     const model::Weights w = fixture ? fixture_weights() : model::Weights::random(small_moe_config(), 29, 0.05f);
     const std::string what = fixture ? "fixture" : "small model";
-    setenv("QUADS_GPU_NORM_QUANT", "0", 1);
-    cuda::GpuModel plain(w, prec);
-    unsetenv("QUADS_GPU_NORM_QUANT");
+    const auto plain_m = model_with_env("QUADS_GPU_NORM_QUANT", "0", w, prec);
+    cuda::GpuModel& plain = *plain_m;
     cuda::GpuModel fused(w, prec);
     int64_t gp = -1, gf = -1;
     const auto lp = decode_logits(plain, 6, nullptr, &gp);
@@ -420,9 +430,8 @@ TEST(CudaModelGpu, RouterInNormMatchesRouterGemm) {
   QUADS_REQUIRE_GPU();
   const auto prec = model::PrecisionConfig::preset("nvfp4");
   const model::Weights w = model::Weights::random(small_moe_config(), 31, 0.05f);
-  setenv("QUADS_GPU_ROUTER_NORM", "0", 1);
-  cuda::GpuModel gemm(w, prec);
-  unsetenv("QUADS_GPU_ROUTER_NORM");
+  const auto gemm_m = model_with_env("QUADS_GPU_ROUTER_NORM", "0", w, prec);
+  cuda::GpuModel& gemm = *gemm_m;
   cuda::GpuModel fused(w, prec);
   ASSERT_EQ(fused.linear_mode("model.layers.0.self_attn.o_proj"), cuda::GpuLinearMode::W4A4);
   int64_t gg = -1, gf = -1;
@@ -442,9 +451,8 @@ TEST(CudaModelGpu, EarlyLoadsSameBits) {
   QUADS_REQUIRE_GPU();
   const auto prec = model::PrecisionConfig::preset("nvfp4");
   const model::Weights w = model::Weights::random(small_moe_config(), 37, 0.05f);
-  setenv("QUADS_GPU_EARLY", "0", 1);
-  cuda::GpuModel late(w, prec);
-  unsetenv("QUADS_GPU_EARLY");
+  const auto late_m = model_with_env("QUADS_GPU_EARLY", "0", w, prec);
+  cuda::GpuModel& late = *late_m;
   cuda::GpuModel early(w, prec);
   ASSERT_EQ(early.linear_mode("model.layers.0.mlp.experts.0.down_proj"), cuda::GpuLinearMode::W4A4);
   int64_t gl = -1, ge = -1;
@@ -878,9 +886,8 @@ TEST(CudaModelGpu, GroupedRacEqualsPerExpertRac) {
   const auto l_plain = decode_logits(plain, 6, &bytes);
   cuda::GpuModel grouped(w, prec);
   grouped.set_rac_first_channels(0.25);
-  setenv("QUADS_GPU_RAC_GROUPED", "0", 1);
-  cuda::GpuModel per_expert(w, prec);
-  unsetenv("QUADS_GPU_RAC_GROUPED");
+  const auto per_expert_m = model_with_env("QUADS_GPU_RAC_GROUPED", "0", w, prec);
+  cuda::GpuModel& per_expert = *per_expert_m;
   per_expert.set_rac_first_channels(0.25);
   int64_t gsteps = -1, psteps = -1;
   double bg = 0, bp = 0;
@@ -904,9 +911,8 @@ TEST(CudaModelGpu, GemmPrefillAttentionMatchesDirectKernel) {
   for (const auto& [preset, tol] : std::vector<std::pair<std::string, double>>{{"fp32", 1e-5}, {"nvfp4", 2e-3}}) {
     const auto prec = model::PrecisionConfig::preset(preset);
     cuda::GpuModel fast(w, prec);
-    setenv("QUADS_GPU_ATTN", "direct", 1);
-    cuda::GpuModel direct(w, prec);
-    unsetenv("QUADS_GPU_ATTN");
+    const auto direct_m = model_with_env("QUADS_GPU_ATTN", "direct", w, prec);
+    cuda::GpuModel& direct = *direct_m;
     auto run = [&](cuda::GpuModel& g) {
       g.reset_cache(3, 400);
       std::vector<model::StepItem> items(3);
@@ -945,11 +951,9 @@ TEST(CudaModelGpu, TiledDecodeAttentionSameBits) {
   for (const std::string preset : {"fp32", "nvfp4"}) {
     const auto prec = model::PrecisionConfig::preset(preset);
     cuda::GpuModel split(w, prec);
-    setenv("QUADS_GPU_ATTN_DECODE", "warp", 1);
-    cuda::GpuModel plain(w, prec);
-    setenv("QUADS_GPU_ATTN_DECODE", "tiled", 1);
-    cuda::GpuModel tiled(w, prec);
-    unsetenv("QUADS_GPU_ATTN_DECODE");
+    const auto plain_m = model_with_env("QUADS_GPU_ATTN_DECODE", "warp", w, prec);
+    const auto tiled_m = model_with_env("QUADS_GPU_ATTN_DECODE", "tiled", w, prec);
+    cuda::GpuModel &plain = *plain_m, &tiled = *tiled_m;
     int64_t gp = -1, gt = -1, gs = -1;
     const auto a = decode_logits(plain, 6, nullptr, &gp), b = decode_logits(tiled, 6, nullptr, &gt),
                c = decode_logits(split, 6, nullptr, &gs);
