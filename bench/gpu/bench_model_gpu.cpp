@@ -6,7 +6,7 @@
 // bandwidth) and the transformers 5.17 numbers of issue 6 (same H200 model, bf16); then a row of
 // sampled decode (temperature 1 through GpuModel::step_sample, the rollout engine's call, 64 new
 // tokens) with the draws on the device and on the host.
-//   bench_model_gpu [--quick] [--precisions bf16,nvfp4,nvfp4+rac] [--train-only | --rollout-only]
+//   bench_model_gpu [--quick] [--precisions bf16,nvfp4,nvfp4+rac] [--batches 4,8,32] [--train-only | --rollout-only]
 //   bench_model_gpu --ncu P | --ncu-decode P | --ncu-train P   (regions for ncu, see below)
 //   bench_model_gpu --step-trace P [--step-trace P2 ...]        (scripts/gpu/step_trace.sh, see below)
 // Training rows (cuda::GpuTrainer, cuda/train_gpu.h): tokens/s of one optimizer step on 8 x 1024
@@ -14,7 +14,8 @@
 // of 3 after a warm-up step) for the `bf16` and `qat` presets, beside the transformers bf16 number
 // of issue 6 (47000 tok/s on the same H200), and the QAT overhead; then the NVFP4 quantizer's
 // throughput on a 16384 x 8192 float32 tensor (per-row global scale) against the copy bandwidth.
-// --train-only skips the rollout rows, --rollout-only the training rows.
+// --train-only skips the rollout rows, --rollout-only the training rows. --batches adds decode rows
+// at other batch sizes (no peer number).
 // nvfp4+rac: the nvfp4 preset with RAC on the first half of every quantized linear's input channels
 // (model::RacConfig's default ratio; the cost of RAC, not a calibrated selection).
 // Wall-clock times (host steady clock, the GPU synchronized at the end of each timed region).
@@ -318,6 +319,10 @@ void step_trace(const model::ModelConfig& cfg, const std::string& p) {
   }
 }
 
+// --batches a,b,...: decode batches timed after the peer's 1 / 16 / 64 (no peer column; for
+// rules that switch by batch size)
+std::vector<int> g_extra_batches;
+
 // One precision's rows of the table; returns false (after printing the error) on failure.
 bool bench_precision(const model::ModelConfig& cfg, const std::string& p, double bw, bool quick) {
   const int new_tokens = quick ? 16 : 128;
@@ -372,6 +377,13 @@ bool bench_precision(const model::ModelConfig& cfg, const std::string& p, double
                    "%.0f us a step\n",
                    p.c_str(), B, static_cast<long long>(r.graph_steps), static_cast<long long>(r.steps),
                    static_cast<long long>(r.graph_kernels), r.gpu_us_per_step, r.wall_us_per_step);
+    }
+    for (const int B : g_extra_batches) {
+      const DecodeResult r = run_decode(g, B, prompt, new_tokens, 15.0);
+      const double bound = B * bw * 1e9 / r.bytes_per_step;
+      std::printf("| %s | %d | %.0f | %.0f | %.2f | %.0f | %.1f | | |\n", p.c_str(), B, r.e2e_tps, r.decode_tps,
+                  r.bytes_per_step / 1e9, bound, 100.0 * r.decode_tps / bound);
+      std::fflush(stdout);
     }
     // The rollout engine's call (draws at temperature 1, returned per row) with the draws on the
     // device and on the host (the logits downloaded, rollout::sample_jobs on the CPU's threads).
@@ -549,6 +561,14 @@ int main(int argc, char** argv) {
       else if (!std::strcmp(argv[i], "--step-trace") && i + 1 < argc) {
         step_trace(peer_config(), argv[++i]);
         if (i + 1 == argc) return 0;
+      }
+      else if (!std::strcmp(argv[i], "--batches") && i + 1 < argc) {
+        std::stringstream ss(argv[++i]);
+        for (std::string b; std::getline(ss, b, ',');) {
+          const int B = std::atoi(b.c_str());
+          if (B < 1) throw std::runtime_error("--batches: '" + b + "' is not a batch size >= 1");
+          g_extra_batches.push_back(B);
+        }
       }
       else if (!std::strcmp(argv[i], "--precisions") && i + 1 < argc) {
         precisions.clear();

@@ -125,20 +125,25 @@ struct Nvfp4Weight {
 // Every row of y must belong to a group (eoff[groups] == x.rows).
 // Auto with splits == 0 and the same max_rows gives w4a4_gemm_grouped and
 // w4a4_gemm_grouped_gather the same choice.
+// plan_groups > groups: the call is a window of a call of plan_groups groups (eoff, w_table
+// offset to the window's first group) and keeps that call's launch plan (the GEMV's and the
+// skinny tiles' splits: the only kernels it may choose then), so each output has the same bits as
+// in the whole call.
 void w4a4_gemm_grouped(const Nvfp4View& x, const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n, int groups,
                        const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t stream = nullptr, int splits = 0,
-                       W4A4Tile tile = W4A4Tile::Auto);
+                       W4A4Tile tile = W4A4Tile::Auto, int plan_groups = 0);
 
 // w4a4_gemm_grouped (Auto, splits 0) with X read through a row map: row r of the grouped problem
 // (eoff's rows, `rows` of them, y [rows, n]) is X's row x_map[r] / x_map_div (kern::gather_rows'
 // idx / div: the MoE permutation and top-k), so the experts read the T token rows' codes without
 // a gathered copy. Each output is w4a4_gemm_grouped's on the gathered rows, bit for bit. The
 // GEMV at decode batch 1 and the skinny tiles (Auto's choices there) only: for max_rows and k
-// where w4a4_grouped_mapped_supported says so.
+// where w4a4_grouped_mapped_supported says so. plan_groups: as w4a4_gemm_grouped's.
 bool w4a4_grouped_mapped_supported(int64_t max_rows, int64_t k);
 void w4a4_gemm_grouped_mapped(const Nvfp4View& x, const int32_t* x_map, int x_map_div, int64_t rows,
                               const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n, int groups,
-                              const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t stream = nullptr);
+                              const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t stream = nullptr,
+                              int plan_groups = 0);
 
 // RAC on grouped experts (one launch for all experts' residual GEMMs, no host sync): y[r, :]
 // (row stride ldy) += Xr[r] . W_e[:, S_e]^T for the rows r of group e (eoff as w4a4_gemm_grouped),

@@ -237,6 +237,25 @@ struct GpuModel::Impl {
   // routing): the attention's first K/V tile, the router's weights in the post-attention norm,
   // the MoE combine's routing and the next norm's weights. QUADS_GPU_EARLY=0 waits first.
   bool early_on = true;
+  // The experts' MLP of a decode batch in chains: chain i of c takes experts E * i / c ..
+  // E * (i + 1) / c - 1 (mapped gate/up, quantize_swiglu, down) on its own stream (chain 0 on the
+  // step's), forked after the routing and joined before the combine, so that a chain's down
+  // projection runs in the tail of the other chains' gate/up. Each launch is a window of the whole
+  // call with its plan: the same bits. Chain i's stream has priority rank i from the highest, so
+  // its CTAs are dispatched before those of later chains (QUADS_GPU_MOE_PRIO=0: all equal).
+  // moe_chains_for(T): 4 chains for 9-16 tokens, 2 for 17-64, none below; QUADS_GPU_MOE_CHAINS=c
+  // forces c (1 = off). H200, peer model, nvfp4 decode tok/s, two rounds each (docs/cuda.md Part
+  // 19): none / 2 / 4 chains at batch 4 5377, 5369 / 5105, 5155 / 5216, 5214; 8 9082, 9084 / 9130,
+  // 9176 / 9098, 9044; 16 15582, 15520 / 15735, 15777 / 16090, 16087; 32 23890, 23880 / 24709,
+  // 24721 / 24363, 24535; 64 40737, 40627 / 41595, 41679 / 41409, 41466.
+  int moe_chains_env = 0;
+  static constexpr int kMaxChains = 8;
+  cudaStream_t side[kMaxChains - 1] = {};
+  cudaEvent_t ev_fork = nullptr, ev_join[kMaxChains - 1] = {};
+  int moe_chains_for(int64_t T) const {
+    if (moe_chains_env > 0) return moe_chains_env;
+    return T <= 8 ? 1 : T <= 16 ? 4 : 2;
+  }
   // Prefills of fresh slots (every item from position 0, at least kGemmAttnTokens tokens): the
   // attention as FP32 SGEMMs per sequence (AttentionTc::set_fp32: the CPU's arithmetic up to
   // summation order, ~6x the one-warp-per-row kernel at 16 x 1024); QUADS_GPU_ATTN=direct keeps
@@ -326,6 +345,23 @@ struct GpuModel::Impl {
     device_sampling = !env_is("QUADS_GPU_SAMPLE", "host");
     router_norm_on = !env_is("QUADS_GPU_ROUTER_NORM", "0");
     early_on = !env_is("QUADS_GPU_EARLY", "0");
+    if (const char* a = std::getenv("QUADS_GPU_MOE_CHAINS")) moe_chains_env = std::clamp(std::atoi(a), 0, kMaxChains);
+    {
+      const int chains = std::max(moe_chains_env, 4);  // the most moe_chains_for can ask for
+      int least = 0, greatest = 0;
+      QUADS_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+      const bool prio = !env_is("QUADS_GPU_MOE_PRIO", "0");
+      auto rank = [&](int i) { return prio ? std::min(least, greatest + i) : least; };  // greatest < least
+      if (prio) {
+        QUADS_CUDA_CHECK(cudaStreamDestroy(stream));
+        QUADS_CUDA_CHECK(cudaStreamCreateWithPriority(&stream, cudaStreamDefault, rank(0)));
+      }
+      for (int i = 1; i < chains; ++i) {
+        QUADS_CUDA_CHECK(cudaStreamCreateWithPriority(&side[i - 1], cudaStreamDefault, rank(i)));
+        QUADS_CUDA_CHECK(cudaEventCreateWithFlags(&ev_join[i - 1], cudaEventDisableTiming));
+      }
+      QUADS_CUDA_CHECK(cudaEventCreateWithFlags(&ev_fork, cudaEventDisableTiming));
+    }
     if (attn_gemm_on) {  // now, not in the first prefill: creating its cuBLAS handle takes ~0.1 s
       attn_gemm = std::make_unique<AttentionTc>();
       attn_gemm->set_fp32(true);
@@ -350,6 +386,11 @@ struct GpuModel::Impl {
     clear_graphs();
     if (cublas) cublasDestroy(cublas);
     if (stream) cudaStreamDestroy(stream);
+    for (cudaStream_t x : side)
+      if (x) cudaStreamDestroy(x);
+    for (cudaEvent_t x : ev_join)
+      if (x) cudaEventDestroy(x);
+    if (ev_fork) cudaEventDestroy(ev_fork);
     if (ev_begin) cudaEventDestroy(ev_begin);
     if (ev_end) cudaEventDestroy(ev_end);
     if (bad_host) cudaFreeHost(bad_host);
@@ -629,6 +670,10 @@ struct GpuModel::Impl {
     // GEMV does not fuse it; QUADS_GPU_NORM_QUANT=0 keeps kern::swiglu + quantize()
     const bool swiglu_q = !down_fused && !Gt.rac[2].on && Gt.d.mode == GpuLinearMode::W4A4 && norm_quant_on &&
                           fused_on && !kern::legacy_decode_kernels() && quantize_swiglu_supported(D0.act_cfg());
+    if (mapped && swiglu_q && li.fused_gu && moe_chains_for(T) > 1 && E >= moe_chains_for(T)) {
+      mlp_chains(l, T, R, Y, moe_chains_for(T));
+      return;
+    }
     if (mapped) {
       w4a4_gemm_grouped_mapped(nq_view(T, H), perm.data(), cfg.num_experts_per_tok, R, Gt.gu.q.data(), Gt.gu.amax_row,
                                2 * I, E, eo, T, gp, stream);
@@ -680,6 +725,46 @@ struct GpuModel::Impl {
     const Operand od = prepare(D0, hp, R, need_f);
     run(Gt.d, od, H, I, Y);
     grouped_rac(l, 2, hp, R, T, Y, H);
+  }
+
+  // mlp_grouped's mapped gate/up, quantize_swiglu and down in C chains of experts, one a stream
+  // (see moe_chains_for). Every launch is a window of the whole call's groups with its plan, so
+  // each row gets the bits of the one-chain path.
+  void mlp_chains(int l, int64_t T, int64_t R, float* Y, int C) {
+    const LayerIdx& li = layers[l];
+    const Grouped& Gt = grouped[l];
+    const int E = li.nexperts;
+    const int64_t H = cfg.hidden_size, I = li.inter;
+    float* gp = g.data();
+    const int32_t* eo = eoff_d.data();
+    const DevLinear& D0 = lin[li.mlp + 2];
+    QUADS_CHECK(D0.act_cfg().global != num::Global::Static || D0.act_cfg().static_amax > 0,
+                "GpuModel: {} uses a static activation scale but none is set (calibrate it first)", D0.name);
+    xq.cfg = D0.act_cfg();
+    xq.rows = R;
+    xq.cols = I;
+    xq.layout = ScaleLayout::RowMajor;
+    grow(xq.codes, size_t(R * I / 2));
+    grow(xq.scales, size_t(R * I / 16));
+    grow(xq.amax, size_t(std::max<int64_t>(R, 1)));
+    const Nvfp4View xd = nvfp4_view(xq, D0.name.c_str());
+    QUADS_CUDA_CHECK(cudaEventRecord(ev_fork, stream));
+    for (int c = 1; c < C; ++c) QUADS_CUDA_CHECK(cudaStreamWaitEvent(side[c - 1], ev_fork, 0));
+    auto st = [&](int c) { return c == 0 ? stream : side[c - 1]; };
+    auto gb = [&](int c) { return E * c / C; };
+    for (int c = 0; c < C; ++c)
+      w4a4_gemm_grouped_mapped(nq_view(T, H), perm.data(), cfg.num_experts_per_tok, R, Gt.gu.q.data() + gb(c),
+                               Gt.gu.amax_row, 2 * I, gb(c + 1) - gb(c), eo + gb(c), T, gp, st(c), E);
+    for (int c = 0; c < C; ++c) {
+      quantize_swiglu(gp, gp + I, 2 * I, xq, st(c), eo + gb(c), eo + gb(c + 1));
+      w4a4_gemm_grouped(xd, Gt.d.q.data() + gb(c), Gt.d.amax_row, H, gb(c + 1) - gb(c), eo + gb(c), T, Y, st(c), 0,
+                        W4A4Tile::Auto, E);
+    }
+    stats.expert_gemms += 2 * C;
+    for (int c = 1; c < C; ++c) {
+      QUADS_CUDA_CHECK(cudaEventRecord(ev_join[c - 1], side[c - 1]));
+      QUADS_CUDA_CHECK(cudaStreamWaitEvent(stream, ev_join[c - 1], 0));
+    }
   }
 
   // Raises a router error recorded by kern::moe_route. `copied`: the step's queued copy into

@@ -80,6 +80,10 @@ struct RowArgs {
   // warps a row (1, or kRowWarps: a CTA a row, for a few long rows that one warp would stream in
   // several round trips)
   int rw;
+  // quantize_swiglu of a window of rows: only rows *row_lo .. *row_hi - 1 (device values, e.g. a
+  // MoE group range in eoff); nullptr: all
+  const int32_t* row_lo;
+  const int32_t* row_hi;
 };
 
 __device__ __forceinline__ uint32_t encode4(Kind k, float v) {
@@ -116,6 +120,7 @@ __global__ void __launch_bounds__(32 * kRowWarps) row_block_kernel(const RowArgs
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, rw = a.rw, wr = warp % rw;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (kRowWarps / rw) + warp / rw;
   if (row >= a.rows) return;  // rw > 1: a CTA is one row, all live (the barrier below)
+  if (SW && a.row_lo && (row < *a.row_lo || row >= *a.row_hi)) return;  // uniform over a row's CTA too
   const int64_t nblk = a.cols / BLK;
   const uint4* xr = reinterpret_cast<const uint4*>(a.x + row * (SW ? a.ld : a.cols));
   const uint4* ur = reinterpret_cast<const uint4*>(SW ? a.u + row * a.ld : nullptr);
@@ -678,7 +683,8 @@ bool quantize_swiglu_supported(const QConfig& c) {
          (c.global == Global::PerRow || c.global == Global::Static) && !c.stochastic;
 }
 
-void quantize_swiglu(const float* g, const float* u, int64_t ld, DeviceQTensor& q, cudaStream_t s) {
+void quantize_swiglu(const float* g, const float* u, int64_t ld, DeviceQTensor& q, cudaStream_t s,
+                     const int32_t* row_lo, const int32_t* row_hi) {
   check_shape(q, "cuda::quantize_swiglu");
   QUADS_CHECK(quantize_swiglu_supported(q.cfg) && q.layout == ScaleLayout::RowMajor,
               "cuda::quantize_swiglu: NVFP4 E2M1 1x16 with a per-row or static amax and row-major scales only, not {}",
@@ -699,6 +705,9 @@ void quantize_swiglu(const float* g, const float* u, int64_t ld, DeviceQTensor& 
   a.amax = q.amax.data();
   a.static_amax = q.cfg.static_amax;
   a.amax_mode = q.cfg.global == Global::Static ? kAmaxStatic : kAmaxRowCompute;
+  QUADS_CHECK((row_lo == nullptr) == (row_hi == nullptr), "cuda::quantize_swiglu: a row window needs both ends");
+  a.row_lo = row_lo;
+  a.row_hi = row_hi;
   launch_row<float, false, kNvE2M1, true>(a, s);
 }
 void quantize_bf16(const uint16_t* x, DeviceQTensor& q, cudaStream_t s) { quantize_any(x, q, s); }

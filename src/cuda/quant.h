@@ -49,7 +49,10 @@ void quantize_bf16(const uint16_t* x, DeviceQTensor& q, cudaStream_t stream = nu
 // intermediate. For configs where quantize_swiglu_supported (NVFP4 E2M1 1x16, per-row or static
 // amax, no stochastic rounding), row-major scales; g and u 16-byte aligned, ld a multiple of 4.
 bool quantize_swiglu_supported(const num::QConfig& cfg);
-void quantize_swiglu(const float* g, const float* u, int64_t ld, DeviceQTensor& q, cudaStream_t stream = nullptr);
+// row_lo / row_hi (device int32, both or neither): only rows *row_lo .. *row_hi - 1 are written
+// (a window of MoE groups: eoff + first, eoff + end), each as in the whole call.
+void quantize_swiglu(const float* g, const float* u, int64_t ld, DeviceQTensor& q, cudaStream_t stream = nullptr,
+                     const int32_t* row_lo = nullptr, const int32_t* row_hi = nullptr);
 
 // Dequantized values, [rows, cols] float32 (or bf16 bits, rounded to nearest even).
 void dequantize(const DeviceQTensor& q, float* out, cudaStream_t stream = nullptr);

@@ -447,14 +447,18 @@ void dispatch(const Params& p, const W4A4Options& opt, cudaStream_t s) {
 }
 
 
+// plan_groups: the groups the GEMV's and skinny tiles' plans are made for (a window of a larger
+// call keeps its plan: the same bits); the grid covers `groups`.
 template <bool GATHER>
-void dispatch_grouped(Params p, int groups, int splits, W4A4Tile tile, cudaStream_t s) {
+void dispatch_grouped(Params p, int groups, int splits, W4A4Tile tile, cudaStream_t s, int plan_groups = 0) {
   p.groups = groups;
+  const int pg = std::max(groups, plan_groups);
+  const int64_t grid_active = std::min<int64_t>(groups, p.Mtot);
   if (tile == W4A4Tile::Auto && splits <= 0 && gemv_auto_grouped(p.M, p.K) &&
-      gemv_plan_grouped(p, groups).R > 0)
+      gemv_plan_grouped(p, pg).R > 0)
     tile = W4A4Tile::Gemv;
   if (tile == W4A4Tile::Gemv) {
-    launch_gemv<GATHER, true>(p, gemv_plan_grouped(p, groups), std::min<int64_t>(groups, p.Mtot), s);
+    launch_gemv<GATHER, true>(p, gemv_plan_grouped(p, pg), grid_active, s);
     return;
   }
   if (tile == W4A4Tile::Auto && !GATHER && splits <= 0 && skinny_enabled(true) && p.M <= kSkinnyAutoMaxRows &&
@@ -462,9 +466,11 @@ void dispatch_grouped(Params p, int groups, int splits, W4A4Tile tile, cudaStrea
     tile = W4A4Tile::Skinny;
   if (tile == W4A4Tile::Skinny) {
     QUADS_CHECK(!GATHER, "w4a4_gemm_grouped_gather: the skinny tiles have no gather variant");
-    launch_skinny<true>(p, p.M, std::min<int64_t>(groups, p.Mtot), splits, 0, s);
+    launch_skinny<true>(p, p.M, std::min<int64_t>(pg, p.Mtot), splits, 0, s, 0, grid_active);
     return;
   }
+  QUADS_CHECK(pg == groups, "w4a4_gemm_grouped: a window of groups (plan_groups {} > groups {}) needs the GEMV or "
+              "the skinny tiles (a few rows a group)", plan_groups, groups);
   // p.M is the largest group: decode has a few rows per expert, M16 tiles stream the weights. With
   // 4 warps per tile (H200, routed decode batches, bench_cuda --gemv): gate/up 70 vs 82 us at batch
   // 16, 87 vs 87 at 64; down 40 vs 37 at 16, 46 vs 55 at 64.
@@ -559,12 +565,13 @@ Params grouped_params(const Nvfp4View& x, const Nvfp4Weight* w_table, bool w_ama
 
 void w4a4_gemm_grouped(const Nvfp4View& x, const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n, int groups,
                        const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t s, int splits,
-                       W4A4Tile tile) {
+                       W4A4Tile tile, int plan_groups) {
   QUADS_CHECK(x.k % 64 == 0, "w4a4_gemm_grouped: K = {} must be a multiple of 64", x.k);
   QUADS_CHECK(groups > 0 && groups <= 65535, "w4a4_gemm_grouped: {} groups (1..65535)", groups);
+  QUADS_CHECK(plan_groups <= 65535, "w4a4_gemm_grouped: plan_groups = {} (at most 65535)", plan_groups);
   if (x.rows == 0 || n == 0 || max_rows <= 0) return;
   dispatch_grouped<false>(grouped_params(x, w_table, w_amax_per_row, n, eoff, max_rows, x.rows, y), groups, splits,
-                          tile, s);
+                          tile, s, plan_groups);
 }
 
 bool w4a4_grouped_mapped_supported(int64_t max_rows, int64_t k) {
@@ -575,7 +582,8 @@ bool w4a4_grouped_mapped_supported(int64_t max_rows, int64_t k) {
 
 void w4a4_gemm_grouped_mapped(const Nvfp4View& x, const int32_t* x_map, int x_map_div, int64_t rows,
                               const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n, int groups,
-                              const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t s) {
+                              const int32_t* eoff, int64_t max_rows, float* y, cudaStream_t s,
+                              int plan_groups) {
   QUADS_CHECK(w4a4_grouped_mapped_supported(max_rows, x.k),
               "w4a4_gemm_grouped_mapped: no mapped kernel for {} rows a group and K = {} (ask "
               "w4a4_grouped_mapped_supported)", max_rows, x.k);
@@ -586,8 +594,10 @@ void w4a4_gemm_grouped_mapped(const Nvfp4View& x, const int32_t* x_map, int x_ma
   p.fmap = x_map;
   p.fmap_div = x_map_div;
   p.groups = groups;
-  if (gemv_auto_grouped(max_rows, x.k)) launch_gemv<false, true>(p, gemv_plan_grouped(p, groups), std::min<int64_t>(groups, p.Mtot), s);
-  else launch_skinny<true>(p, p.M, std::min<int64_t>(groups, p.Mtot), 0, 0, s);
+  const int pg = std::max(groups, std::min(plan_groups, 65535));
+  const int64_t grid_active = std::min<int64_t>(groups, p.Mtot);
+  if (gemv_auto_grouped(max_rows, x.k)) launch_gemv<false, true>(p, gemv_plan_grouped(p, pg), grid_active, s);
+  else launch_skinny<true>(p, p.M, std::min<int64_t>(pg, p.Mtot), 0, 0, s, 0, grid_active);
 }
 
 void w4a4_gemm_grouped_gather(const Nvfp4View& xr, const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n,

@@ -560,14 +560,17 @@ void launch_skinny_nt(const Params& p, const SkinnyPlan& pl, dim3 grid, cudaStre
     }
   }
 }
+// grid_active (grouped, >= 0): the grid's rows of CTAs where the plan is made for `active` groups
+// (a window of a larger call).
 template <bool GROUPED>
 void launch_skinny(const Params& p, int64_t rows, int64_t active, int splits, int kcluster, cudaStream_t s,
-                   int row_block = 0) {
+                   int row_block = 0, int64_t grid_active = -1) {
   const SkinnyPlan pl = skinny_plan(p, GROUPED, rows, active, splits, kcluster, row_block);
   const int64_t rows_per_cta = 16LL * (kSkinnyWarps / pl.ks);
-  QUADS_CHECK(active <= 65535, "w4a4_gemm: {} groups are too many for the skinny tiles", active);
+  const int64_t gy = grid_active >= 0 ? grid_active : active;
+  QUADS_CHECK(gy <= 65535, "w4a4_gemm: {} groups are too many for the skinny tiles", gy);
   const dim3 grid(static_cast<unsigned>((p.N + rows_per_cta - 1) / rows_per_cta),
-                  static_cast<unsigned>(GROUPED ? active : pl.rsplit));
+                  static_cast<unsigned>(GROUPED ? gy : pl.rsplit));
   if constexpr (GROUPED) {
     if (pl.nt == 1) launch_skinny_nt<1, true>(p, pl, grid, s);
     else launch_skinny_nt<2, true>(p, pl, grid, s);

@@ -479,6 +479,71 @@ TEST(CudaModelGpu, EarlyLoadsSameBits) {
   EXPECT_EQ(early.stats().graph_steps, 11) << "batch 1";
 }
 
+// The experts' MLP in chains on their own streams (gate/up, quantize_swiglu and down for a window
+// of the 8 experts a chain) gives the one-chain step's bits, eagerly and as graphs: 2, 3 and 4
+// chains forced (QUADS_GPU_MOE_CHAINS) at batches 2 and 5, with and without stream priorities, and
+// the default rule (4 chains at batch 12) against chains off.
+TEST(CudaModelGpu, MoeChainsSameBits) {
+  QUADS_REQUIRE_GPU();
+  const auto prec = model::PrecisionConfig::preset("nvfp4");
+  const model::Weights w = model::Weights::random(small_moe_config(), 41, 0.05f);
+  const auto off_m = model_with_env("QUADS_GPU_MOE_CHAINS", "1", w, prec);
+  cuda::GpuModel& off = *off_m;
+  ASSERT_EQ(off.linear_mode("model.layers.0.mlp.experts.0.down_proj"), cuda::GpuLinearMode::W4A4);
+  auto batch = [](cuda::GpuModel& g, int n) {  // n slots: a 3-token prompt each, then 6 steps
+    g.reset_cache(n, 64);
+    g.reset_stats();
+    std::vector<model::StepItem> items(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      items[size_t(i)].slot = i;
+      items[size_t(i)].tokens = {i + 1, (2 * i + 3) % 50, 7};
+    }
+    std::vector<float> out = g.step(items);
+    for (int s = 0; s < 6; ++s) {
+      for (int i = 0; i < n; ++i) items[size_t(i)].tokens = {(3 * s + 5 * i + 1) % 50};
+      const std::vector<float> lg = g.step(items);
+      out.insert(out.end(), lg.begin(), lg.end());
+    }
+    return out;
+  };
+  const int64_t layers = w.cfg.num_hidden_layers;
+  const auto l1 = decode_logits(off, 6, nullptr);
+  const auto f12 = batch(off, 12);
+  const int64_t k12 = off.stats().graph_kernels;
+  const auto f5 = batch(off, 5);
+  const int64_t k5 = off.stats().graph_kernels;
+  {
+    cuda::GpuModel dflt(w, prec);
+    EXPECT_EQ(first_float_mismatch(batch(dflt, 12), f12), -1) << "batch 12, the default rule";
+    EXPECT_EQ(dflt.stats().graph_kernels - k12, 3 * 3 * layers) << "batch 12: 4 chains by default";
+    EXPECT_EQ(first_float_mismatch(batch(dflt, 5), f5), -1) << "batch 5, the default rule";
+    EXPECT_EQ(dflt.stats().graph_kernels, k5) << "batch 5: one chain by default";
+  }
+  for (const char* chains : {"2", "3", "4"})
+    for (const char* prio : {"0", "1"}) {
+      setenv("QUADS_GPU_MOE_PRIO", prio, 1);
+      const auto two_m = model_with_env("QUADS_GPU_MOE_CHAINS", chains, w, prec);
+      const auto eager_m = [&] {
+        setenv("QUADS_GPU_GRAPHS", "0", 1);
+        struct Unset {
+          ~Unset() { unsetenv("QUADS_GPU_GRAPHS"); }
+        } unset;
+        return model_with_env("QUADS_GPU_MOE_CHAINS", chains, w, prec);
+      }();
+      unsetenv("QUADS_GPU_MOE_PRIO");
+      const std::string what = std::string(chains) + " chains, priorities " + prio;
+      int64_t g2 = -1;
+      const auto l2 = decode_logits(*two_m, 6, nullptr, &g2);
+      EXPECT_EQ(g2, 5) << what;
+      EXPECT_EQ(first_float_mismatch(l2, l1), -1) << "batch 2, graphs, " << what;
+      EXPECT_EQ(first_float_mismatch(batch(*two_m, 5), f5), -1) << "batch 5, graphs, " << what;
+      // a layer's gate/up, quantize_swiglu and down launched once a chain
+      EXPECT_EQ(two_m->stats().graph_kernels - k5, 3 * (std::atoi(chains) - 1) * layers) << what;
+      EXPECT_EQ(first_float_mismatch(decode_logits(*eager_m, 6, nullptr), l1), -1) << "batch 2, eager, " << what;
+      EXPECT_EQ(first_float_mismatch(batch(*eager_m, 5), f5), -1) << "batch 5, eager, " << what;
+    }
+}
+
 // Prefill attention with several tokens per CTA (QUADS_GPU_ATTN_TOKENS) gives the one-token launch's
 // bits: each warp's arithmetic is the same, only the grid differs.
 TEST(CudaModelKernels, AttentionTokensPerCtaSameBits) {
@@ -833,8 +898,10 @@ TEST(CudaMoe, GroupedMappedEqualsGathered) {
     int64_t N, K;
     bool w_row;
   };
+  // (16 tokens, 8 experts of 6400 x 1024: the whole call's plan has one warp a row tile on an
+  // H200, a window of 4 groups planned alone would take two: plan_groups must keep it)
   for (const Case c : {Case{16, 8, 64, 96, 2048, false}, Case{64, 8, 64, 64, 768, true}, Case{3, 2, 5, 40, 256, false},
-                       Case{2, 8, 64, 48, 1024, true}}) {
+                       Case{2, 8, 64, 48, 1024, true}, Case{16, 2, 8, 6400, 1024, false}}) {
     const int64_t R = c.T * c.k;
     // a random top-k routing: token t's k distinct experts, rows in expert order
     std::mt19937 rng(static_cast<unsigned>(c.T * 31 + c.k));
@@ -868,6 +935,28 @@ TEST(CudaMoe, GroupedMappedEqualsGathered) {
                                    G.deoff.data(), c.T, y.data());
     const std::vector<float> ref = yref.download();
     EXPECT_EQ(first_float_mismatch(y.download(), ref), -1) << "T " << c.T << " k " << c.k << " K " << c.K;
+    // two windows of groups, each with the whole call's plan (the model's two MoE chains), on two
+    // streams: every row as in the one call, gathered and mapped
+    {
+      const int s0 = c.E / 2;
+      cudaStream_t st[2];
+      for (cudaStream_t& x : st) QUADS_CUDA_CHECK(cudaStreamCreate(&x));
+      DeviceArray<float> yw(R * c.N), ymw(R * c.N);
+      yw.fill_bytes(0xFF);
+      ymw.fill_bytes(0xFF);
+      QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+      const int gb[2] = {0, s0}, gn[2] = {s0, c.E - s0};
+      for (int w = 0; w < 2; ++w) {
+        cuda::w4a4_gemm_grouped(cuda::nvfp4_view(gq, "x"), G.dtab.data() + gb[w], c.w_row, c.N, gn[w],
+                                G.deoff.data() + gb[w], c.T, yw.data(), st[w], 0, cuda::W4A4Tile::Auto, c.E);
+        cuda::w4a4_gemm_grouped_mapped(cuda::nvfp4_view(tq, "x"), dperm.data(), c.k, R, G.dtab.data() + gb[w], c.w_row,
+                                       c.N, gn[w], G.deoff.data() + gb[w], c.T, ymw.data(), st[w], c.E);
+      }
+      QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+      for (cudaStream_t x : st) QUADS_CUDA_CHECK(cudaStreamDestroy(x));
+      EXPECT_EQ(first_float_mismatch(yw.download(), ref), -1) << "windows, T " << c.T << " E " << c.E << " N " << c.N;
+      EXPECT_EQ(first_float_mismatch(ymw.download(), ref), -1) << "mapped windows, T " << c.T << " E " << c.E;
+    }
     double mag = 0;
     for (float v : ref) mag = std::max(mag, std::fabs(double(v)));
     EXPECT_GT(mag, 0.0);
