@@ -238,16 +238,19 @@ struct GpuModel::Impl {
   // the MoE combine's routing and the next norm's weights. QUADS_GPU_EARLY=0 waits first.
   bool early_on = true;
   // The experts' MLP of a decode batch in chains: chain i of c takes experts E * i / c ..
-  // E * (i + 1) / c - 1 (mapped gate/up, quantize_swiglu, down) on its own stream (chain 0 on the
-  // step's), forked after the routing and joined before the combine, so that a chain's down
-  // projection runs in the tail of the other chains' gate/up. Each launch is a window of the whole
-  // call with its plan: the same bits. Chain i's stream has priority rank i from the highest, so
-  // its CTAs are dispatched before those of later chains (QUADS_GPU_MOE_PRIO=0: all equal).
-  // moe_chains_for(T): 4 chains for 9-16 tokens, 2 for 17-64, none below; QUADS_GPU_MOE_CHAINS=c
-  // forces c (1 = off). H200, peer model, nvfp4 decode tok/s, two rounds each (docs/cuda.md Part
-  // 19): none / 2 / 4 chains at batch 4 5377, 5369 / 5105, 5155 / 5216, 5214; 8 9082, 9084 / 9130,
-  // 9176 / 9098, 9044; 16 15582, 15520 / 15735, 15777 / 16090, 16087; 32 23890, 23880 / 24709,
-  // 24721 / 24363, 24535; 64 40737, 40627 / 41595, 41679 / 41409, 41466.
+  // E * (i + 1) / c - 1 (mapped gate/up, quantize_swiglu, down) on a stream of its own, forked after
+  // the routing and joined before the combine, so that a chain's down projection runs in the tail
+  // of the other chains' gate/up. Each launch is a window of the whole call with its plan: the
+  // same bits. Chains 0 .. c - 2 run on side streams at priority ranks 0 .. c - 2 from the highest
+  // (their CTAs are dispatched first; QUADS_GPU_MOE_PRIO=0: all equal), the last chain on the
+  // step's stream, so that the combine after it is a programmatic launch behind the chain that
+  // ends last (the other way round, chain 0 on the step's stream at the highest priority: batch
+  // 16 / 32 / 64 0.6% / 1.4% / 2.2% slower). moe_chains_for(T): 4 chains for 9-16 tokens, 2 for
+  // 17-64, none below; QUADS_GPU_MOE_CHAINS=c forces c (1 = off). H200, peer model, nvfp4 decode
+  // tok/s, two rounds each, chain 0 on the step's stream (docs/cuda.md Part 19): none / 2 / 4
+  // chains at batch 4 5377, 5369 / 5105, 5155 / 5216, 5214; 8 9082, 9084 / 9130, 9176 / 9098,
+  // 9044; 16 15582, 15520 / 15735, 15777 / 16090, 16087; 32 23890, 23880 / 24709, 24721 / 24363,
+  // 24535; 64 40737, 40627 / 41595, 41679 / 41409, 41466.
   int moe_chains_env = 0;
   static constexpr int kMaxChains = 8;
   cudaStream_t side[kMaxChains - 1] = {};
@@ -352,13 +355,9 @@ struct GpuModel::Impl {
       QUADS_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
       const bool prio = !env_is("QUADS_GPU_MOE_PRIO", "0");
       auto rank = [&](int i) { return prio ? std::min(least, greatest + i) : least; };  // greatest < least
-      if (prio) {
-        QUADS_CUDA_CHECK(cudaStreamDestroy(stream));
-        QUADS_CUDA_CHECK(cudaStreamCreateWithPriority(&stream, cudaStreamDefault, rank(0)));
-      }
-      for (int i = 1; i < chains; ++i) {
-        QUADS_CUDA_CHECK(cudaStreamCreateWithPriority(&side[i - 1], cudaStreamDefault, rank(i)));
-        QUADS_CUDA_CHECK(cudaEventCreateWithFlags(&ev_join[i - 1], cudaEventDisableTiming));
+      for (int i = 0; i + 1 < chains; ++i) {
+        QUADS_CUDA_CHECK(cudaStreamCreateWithPriority(&side[i], cudaStreamDefault, rank(i)));
+        QUADS_CUDA_CHECK(cudaEventCreateWithFlags(&ev_join[i], cudaEventDisableTiming));
       }
       QUADS_CUDA_CHECK(cudaEventCreateWithFlags(&ev_fork, cudaEventDisableTiming));
     }
@@ -704,15 +703,7 @@ struct GpuModel::Impl {
       return;
     }
     if (swiglu_q) {
-      QUADS_CHECK(D0.act_cfg().global != num::Global::Static || D0.act_cfg().static_amax > 0,
-                  "GpuModel: {} uses a static activation scale but none is set (calibrate it first)", D0.name);
-      xq.cfg = D0.act_cfg();
-      xq.rows = R;
-      xq.cols = I;
-      xq.layout = ScaleLayout::RowMajor;
-      grow(xq.codes, size_t(R * I / 2));
-      grow(xq.scales, size_t(R * I / 16));
-      grow(xq.amax, size_t(std::max<int64_t>(R, 1)));
+      prepare_swiglu_q(D0, R, I);
       quantize_swiglu(gp, li.fused_gu ? gp + I : up, li.fused_gu ? 2 * I : I, xq, stream);
       Operand od;
       od.mode = D0.mode;
@@ -727,6 +718,19 @@ struct GpuModel::Impl {
     grouped_rac(l, 2, hp, R, T, Y, H);
   }
 
+  // xq shaped for quantize_swiglu's R x I codes, the down projection D0's activation operand
+  void prepare_swiglu_q(const DevLinear& D0, int64_t R, int64_t I) {
+    QUADS_CHECK(D0.act_cfg().global != num::Global::Static || D0.act_cfg().static_amax > 0,
+                "GpuModel: {} uses a static activation scale but none is set (calibrate it first)", D0.name);
+    xq.cfg = D0.act_cfg();
+    xq.rows = R;
+    xq.cols = I;
+    xq.layout = ScaleLayout::RowMajor;
+    grow(xq.codes, size_t(R * I / 2));
+    grow(xq.scales, size_t(R * I / 16));
+    grow(xq.amax, size_t(std::max<int64_t>(R, 1)));
+  }
+
   // mlp_grouped's mapped gate/up, quantize_swiglu and down in C chains of experts, one a stream
   // (see moe_chains_for). Every launch is a window of the whole call's groups with its plan, so
   // each row gets the bits of the one-chain path.
@@ -738,19 +742,11 @@ struct GpuModel::Impl {
     float* gp = g.data();
     const int32_t* eo = eoff_d.data();
     const DevLinear& D0 = lin[li.mlp + 2];
-    QUADS_CHECK(D0.act_cfg().global != num::Global::Static || D0.act_cfg().static_amax > 0,
-                "GpuModel: {} uses a static activation scale but none is set (calibrate it first)", D0.name);
-    xq.cfg = D0.act_cfg();
-    xq.rows = R;
-    xq.cols = I;
-    xq.layout = ScaleLayout::RowMajor;
-    grow(xq.codes, size_t(R * I / 2));
-    grow(xq.scales, size_t(R * I / 16));
-    grow(xq.amax, size_t(std::max<int64_t>(R, 1)));
+    prepare_swiglu_q(D0, R, I);
     const Nvfp4View xd = nvfp4_view(xq, D0.name.c_str());
     QUADS_CUDA_CHECK(cudaEventRecord(ev_fork, stream));
-    for (int c = 1; c < C; ++c) QUADS_CUDA_CHECK(cudaStreamWaitEvent(side[c - 1], ev_fork, 0));
-    auto st = [&](int c) { return c == 0 ? stream : side[c - 1]; };
+    for (int c = 0; c < C - 1; ++c) QUADS_CUDA_CHECK(cudaStreamWaitEvent(side[c], ev_fork, 0));
+    auto st = [&](int c) { return c == C - 1 ? stream : side[c]; };
     auto gb = [&](int c) { return E * c / C; };
     for (int c = 0; c < C; ++c)
       w4a4_gemm_grouped_mapped(nq_view(T, H), perm.data(), cfg.num_experts_per_tok, R, Gt.gu.q.data() + gb(c),
@@ -761,9 +757,9 @@ struct GpuModel::Impl {
                         W4A4Tile::Auto, E);
     }
     stats.expert_gemms += 2 * C;
-    for (int c = 1; c < C; ++c) {
-      QUADS_CUDA_CHECK(cudaEventRecord(ev_join[c - 1], side[c - 1]));
-      QUADS_CUDA_CHECK(cudaStreamWaitEvent(stream, ev_join[c - 1], 0));
+    for (int c = 0; c < C - 1; ++c) {
+      QUADS_CUDA_CHECK(cudaEventRecord(ev_join[c], side[c]));
+      QUADS_CUDA_CHECK(cudaStreamWaitEvent(stream, ev_join[c], 0));
     }
   }
 
