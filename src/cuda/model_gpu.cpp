@@ -703,7 +703,7 @@ struct GpuModel::Impl {
       return;
     }
     if (swiglu_q) {
-      prepare_swiglu_q(D0, R, I);
+      shape_xq(D0, R, I);
       quantize_swiglu(gp, li.fused_gu ? gp + I : up, li.fused_gu ? 2 * I : I, xq, stream);
       Operand od;
       od.mode = D0.mode;
@@ -718,11 +718,11 @@ struct GpuModel::Impl {
     grouped_rac(l, 2, hp, R, T, Y, H);
   }
 
-  // xq shaped for quantize_swiglu's R x I codes, the down projection D0's activation operand
-  void prepare_swiglu_q(const DevLinear& D0, int64_t R, int64_t I) {
-    QUADS_CHECK(D0.act_cfg().global != num::Global::Static || D0.act_cfg().static_amax > 0,
-                "GpuModel: {} uses a static activation scale but none is set (calibrate it first)", D0.name);
-    xq.cfg = D0.act_cfg();
+  // xq shaped for rows x cols NVFP4 codes of linear L's activation operand (row-major scales)
+  void shape_xq(const DevLinear& L, int64_t R, int64_t I) {
+    QUADS_CHECK(L.act_cfg().global != num::Global::Static || L.act_cfg().static_amax > 0,
+                "GpuModel: {} uses a static activation scale but none is set (calibrate it first)", L.name);
+    xq.cfg = L.act_cfg();
     xq.rows = R;
     xq.cols = I;
     xq.layout = ScaleLayout::RowMajor;
@@ -742,7 +742,7 @@ struct GpuModel::Impl {
     float* gp = g.data();
     const int32_t* eo = eoff_d.data();
     const DevLinear& D0 = lin[li.mlp + 2];
-    prepare_swiglu_q(D0, R, I);
+    shape_xq(D0, R, I);
     const Nvfp4View xd = nvfp4_view(xq, D0.name.c_str());
     QUADS_CUDA_CHECK(cudaEventRecord(ev_fork, stream));
     for (int c = 0; c < C - 1; ++c) QUADS_CUDA_CHECK(cudaStreamWaitEvent(side[c], ev_fork, 0));
@@ -1107,16 +1107,7 @@ struct GpuModel::Impl {
         kern::to_bf16(X, bop.data(), n, stream);
         break;
       case GpuLinearMode::W4A4: {
-        const num::QConfig& c = L.act_cfg();
-        QUADS_CHECK(c.global != num::Global::Static || c.static_amax > 0,
-                    "GpuModel: {} uses a static activation scale but none is set (calibrate it first)", L.name);
-        xq.cfg = c;
-        xq.rows = M;
-        xq.cols = L.in;
-        xq.layout = ScaleLayout::RowMajor;
-        grow(xq.codes, size_t(n / 2));
-        grow(xq.scales, size_t(n / 16));
-        grow(xq.amax, size_t(std::max<int64_t>(M, 1)));
+        shape_xq(L, M, L.in);
         quantize(X, xq, stream);
         op.v = nvfp4_view(xq, L.name.c_str());
         break;
