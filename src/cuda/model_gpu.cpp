@@ -204,6 +204,7 @@ struct GpuModel::Impl {
   DeviceArray<kern::SampleJobDev> sample_jobs;  // step_sample's draws
   DeviceArray<kern::SampleDrawDev> sample_out;
   DeviceArray<uint16_t> bop;
+  DeviceArray<uint16_t> hbf;  // the BF16 experts' down operand in chains (mlp_chains)
   DeviceArray<uint16_t> xnb;     // BF16 copy of a norm's output (fused kernels), for the BF16 GEMM reading it
   DeviceArray<uint8_t> attn_ws;  // kern::attention_decode_fused's counters (zeroed once, left at zero)
   DeviceQTensor xq;  // W4A4 activation operand (rows set per use)
@@ -678,6 +679,11 @@ struct GpuModel::Impl {
                                2 * I, E, eo, T, gp, stream);
       stats.expert_gemms += 1;
     }
+    if (!xn && !mapped && li.fused_gu && Gt.gu.mode == GpuLinearMode::BF16 && Gt.d.mode == GpuLinearMode::BF16 &&
+        !Gt.rac[0].on && !Gt.rac[1].on && !Gt.rac[2].on && moe_chains_for(T) > 1 && E >= moe_chains_for(T)) {
+      mlp_chains(l, T, R, Y, moe_chains_for(T), prepare(lin[li.mlp], X, R, need_f).b);
+      return;
+    }
     if (li.fused_gu) {
       if (!xn && !mapped) {
         const Operand all = prepare(lin[li.mlp], X, R, need_f);
@@ -731,10 +737,11 @@ struct GpuModel::Impl {
     grow(xq.amax, size_t(std::max<int64_t>(R, 1)));
   }
 
-  // mlp_grouped's mapped gate/up, quantize_swiglu and down in C chains of experts, one a stream
-  // (see moe_chains_for). Every launch is a window of the whole call's groups with its plan, so
+  // mlp_grouped's experts in C chains, one a stream (see moe_chains_for): W4A4 (xb null) the mapped
+  // gate/up, quantize_swiglu and down; BF16 the gate/up on xb (X's BF16 rows in expert order),
+  // swiglu_bf16 and down. Every launch is a window of the whole call's groups with its plan, so
   // each row gets the bits of the one-chain path.
-  void mlp_chains(int l, int64_t T, int64_t R, float* Y, int C) {
+  void mlp_chains(int l, int64_t T, int64_t R, float* Y, int C, const uint16_t* xb = nullptr) {
     const LayerIdx& li = layers[l];
     const Grouped& Gt = grouped[l];
     const int E = li.nexperts;
@@ -742,19 +749,33 @@ struct GpuModel::Impl {
     float* gp = g.data();
     const int32_t* eo = eoff_d.data();
     const DevLinear& D0 = lin[li.mlp + 2];
-    shape_xq(D0, R, I);
-    const Nvfp4View xd = nvfp4_view(xq, D0.name.c_str());
+    Nvfp4View xd;
+    if (!xb) {
+      shape_xq(D0, R, I);
+      xd = nvfp4_view(xq, D0.name.c_str());
+    }
     QUADS_CUDA_CHECK(cudaEventRecord(ev_fork, stream));
     for (int c = 0; c < C - 1; ++c) QUADS_CUDA_CHECK(cudaStreamWaitEvent(side[c], ev_fork, 0));
     auto st = [&](int c) { return c == C - 1 ? stream : side[c]; };
     auto gb = [&](int c) { return E * c / C; };
-    for (int c = 0; c < C; ++c)
-      w4a4_gemm_grouped_mapped(nq_view(T, H), perm.data(), cfg.num_experts_per_tok, R, Gt.gu.q.data() + gb(c),
-                               Gt.gu.amax_row, 2 * I, gb(c + 1) - gb(c), eo + gb(c), T, gp, st(c), E);
     for (int c = 0; c < C; ++c) {
-      quantize_swiglu(gp, gp + I, 2 * I, xq, st(c), eo + gb(c), eo + gb(c + 1));
-      w4a4_gemm_grouped(xd, Gt.d.q.data() + gb(c), Gt.d.amax_row, H, gb(c + 1) - gb(c), eo + gb(c), T, Y, st(c), 0,
-                        W4A4Tile::Auto, E);
+      const int n = gb(c + 1) - gb(c);
+      if (xb)
+        kern::gemm_bf16_grouped(xb, Gt.gu.b.data() + gb(c), 2 * I, H, n, eo + gb(c), gp, st(c));
+      else
+        w4a4_gemm_grouped_mapped(nq_view(T, H), perm.data(), cfg.num_experts_per_tok, R, Gt.gu.q.data() + gb(c),
+                                 Gt.gu.amax_row, 2 * I, n, eo + gb(c), T, gp, st(c), E);
+    }
+    for (int c = 0; c < C; ++c) {
+      const int n = gb(c + 1) - gb(c);
+      if (xb) {
+        kern::swiglu_bf16(gp, gp + I, 2 * I, R, I, hbf.data(), st(c), eo + gb(c), eo + gb(c + 1));
+        kern::gemm_bf16_grouped(hbf.data(), Gt.d.b.data() + gb(c), H, I, n, eo + gb(c), Y, st(c));
+      } else {
+        quantize_swiglu(gp, gp + I, 2 * I, xq, st(c), eo + gb(c), eo + gb(c + 1));
+        w4a4_gemm_grouped(xd, Gt.d.q.data() + gb(c), Gt.d.amax_row, H, n, eo + gb(c), T, Y, st(c), 0, W4A4Tile::Auto,
+                          E);
+      }
     }
     stats.expert_gemms += 2 * C;
     for (int c = 0; c < C - 1; ++c) {
@@ -1408,6 +1429,7 @@ struct GpuModel::Impl {
     // Operand scratch sized up front: a later grow would free a buffer that queued GEMMs still read.
     grow(fop, maxop);
     grow(bop, maxop);
+    grow(hbf, size_t(R * maxI));
     grow(xq.codes, maxop / 2 + 1);
     grow(xq.scales, maxop / 16 + 1);
     grow(xq.amax, size_t(std::max(R, nout)) + 1);

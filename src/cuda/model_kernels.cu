@@ -538,6 +538,17 @@ __global__ void swiglu_kernel(const float* __restrict__ g, const float* __restri
     }
 }
 
+__global__ void swiglu_bf16_kernel(const float* __restrict__ g, const float* __restrict__ u, int64_t ld, int64_t n,
+                                   int64_t I, uint16_t* __restrict__ out, const int32_t* row_lo,
+                                   const int32_t* row_hi) {
+  pdl_begin();
+  const int64_t r_lo = row_lo ? *row_lo : 0, r_hi = row_hi ? *row_hi : n;
+  for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
+    if (r < r_lo || r >= r_hi) continue;
+    for (int64_t c = col0(); c < I; c += col_step()) out[r * I + c] = bf16_bits(swiglu1(g[r * ld + c], u[r * ld + c]));
+  }
+}
+
 __global__ void split_cols3_kernel(const float* __restrict__ src, int64_t rows, int64_t a, int64_t b, int64_t c,
                                    float* __restrict__ da, float* __restrict__ db, float* __restrict__ dc) {
   pdl_begin();
@@ -1756,6 +1767,13 @@ void attention_tiled(const float* q, const float* kcache, const float* vcache, c
 void swiglu(const float* g, const float* u, int64_t ld, int64_t n, int64_t I, float* h, cudaStream_t s) {
   if (n * I == 0) return;
   launch_pdl(swiglu_kernel, row_grid(n, I), row_threads(I), 0, s, g, u, ld, n, I, h);
+}
+
+void swiglu_bf16(const float* g, const float* u, int64_t ld, int64_t n, int64_t I, uint16_t* out, cudaStream_t s,
+                 const int32_t* row_lo, const int32_t* row_hi) {
+  QUADS_CHECK((row_lo == nullptr) == (row_hi == nullptr), "swiglu_bf16: a row window needs both ends");
+  if (n * I == 0) return;
+  launch_pdl(swiglu_bf16_kernel, row_grid(n, I), row_threads(I), 0, s, g, u, ld, n, I, out, row_lo, row_hi);
 }
 
 void split_cols3(const float* src, int64_t rows, int64_t a, int64_t b, int64_t c, float* da, float* db, float* dc,

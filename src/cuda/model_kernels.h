@@ -172,6 +172,11 @@ void attention_tiled(const float* q, const float* kcache, const float* vcache, c
 // h [n, I] = silu(g) * u, row r of g and u at r * ld (cpu::swiglu_forward: the fused [n, 2I] product
 // is g = gu, u = gu + I, ld = 2I; separate [n, I] buffers have ld = I).
 void swiglu(const float* g, const float* u, int64_t ld, int64_t n, int64_t I, float* h, cudaStream_t s);
+// to_bf16(swiglu(...)) in one kernel: out [n, I] the BF16 bits of h (the down projection's BF16
+// operand), the same bits; row_lo / row_hi (device int32, both or neither): only rows *row_lo ..
+// *row_hi - 1 (a window of MoE groups: eoff + first, eoff + end).
+void swiglu_bf16(const float* g, const float* u, int64_t ld, int64_t n, int64_t I, uint16_t* out, cudaStream_t s,
+                 const int32_t* row_lo = nullptr, const int32_t* row_hi = nullptr);
 
 // Rows of src [rows, a + b + c] split by columns into da [rows, a], db [rows, b], dc [rows, c]
 // (the fused q/k/v product).

@@ -189,6 +189,21 @@ TEST(CudaModelKernels, RouterSwigluCombineMatchCpu) {
   cuda::kern::swiglu(dgu.data(), dgu.data() + I, 2 * I, T, I, dh2.data(), nullptr);  // the fused layout
   EXPECT_LT(rel_l2(dh.download(), h), 1e-6);
   EXPECT_EQ(dh2.download(), dh.download());
+  {  // swiglu_bf16: to_bf16 of the same h, all rows or a window of them (the rest untouched)
+    DeviceArray<uint16_t> want_b(T * I), got_b(T * I), win_b(T * I);
+    cuda::kern::to_bf16(dh.data(), want_b.data(), T * I, nullptr);
+    cuda::kern::swiglu_bf16(dgu.data(), dgu.data() + I, 2 * I, T, I, got_b.data(), nullptr);
+    EXPECT_EQ(got_b.download(), want_b.download());
+    const std::vector<int32_t> lohi{static_cast<int32_t>(T / 3), static_cast<int32_t>(T - 1)};
+    auto dlohi = dev(lohi);
+    win_b.fill_bytes(0xAB);
+    cuda::kern::swiglu_bf16(dgu.data(), dgu.data() + I, 2 * I, T, I, win_b.data(), nullptr, dlohi.data(),
+                            dlohi.data() + 1);
+    const std::vector<uint16_t> wb = win_b.download(), ab = want_b.download();
+    for (int64_t r = 0; r < T; ++r)
+      for (int64_t i = 0; i < I; ++i)
+        ASSERT_EQ(wb[r * I + i], r >= lohi[0] && r < lohi[1] ? ab[r * I + i] : uint16_t(0xABAB)) << r << " " << i;
+  }
   std::vector<float> one{-2.5f};
   auto d1 = dev(one);
   DeviceArray<float> dm(1000);

@@ -479,17 +479,13 @@ TEST(CudaModelGpu, EarlyLoadsSameBits) {
   EXPECT_EQ(early.stats().graph_steps, 11) << "batch 1";
 }
 
-// The experts' MLP in chains on their own streams (gate/up, quantize_swiglu and down for a window
-// of the 8 experts a chain) gives the one-chain step's bits, eagerly and as graphs: 2, 3 and 4
-// chains forced (QUADS_GPU_MOE_CHAINS) at batches 2 and 5, with and without stream priorities, and
-// the default rule (4 chains at batch 12) against chains off.
+// The experts' MLP in chains on their own streams (a window of the 8 experts a chain: W4A4 gate/up,
+// quantize_swiglu and down, or BF16 gate/up, swiglu_bf16 and down) gives the one-chain step's bits,
+// eagerly and as graphs: 2, 3 and 4 chains forced (QUADS_GPU_MOE_CHAINS) at batches 2 and 5, with
+// and without stream priorities, and the default rule (4 chains at batch 12) against chains off.
 TEST(CudaModelGpu, MoeChainsSameBits) {
   QUADS_REQUIRE_GPU();
-  const auto prec = model::PrecisionConfig::preset("nvfp4");
   const model::Weights w = model::Weights::random(small_moe_config(), 41, 0.05f);
-  const auto off_m = model_with_env("QUADS_GPU_MOE_CHAINS", "1", w, prec);
-  cuda::GpuModel& off = *off_m;
-  ASSERT_EQ(off.linear_mode("model.layers.0.mlp.experts.0.down_proj"), cuda::GpuLinearMode::W4A4);
   auto batch = [](cuda::GpuModel& g, int n) {  // n slots: a 3-token prompt each, then 6 steps
     g.reset_cache(n, 64);
     g.reset_stats();
@@ -507,41 +503,50 @@ TEST(CudaModelGpu, MoeChainsSameBits) {
     return out;
   };
   const int64_t layers = w.cfg.num_hidden_layers;
-  const auto l1 = decode_logits(off, 6, nullptr);
-  const auto f12 = batch(off, 12);
-  const int64_t k12 = off.stats().graph_kernels;
-  const auto f5 = batch(off, 5);
-  const int64_t k5 = off.stats().graph_kernels;
-  {
-    cuda::GpuModel dflt(w, prec);
-    EXPECT_EQ(first_float_mismatch(batch(dflt, 12), f12), -1) << "batch 12, the default rule";
-    EXPECT_EQ(dflt.stats().graph_kernels - k12, 3 * 3 * layers) << "batch 12: 4 chains by default";
-    EXPECT_EQ(first_float_mismatch(batch(dflt, 5), f5), -1) << "batch 5, the default rule";
-    EXPECT_EQ(dflt.stats().graph_kernels, k5) << "batch 5: one chain by default";
-  }
-  for (const char* chains : {"2", "3", "4"})
-    for (const char* prio : {"0", "1"}) {
-      setenv("QUADS_GPU_MOE_PRIO", prio, 1);
-      const auto two_m = model_with_env("QUADS_GPU_MOE_CHAINS", chains, w, prec);
-      const auto eager_m = [&] {
-        setenv("QUADS_GPU_GRAPHS", "0", 1);
-        struct Unset {
-          ~Unset() { unsetenv("QUADS_GPU_GRAPHS"); }
-        } unset;
-        return model_with_env("QUADS_GPU_MOE_CHAINS", chains, w, prec);
-      }();
-      unsetenv("QUADS_GPU_MOE_PRIO");
-      const std::string what = std::string(chains) + " chains, priorities " + prio;
-      int64_t g2 = -1;
-      const auto l2 = decode_logits(*two_m, 6, nullptr, &g2);
-      EXPECT_EQ(g2, 5) << what;
-      EXPECT_EQ(first_float_mismatch(l2, l1), -1) << "batch 2, graphs, " << what;
-      EXPECT_EQ(first_float_mismatch(batch(*two_m, 5), f5), -1) << "batch 5, graphs, " << what;
-      // a layer's gate/up, quantize_swiglu and down launched once a chain
-      EXPECT_EQ(two_m->stats().graph_kernels - k5, 3 * (std::atoi(chains) - 1) * layers) << what;
-      EXPECT_EQ(first_float_mismatch(decode_logits(*eager_m, 6, nullptr), l1), -1) << "batch 2, eager, " << what;
-      EXPECT_EQ(first_float_mismatch(batch(*eager_m, 5), f5), -1) << "batch 5, eager, " << what;
+  for (const std::string preset : {"nvfp4", "bf16"}) {
+    const auto prec = model::PrecisionConfig::preset(preset);
+    const auto off_m = model_with_env("QUADS_GPU_MOE_CHAINS", "1", w, prec);
+    cuda::GpuModel& off = *off_m;
+    const cuda::GpuLinearMode mode = preset == "bf16" ? cuda::GpuLinearMode::BF16 : cuda::GpuLinearMode::W4A4;
+    ASSERT_EQ(off.linear_mode("model.layers.0.mlp.experts.0.down_proj"), mode);
+    // launches a layer with c chains beyond one chain's (W4A4: gate/up, quantize_swiglu, down;
+    // BF16: gate/up, swiglu, to_bf16, down against gate/up, swiglu_bf16, down a chain)
+    auto extra = [&](int c) { return (preset == "bf16" ? 3 * c - 4 : 3 * (c - 1)) * layers; };
+    const auto l1 = decode_logits(off, 6, nullptr);
+    const auto f12 = batch(off, 12);
+    const int64_t k12 = off.stats().graph_kernels;
+    const auto f5 = batch(off, 5);
+    const int64_t k5 = off.stats().graph_kernels;
+    {
+      cuda::GpuModel dflt(w, prec);
+      EXPECT_EQ(first_float_mismatch(batch(dflt, 12), f12), -1) << preset << ", batch 12, the default rule";
+      EXPECT_EQ(dflt.stats().graph_kernels - k12, extra(4)) << preset << ", batch 12: 4 chains by default";
+      EXPECT_EQ(first_float_mismatch(batch(dflt, 5), f5), -1) << preset << ", batch 5, the default rule";
+      EXPECT_EQ(dflt.stats().graph_kernels, k5) << preset << ", batch 5: one chain by default";
     }
+    for (const char* chains : {"2", "3", "4"})
+      for (const char* prio : {"0", "1"}) {
+        setenv("QUADS_GPU_MOE_PRIO", prio, 1);
+        const auto two_m = model_with_env("QUADS_GPU_MOE_CHAINS", chains, w, prec);
+        const auto eager_m = [&] {
+          setenv("QUADS_GPU_GRAPHS", "0", 1);
+          struct Unset {
+            ~Unset() { unsetenv("QUADS_GPU_GRAPHS"); }
+          } unset;
+          return model_with_env("QUADS_GPU_MOE_CHAINS", chains, w, prec);
+        }();
+        unsetenv("QUADS_GPU_MOE_PRIO");
+        const std::string what = preset + ", " + chains + " chains, priorities " + prio;
+        int64_t g2 = -1;
+        const auto l2 = decode_logits(*two_m, 6, nullptr, &g2);
+        EXPECT_EQ(g2, 5) << what;
+        EXPECT_EQ(first_float_mismatch(l2, l1), -1) << "batch 2, graphs, " << what;
+        EXPECT_EQ(first_float_mismatch(batch(*two_m, 5), f5), -1) << "batch 5, graphs, " << what;
+        EXPECT_EQ(two_m->stats().graph_kernels - k5, extra(std::atoi(chains))) << what;
+        EXPECT_EQ(first_float_mismatch(decode_logits(*eager_m, 6, nullptr), l1), -1) << "batch 2, eager, " << what;
+        EXPECT_EQ(first_float_mismatch(batch(*eager_m, 5), f5), -1) << "batch 5, eager, " << what;
+      }
+  }
 }
 
 // Prefill attention with several tokens per CTA (QUADS_GPU_ATTN_TOKENS) gives the one-token launch's
