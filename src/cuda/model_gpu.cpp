@@ -239,27 +239,27 @@ struct GpuModel::Impl {
   // the MoE combine's routing and the next norm's weights. QUADS_GPU_EARLY=0 waits first.
   bool early_on = true;
   // The experts' MLP of a decode batch in chains: chain i of c takes experts E * i / c ..
-  // E * (i + 1) / c - 1 (mapped gate/up, quantize_swiglu, down) on a stream of its own, forked after
-  // the routing and joined before the combine, so that a chain's down projection runs in the tail
-  // of the other chains' gate/up. Each launch is a window of the whole call with its plan: the
-  // same bits. Chains 0 .. c - 2 run on side streams at priority ranks 0 .. c - 2 from the highest
-  // (their CTAs are dispatched first; QUADS_GPU_MOE_PRIO=0: all equal), the last chain on the
-  // step's stream, so that the combine after it is a programmatic launch behind the chain that
-  // ends last (the other way round, chain 0 on the step's stream at the highest priority: batch
-  // 16 / 32 / 64 0.6% / 1.4% / 2.2% slower). moe_chains_for(T): 4 chains for 9-16 tokens, 2 for
-  // 17-64, none below; QUADS_GPU_MOE_CHAINS=c forces c (1 = off). H200, peer model, nvfp4 decode
-  // tok/s, two rounds each, chain 0 on the step's stream (docs/cuda.md Part 19): none / 2 / 4
-  // chains at batch 4 5377, 5369 / 5105, 5155 / 5216, 5214; 8 9082, 9084 / 9130, 9176 / 9098,
-  // 9044; 16 15582, 15520 / 15735, 15777 / 16090, 16087; 32 23890, 23880 / 24709, 24721 / 24363,
-  // 24535; 64 40737, 40627 / 41595, 41679 / 41409, 41466. The BF16 experts (mlp_chains with xb),
-  // the rule against off: +1.3% / +0.4% / +1.9% at batch 16 / 32 / 64.
+  // E * (i + 1) / c - 1 (W4A4: mapped gate/up, quantize_swiglu, down; BF16: gate/up, swiglu_bf16,
+  // down) on a stream of its own, forked after the routing and joined before the combine, so that
+  // a chain's down projection runs in the tail of the other chains' gate/up. Each launch is a
+  // window of the whole call with its plan: the same bits. Chains 0 .. c - 2 run on side streams
+  // at priority ranks 0 .. c - 2 from the highest (their CTAs are dispatched first;
+  // QUADS_GPU_MOE_PRIO=0: all equal), the last chain on the step's stream, so that the combine
+  // after it is a programmatic launch behind the chain that ends last (the other way round, chain
+  // 0 on the step's stream at the highest priority: batch 16 / 32 / 64 0.6% / 1.4% / 2.2% slower).
+  // moe_chains_for(T): 4 chains for 9-16 tokens, 2 for 17-64, none below or above (prefill);
+  // QUADS_GPU_MOE_CHAINS=c forces c (1 = off). H200, peer model, nvfp4 decode tok/s, two rounds
+  // each, chain 0 on the step's stream (docs/cuda.md Part 19): none / 2 / 4 chains at batch 4
+  // 5377, 5369 / 5105, 5155 / 5216, 5214; 8 9082, 9084 / 9130, 9176 / 9098, 9044; 16 15582, 15520 /
+  // 15735, 15777 / 16090, 16087; 32 23890, 23880 / 24709, 24721 / 24363, 24535; 64 40737, 40627 /
+  // 41595, 41679 / 41409, 41466. bf16, the rule against off: +1.3% / +0.4% / +1.9% at 16 / 32 / 64.
   int moe_chains_env = 0;
   static constexpr int kMaxChains = 8;
   cudaStream_t side[kMaxChains - 1] = {};
   cudaEvent_t ev_fork = nullptr, ev_join[kMaxChains - 1] = {};
   int moe_chains_for(int64_t T) const {
     if (moe_chains_env > 0) return moe_chains_env;
-    return T <= 8 ? 1 : T <= 16 ? 4 : 2;
+    return T <= 8 || T > 64 ? 1 : T <= 16 ? 4 : 2;
   }
   // Prefills of fresh slots (every item from position 0, at least kGemmAttnTokens tokens): the
   // attention as FP32 SGEMMs per sequence (AttentionTc::set_fp32: the CPU's arithmetic up to
