@@ -252,7 +252,7 @@ struct GpuModel::Impl {
   // each, chain 0 on the step's stream (docs/cuda.md Part 19): none / 2 / 4 chains at batch 4
   // 5377, 5369 / 5105, 5155 / 5216, 5214; 8 9082, 9084 / 9130, 9176 / 9098, 9044; 16 15582, 15520 /
   // 15735, 15777 / 16090, 16087; 32 23890, 23880 / 24709, 24721 / 24363, 24535; 64 40737, 40627 /
-  // 41595, 41679 / 41409, 41466. bf16, the rule against off: +1.3% / +0.4% / +1.9% at 16 / 32 / 64.
+  // 41595, 41679 / 41409, 41466. bf16, the rule against off: +1.3% / +0.4% / +2.0% at 16 / 32 / 64.
   int moe_chains_env = 0;
   static constexpr int kMaxChains = 8;
   cudaStream_t side[kMaxChains - 1] = {};
