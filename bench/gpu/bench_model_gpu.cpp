@@ -231,7 +231,10 @@ void ncu_regions(const model::ModelConfig& cfg, const std::string& p, bool decod
 // done ("early", us), and the time from its predecessor's completion to its own ("adds", us: what
 // it puts on the step's critical path; a kernel without PDL, cuBLAS's, shows inside its
 // successor's). Then the same summed over kernels of one shape (the layers' repeats), largest
-// first. The full listing goes to $OUT/step_trace_P_bB.txt when OUT is set.
+// first. The full listing goes to $OUT/step_trace_P_bB.txt when OUT is set. At batches 9-64 the
+// experts' MLP runs in chains on several streams (docs/cuda.md Part 19): their records interleave
+// and a chain kernel's "adds" is not what it puts on the critical path; QUADS_GPU_MOE_CHAINS=1
+// gives the one-chain step.
 void step_trace(const model::ModelConfig& cfg, const std::string& p) {
   const int cap = 4096;
   cuda::DeviceArray<unsigned long long> buf(4 + 4 * cap);

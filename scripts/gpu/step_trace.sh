@@ -5,6 +5,8 @@
 # with the marks inside the kernels too (-DQUADS_STEP_TRACE=2, build-stepmarks: each mark adds
 # ~0.4 us to its kernel).
 #   bash scripts/gpu/step_trace.sh [PRECISION ...]   # default: nvfp4 bf16; QUADS_STEP_TRACE_BATCHES=1,16,64
+# (At batches 9-64 the experts' MLP runs as concurrent chains, whose "adds" interleave: set
+# QUADS_GPU_MOE_CHAINS=1 for a one-chain listing.)
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 level=1; build=build-steptrace
