@@ -589,12 +589,13 @@ void w4a4_gemm_grouped_mapped(const Nvfp4View& x, const int32_t* x_map, int x_ma
               "w4a4_grouped_mapped_supported)", max_rows, x.k);
   QUADS_CHECK(x_map && x_map_div >= 1, "w4a4_gemm_grouped_mapped: a row map and a divisor >= 1 are needed");
   QUADS_CHECK(groups > 0 && groups <= 65535, "w4a4_gemm_grouped_mapped: {} groups (1..65535)", groups);
+  QUADS_CHECK(plan_groups <= 65535, "w4a4_gemm_grouped_mapped: plan_groups = {} (at most 65535)", plan_groups);
   if (rows == 0 || x.rows == 0 || n == 0) return;
   Params p = grouped_params(x, w_table, w_amax_per_row, n, eoff, max_rows, rows, y);
   p.fmap = x_map;
   p.fmap_div = x_map_div;
   p.groups = groups;
-  const int pg = std::max(groups, std::min(plan_groups, 65535));
+  const int pg = std::max(groups, plan_groups);
   const int64_t grid_active = std::min<int64_t>(groups, p.Mtot);
   if (gemv_auto_grouped(max_rows, x.k)) launch_gemv<false, true>(p, gemv_plan_grouped(p, pg), grid_active, s);
   else launch_skinny<true>(p, p.M, std::min<int64_t>(pg, p.Mtot), 0, 0, s, 0, grid_active);
