@@ -4,6 +4,8 @@
 // Times are CUDA-event medians over repeated batches after a warm-up; inputs are random.
 // `bench_cuda --gemv`: the copy bandwidth, the decode GEMV table (GEMV vs 16-row tile) and the fused
 // quantizer + GEMV table (fused vs quantize + GEMM) alone.
+// `bench_cuda --fused-warm`: the fused table with weights from HBM, then with the same weights (and
+// routing) every call, read from L2: what an L2 prefetch ahead of a decode GEMV could win at most.
 // `bench_cuda --decode-kernels`: the decode step's small kernels, old vs new (decode_kernels_bench.h).
 // `bench_cuda --skinny-trace`: phase stamps of the skinny W4A4 launches (a build with
 // -DQUADS_SKINNY_TRACE; skinny_trace_table below).
@@ -371,8 +373,11 @@ void gemv_table(double copy_gbs) {
 // (the unfused sequences: gather_rows / swiglu, quantize(), the GEMM; GemvTileLoop::Auto), "fused",
 // and "fused early" (dense, FusedAct::weights_ready: the weight stream starts before the previous
 // kernel ends); "gemv only" and "fused" with the tile loop Off, ", tile loop" with it On.
-void fused_table(double copy_gbs) {
-  const double kRotateBytes = 150e6;
+// warm (`--fused-warm`): the same weights and routing every call (read from L2 after the first):
+// what an L2 prefetch ahead of a call could win at most.
+void fused_table(double copy_gbs, bool warm = false) {
+  const double kRotateBytes = warm ? 0.0 : 150e6;
+  if (warm) std::printf("\nweights warm in L2 (one copy, one routing)\n");
   std::printf("\n| W4A4 decode, fused quantizer | weight N x K | batch | path | us per call | weight GB/s | %% of copy |\n");
   std::printf("|---|---|---|---|---|---|---|\n");
   auto print = [&](const char* what, int64_t n, int64_t k, int64_t m, const char* path, double us, double bytes) {
@@ -459,14 +464,14 @@ void fused_table(double copy_gbs) {
                              PeerShape{"experts down (swiglu)", 2048, 768, false}}) {
     const int E = 64, topk = 8;
     const bool swiglu = g.k == 768;
-    ExpertLayers el = expert_layers(g.n, g.k, E, 23);
+    ExpertLayers el = expert_layers(g.n, g.k, E, 23, kRotateBytes);
     const double ebytes = el.ebytes;
     const int layers = el.layers;
     std::vector<DeviceArray<Nvfp4Weight>>& tabs = el.tabs;
     std::mt19937 rng(29);
     for (int64_t T : {1, 4, 16}) {
       const int64_t R = T * topk;
-      const int ns = 8;
+      const int ns = warm ? 1 : 8;
       std::vector<DeviceArray<int32_t>> deoff(ns), dperm(ns);
       double experts = 0;
       for (int s = 0; s < ns; ++s) {
@@ -801,6 +806,13 @@ int main(int argc, char** argv) {
     dst.reset();
     gemv_table(copy_gbs);
     fused_table(copy_gbs);
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "--fused-warm") {  // the fused table from HBM and warm in L2
+    src.reset();
+    dst.reset();
+    fused_table(copy_gbs);
+    fused_table(copy_gbs, true);
     return 0;
   }
   if (argc > 1 && std::string(argv[1]) == "--dense-sweep") {
