@@ -211,7 +211,8 @@ struct FusedAct {
 // swiglu +) quantize() + Auto at batch 1: q/k/v 10.3 -> 7.2 us (weights_ready), o_proj 12.4 ->
 // 8.8, experts gate/up 17.9 -> 14.5, down 14.0 -> 10.6. At batch 4 it loses (q/k/v 13.0 vs 13.5,
 // o_proj 15.5 vs 18.8, down 27.5 vs 43.5 against the tiles; gate/up ties): every CTA quantizes
-// its 4 rows again. Batch 2 is not measured yet.
+// its 4 rows again. In the model (nvfp4 decode tok/s, two rounds, docs/cuda.md Part 20) a bound of
+// 2 rows lost at batch 2 (2860, 2832 vs 2941, 3034) and 4 rows at batches 3-4 (3494 vs 3986 at 3).
 constexpr int64_t kGemvFusedMaxRows = 1;
 // True when the fused GEMV reproduces quantize() for act (NVFP4 E2M1 1x16, Global::PerRow or
 // Static, no stochastic rounding), K is a multiple of 64 that fits the GEMV's shared memory, and
