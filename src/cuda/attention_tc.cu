@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <type_traits>
 
@@ -299,12 +300,21 @@ struct AttentionTc::Impl {
   std::vector<int64_t> off;  // the plan's sequence offsets
   DeviceArray<int32_t> s0, len;
   int64_t block_elems = int64_t(1) << 25;
+  // The FP32 forward's query rows a block at most (0: none). Its SGEMMs run on CUDA cores, so the
+  // masked keys past a block's last query are worth skipping: H200, peer model, prefill 16 x 1024
+  // (bench_model_gpu), bf16 / nvfp4 prompt tok/s: one block 137.3k / 98.7k; 256 rows (4 blocks,
+  // 62.5% of the scores) 148.3k / 104.4k; 128 rows 138.2k / 98.5k and 64 rows 122.9k / 90.0k (each
+  // sequence's GEMMs then too small to fill the GPU). QUADS_ATTN_BLOCK_ROWS overrides it, for both
+  // modes (the BF16 trainer's default is one block).
+  int64_t fp32_rows = 256;
+  int64_t rows_env = -1;
   DeviceArray<uint16_t> qg, dog, kb, vb, pb, dsb;
   DeviceArray<float> og, S, dP, D;
   bool fp32 = false;               // set_fp32: the forward's operands stay float32
   DeviceArray<float> qf, pf;       // its packed queries and probabilities
 
   Impl() {
+    if (const char* e = std::getenv("QUADS_ATTN_BLOCK_ROWS")) rows_env = std::max<int64_t>(0, std::atoll(e));
     QUADS_CUBLAS_CHECK(cublasCreate(&blas));
     QUADS_CUBLAS_CHECK(cublasSetPointerMode(blas, CUBLAS_POINTER_MODE_HOST));
     ws.resize(size_t(32) << 20);
@@ -319,7 +329,10 @@ struct AttentionTc::Impl {
   // Query rows per block for a sequence of L tokens: as many as keep nh * rows * round8(L) within
   // block_elems (at least one).
   int64_t block_rows(int64_t L, int nh) const {
-    return std::clamp<int64_t>(block_elems / (int64_t(nh) * round8(L)), 1, std::max<int64_t>(L, 1));
+    int64_t r = std::clamp<int64_t>(block_elems / (int64_t(nh) * round8(L)), 1, std::max<int64_t>(L, 1));
+    const int64_t cap = rows_env >= 0 ? rows_env : fp32 ? fp32_rows : 0;
+    if (cap > 0) r = std::min(r, cap);
+    return r;
   }
 
   // Scratch for the largest block of any sequence.

@@ -52,6 +52,7 @@ class AttentionTc {
 
   // Most score elements (kv heads x query rows x keys) of one block of query rows (default 2^25:
   // a 1024-token sequence with 32 heads in one block). Tests lower it to exercise the blocking.
+  // The FP32 forward also caps a block at 256 query rows (attention_tc.cu says why).
   void set_block_elems(int64_t n);
 
   struct Impl;
