@@ -327,7 +327,7 @@ struct AttentionTc::Impl {
   int64_t T() const { return off.empty() ? 0 : off.back(); }
 
   // Query rows per block for a sequence of L tokens: as many as keep nh * rows * round8(L) within
-  // block_elems (at least one).
+  // block_elems (at least one), at most the FP32 forward's cap (or QUADS_ATTN_BLOCK_ROWS).
   int64_t block_rows(int64_t L, int nh) const {
     int64_t r = std::clamp<int64_t>(block_elems / (int64_t(nh) * round8(L)), 1, std::max<int64_t>(L, 1));
     const int64_t cap = rows_env >= 0 ? rows_env : fp32 ? fp32_rows : 0;

@@ -126,9 +126,9 @@ TEST(CudaTrainAttentionTc, RejectsBadShapes) {
 }
 
 // The FP32 forward the rollout engine's prefill runs (set_fp32): float32 SGEMMs, the CPU's
-// attention up to summation order; lse optional; the backward refuses the mode. Sequences longer
-// than its 256-row blocks (600, 300 and 257 tokens) run in blocks, each against the keys up to its
-// last query.
+// attention up to summation order; lse optional; the backward refuses the mode. A sequence longer
+// than its 256-row blocks (600 tokens: three blocks), and one of 257 tokens under a lower score
+// bound, run in blocks, each against the keys up to its last query.
 TEST(CudaModelAttentionGemm, Fp32ForwardMatchesCpu) {
   QUADS_REQUIRE_GPU();
   struct Case {
