@@ -109,7 +109,9 @@ TEST(CudaMoe, RouteMatchesCpuPermute) {
     int T, k, E;
     int mode;  // 0: distinct random experts per token, 1: few experts used (most empty), 2: all on one
   };
-  for (const Case c : {Case{1, 8, 64, 0}, Case{37, 4, 16, 1}, Case{300, 8, 64, 0}, Case{700, 2, 8, 2}, Case{5, 1, 3, 1}}) {
+  // (3000 x 8 and 2049 x 3: several 4096-entry rounds of the route kernels, and a ragged tail)
+  for (const Case c : {Case{1, 8, 64, 0}, Case{37, 4, 16, 1}, Case{300, 8, 64, 0}, Case{700, 2, 8, 2}, Case{5, 1, 3, 1},
+                       Case{3000, 8, 64, 0}, Case{2049, 3, 40, 1}}) {
     std::mt19937 rng(1234 + c.T);
     std::vector<int32_t> idx(size_t(c.T) * c.k);
     for (int t = 0; t < c.T; ++t) {
