@@ -101,17 +101,28 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
 
 // One score row per CTA: grid (M rows of a query block, nkv). Row r of kv head j is local query
 // q0 + r / g of head j * g + r % g; keys 0 .. that query are valid, the rest of the Lk columns get
-// P = 0. S and P are [nkv][M][ld].
+// P = 0. S and P are [nkv][M][ld]. t0s (the FP32 forward's blocks batched over sequences): grid y
+// is b * nkv + j for sequence b of the batch, starting at token t0s[b], and S and P are
+// [batch * nkv][M][ld]; else grid y is j and the sequence starts at t0.
+__device__ __forceinline__ void softmax_head(const int64_t* t0s, int nkv, int64_t& t0, int& j) {
+  j = static_cast<int>(blockIdx.y);
+  if (t0s) {
+    t0 = t0s[j / nkv];
+    j %= nkv;
+  }
+}
 template <typename T>
 __global__ void softmax_fwd_kernel(const float* __restrict__ S, int64_t ld, int Lk, int64_t M, int q0, int g,
-                                   int64_t t0, int nh, float scale, T* __restrict__ P, float* __restrict__ lse) {
+                                   int64_t t0, int nh, float scale, T* __restrict__ P, float* __restrict__ lse,
+                                   const int64_t* __restrict__ t0s, int nkv) {
   __shared__ float sh[kRowThreads / 32];
   const int64_t r = blockIdx.x;
-  const int j = blockIdx.y;
+  int j;
+  softmax_head(t0s, nkv, t0, j);
   const int tl = q0 + static_cast<int>(r / g), i = static_cast<int>(r % g);
   const int n = tl + 1;
-  const float* row = S + (int64_t(j) * M + r) * ld;
-  T* prow = P + (int64_t(j) * M + r) * ld;
+  const float* row = S + (int64_t(blockIdx.y) * M + r) * ld;
+  T* prow = P + (int64_t(blockIdx.y) * M + r) * ld;
   float m = -INFINITY;
   for (int c = threadIdx.x; c < n; c += kRowThreads) m = fmaxf(m, row[c] * scale);
   m = block_max(m, sh);
@@ -200,15 +211,17 @@ __global__ void unpack_f32_row_kernel(const float* __restrict__ src, const int32
 // sum), P staged in shared memory and written in 16-byte stores.
 template <typename T, int K>
 __global__ void softmax_fwd_reg_kernel(const float* __restrict__ S, int64_t ld, int Lk, int64_t M, int q0, int g,
-                                       int64_t t0, int nh, float scale, T* __restrict__ P, float* __restrict__ lse) {
+                                       int64_t t0, int nh, float scale, T* __restrict__ P, float* __restrict__ lse,
+                                       const int64_t* __restrict__ t0s, int nkv) {
   __shared__ float sh[kRowThreads / 32];
   __shared__ __align__(16) T stage[K * kRowThreads];
   const int64_t r = blockIdx.x;
-  const int j = blockIdx.y;
+  int j;
+  softmax_head(t0s, nkv, t0, j);
   const int tl = q0 + static_cast<int>(r / g), i = static_cast<int>(r % g);
   const int n = tl + 1;
-  const float* row = S + (int64_t(j) * M + r) * ld;
-  T* prow = P + (int64_t(j) * M + r) * ld;
+  const float* row = S + (int64_t(blockIdx.y) * M + r) * ld;
+  T* prow = P + (int64_t(blockIdx.y) * M + r) * ld;
   float x[K];
 #pragma unroll
   for (int k = 0; k < K; ++k) {
@@ -301,11 +314,13 @@ struct AttentionTc::Impl {
   DeviceArray<int32_t> s0, len;
   int64_t block_elems = int64_t(1) << 25;
   // The FP32 forward's query rows a block at most (0: none). Its SGEMMs run on CUDA cores, so the
-  // masked keys past a block's last query are worth skipping: H200, peer model, prefill 16 x 1024
-  // (bench_model_gpu), bf16 / nvfp4 prompt tok/s: one block 137.3k / 98.7k; 256 rows (4 blocks,
-  // 62.5% of the scores) 148.3k / 104.4k; 128 rows 138.2k / 98.5k and 64 rows 122.9k / 90.0k (each
-  // sequence's GEMMs then too small to fill the GPU). QUADS_ATTN_BLOCK_ROWS overrides it, for both
-  // modes (the BF16 trainer's default is one block).
+  // masked keys past a block's last query are worth skipping. H200, peer model, prefill 16 x 1024
+  // (bench_model_gpu), bf16 / nvfp4 prompt tok/s, a sequence's blocks one after another: one block
+  // 137.3k / 98.7k, 256 rows 148.3k / 104.4k, 128 rows 138.2k / 98.5k (the GEMMs too small to fill
+  // the GPU); with the blocks batched over sequences (fwd_fp32): 256 rows 167.3k / 112.9k, 128 rows
+  // 173.9k, 174.2k / 115.7k, 115.2k, 64 rows 173.8k / 115.1k. The default stays at 256 until the
+  // tests have run with 128 (they ran at 256 and at 40-row blocks). QUADS_ATTN_BLOCK_ROWS overrides
+  // it, for both modes (the BF16 trainer's default is one block).
   int64_t fp32_rows = 256;
   int64_t rows_env = -1;
   DeviceArray<uint16_t> qg, dog, kb, vb, pb, dsb;
@@ -399,16 +414,17 @@ struct AttentionTc::Impl {
   // three-pass one.
   template <typename E>
   void softmax_fwd(dim3 grid, int64_t ld, int Lk, int64_t M, int q0, int g, int64_t t0, int nh, float scale, E* p,
-                   float* lse, cudaStream_t st) {
+                   float* lse, cudaStream_t st, const int64_t* t0s = nullptr, int nkv = 1) {
     const float* Sd = S.data();
     if (kern::legacy_train_kernels() || Lk > 32 * kRowThreads)
-      softmax_fwd_kernel<E><<<grid, kRowThreads, 0, st>>>(Sd, ld, Lk, M, q0, g, t0, nh, scale, p, lse);
+      softmax_fwd_kernel<E><<<grid, kRowThreads, 0, st>>>(Sd, ld, Lk, M, q0, g, t0, nh, scale, p, lse, t0s, nkv);
     else if (Lk <= 2 * kRowThreads)
-      softmax_fwd_reg_kernel<E, 2><<<grid, kRowThreads, 0, st>>>(Sd, ld, Lk, M, q0, g, t0, nh, scale, p, lse);
+      softmax_fwd_reg_kernel<E, 2><<<grid, kRowThreads, 0, st>>>(Sd, ld, Lk, M, q0, g, t0, nh, scale, p, lse, t0s, nkv);
     else if (Lk <= 8 * kRowThreads)
-      softmax_fwd_reg_kernel<E, 8><<<grid, kRowThreads, 0, st>>>(Sd, ld, Lk, M, q0, g, t0, nh, scale, p, lse);
+      softmax_fwd_reg_kernel<E, 8><<<grid, kRowThreads, 0, st>>>(Sd, ld, Lk, M, q0, g, t0, nh, scale, p, lse, t0s, nkv);
     else
-      softmax_fwd_reg_kernel<E, 32><<<grid, kRowThreads, 0, st>>>(Sd, ld, Lk, M, q0, g, t0, nh, scale, p, lse);
+      softmax_fwd_reg_kernel<E, 32><<<grid, kRowThreads, 0, st>>>(Sd, ld, Lk, M, q0, g, t0, nh, scale, p, lse, t0s,
+                                                                  nkv);
     QUADS_CUDA_LAUNCH_CHECK();
   }
 
@@ -435,7 +451,7 @@ struct AttentionTc::Impl {
     QUADS_CUBLAS_CHECK(cublasSetStream(blas, st));
     reserve(nh, nkv, false);
     if (fp32) {
-      fwd_as<float>(need(qf, size_t(Tn * nh * hd)), k, v, pf.data(), q, nh, nkv, hd, scale, out, lse, st);
+      fwd_fp32(need(qf, size_t(Tn * nh * hd)), k, v, q, nh, nkv, hd, scale, out, lse, st);
     } else {
       uint16_t* k_b = need(kb, size_t(Tn * nkv * hd));
       uint16_t* v_b = need(vb, size_t(Tn * nkv * hd));
@@ -467,6 +483,109 @@ struct AttentionTc::Impl {
         gemm(CUBLAS_OP_N, CUBLAS_OP_N, hd, M, Lk, 1.f, v_e + t0 * nkv * hd, int64_t(nkv) * hd, hd, p, ld, M * ld, 0.f,
              o_g + t0 * nh * hd + q0 * g * hd, CUDA_R_32F, hd, L * g * hd, nkv, elem_type<E>());
       }
+    }
+    unpack(o_g, nh, g, hd, out, st);
+  }
+
+  // The FP32 forward with the blocks of every sequence that have the same query rows (q0 .. q1 - 1:
+  // a full block of each sequence long enough, or equal tails) in one batched GEMM each (pointer
+  // arrays over (sequence, kv head)), so that small blocks still fill the GPU; at most twice
+  // block_elems score elements a launch. Per sequence the operations of fwd_as<float>.
+  DeviceArray<const void*> bptr;  // six arrays of pointers a launch group, in order
+  DeviceArray<int64_t> bt0;       // each launch group's sequence starts
+  void fwd_fp32(float* qx, const float* k_e, const float* v_e, const float* q, int nh, int nkv, int hd, float scale,
+                float* out, float* lse, cudaStream_t st) {
+    const int64_t Tn = T();
+    const int g = nh / nkv;
+    float* o_g = need(og, size_t(Tn * nh * hd));
+    pack<float>(q, nh, g, hd, qx, st);
+    struct Job {
+      int64_t t0, L;
+    };
+    struct Group {
+      int64_t q0, q1;
+      std::vector<Job> jobs;
+    };
+    std::vector<Group> groups;  // in order of first appearance
+    for (size_t s = 0; s + 1 < off.size(); ++s) {
+      const int64_t t0 = off[s], L = off[s + 1] - t0;
+      if (L == 0) continue;
+      const int64_t br = block_rows(L, nh);
+      for (int64_t q0 = 0; q0 < L; q0 += br) {
+        const int64_t q1 = std::min(L, q0 + br);
+        auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& x) { return x.q0 == q0 && x.q1 == q1; });
+        if (it == groups.end()) {
+          groups.push_back(Group{q0, q1, {}});
+          it = groups.end() - 1;
+        }
+        it->jobs.push_back(Job{t0, L});
+      }
+    }
+    // launches: (group, first job, jobs), their pointer arrays and sequence starts
+    struct Launch {
+      size_t grp, j0, nb, ptr0, t00;
+    };
+    std::vector<Launch> launches;
+    int64_t most = 1;
+    size_t nptr = 0, nt0 = 0;
+    for (size_t gi = 0; gi < groups.size(); ++gi) {
+      const Group& G = groups[gi];
+      const int64_t M = (G.q1 - G.q0) * g, per = int64_t(nkv) * M * round8(G.q1);
+      const size_t cap = static_cast<size_t>(std::max<int64_t>(1, 2 * block_elems / per));
+      for (size_t j0 = 0; j0 < G.jobs.size(); j0 += cap) {
+        const size_t nb = std::min(cap, G.jobs.size() - j0);
+        launches.push_back(Launch{gi, j0, nb, nptr, nt0});
+        nptr += 6 * nb * nkv;
+        nt0 += nb;
+        most = std::max(most, int64_t(nb) * per);
+      }
+    }
+    float* Sd = need(S, size_t(most));
+    float* Pd = need(pf, size_t(most));
+    std::vector<const void*> hp(nptr);
+    std::vector<int64_t> ht0(nt0);
+    for (const Launch& la : launches) {
+      const Group& G = groups[la.grp];
+      const int64_t M = (G.q1 - G.q0) * g, ld = round8(G.q1);
+      const size_t n = la.nb * nkv;
+      for (size_t b = 0; b < la.nb; ++b) {
+        const Job& jb = G.jobs[la.j0 + b];
+        ht0[la.t00 + b] = jb.t0;
+        for (int j = 0; j < nkv; ++j) {
+          const size_t x = b * nkv + j;
+          const int64_t qoff = jb.t0 * nh * hd + G.q0 * g * hd + j * jb.L * g * hd;
+          hp[la.ptr0 + 0 * n + x] = k_e + jb.t0 * nkv * hd + j * hd;  // scores: A (keys), B (queries), C
+          hp[la.ptr0 + 1 * n + x] = qx + qoff;
+          hp[la.ptr0 + 2 * n + x] = Sd + int64_t(x) * M * ld;
+          hp[la.ptr0 + 3 * n + x] = v_e + jb.t0 * nkv * hd + j * hd;  // P V: A (values), B (P), C
+          hp[la.ptr0 + 4 * n + x] = Pd + int64_t(x) * M * ld;
+          hp[la.ptr0 + 5 * n + x] = o_g + qoff;
+        }
+      }
+    }
+    // stream-ordered: a previous call's launches read these arrays before this copy lands
+    if (bptr.size() < hp.size()) bptr.resize(hp.size());
+    if (bt0.size() < ht0.size()) bt0.resize(ht0.size());
+    QUADS_CUDA_CHECK(cudaMemcpyAsync(bptr.data(), hp.data(), sizeof(void*) * hp.size(), cudaMemcpyHostToDevice, st));
+    QUADS_CUDA_CHECK(cudaMemcpyAsync(bt0.data(), ht0.data(), sizeof(int64_t) * ht0.size(), cudaMemcpyHostToDevice, st));
+    const float one = 1.f, zero = 0.f;
+    for (const Launch& la : launches) {
+      const Group& G = groups[la.grp];
+      const int64_t M = (G.q1 - G.q0) * g, Lk = G.q1, ld = round8(Lk);
+      const int n = static_cast<int>(la.nb * nkv);
+      const void* const* P0 = bptr.data() + la.ptr0;
+      // S [M, Lk] row-major = Qb Kbᵀ (column-major Sᵀ = Kb · Qbᵀ), as scores()
+      QUADS_CUBLAS_CHECK(cublasGemmBatchedEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(Lk), static_cast<int>(M), hd,
+                                             &one, P0, CUDA_R_32F, nkv * hd, P0 + n, CUDA_R_32F, hd, &zero,
+                                             const_cast<void* const*>(P0 + 2 * n), CUDA_R_32F, static_cast<int>(ld), n,
+                                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      softmax_fwd<float>(dim3(static_cast<unsigned>(M), static_cast<unsigned>(n)), ld, static_cast<int>(Lk), M,
+                         static_cast<int>(G.q0), g, 0, nh, scale, Pd, lse, st, bt0.data() + la.t00, nkv);
+      // O [M, hd] = P [M, Lk] · V [Lk, hd]; column-major Oᵀ = Vᵀ · Pᵀ
+      QUADS_CUBLAS_CHECK(cublasGemmBatchedEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, hd, static_cast<int>(M), static_cast<int>(Lk),
+                                             &one, P0 + 3 * n, CUDA_R_32F, nkv * hd, P0 + 4 * n, CUDA_R_32F,
+                                             static_cast<int>(ld), &zero, const_cast<void* const*>(P0 + 5 * n),
+                                             CUDA_R_32F, hd, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     }
     unpack(o_g, nh, g, hd, out, st);
   }

@@ -15,7 +15,8 @@
 //             dS = P (dP - D) (BF16), dQ = scale dS Kb, dK = scale dSᵀ Qb, dV = Pᵀ dOb
 // Nothing of size L^2 is kept between calls: the score scratch is sized for the largest block of
 // query rows and reused (long sequences run in blocks of query rows, each against the keys up to
-// its last query, so the masked upper triangle beyond a block is skipped). The GEMMs and every
+// its last query, so the masked upper triangle beyond a block is skipped; the FP32 forward runs the
+// blocks with the same query rows of all sequences as one pointer-array batched GEMM). The GEMMs and every
 // reduction run in a fixed order: the results are the same bits from run to run.
 // C++17-clean host header; device pointers, asynchronous on the stream passed in.
 #include <cuda_runtime_api.h>
@@ -52,7 +53,8 @@ class AttentionTc {
 
   // Most score elements (kv heads x query rows x keys) of one block of query rows (default 2^25:
   // a 1024-token sequence with 32 heads in one block). Tests lower it to exercise the blocking.
-  // The FP32 forward also caps a block at 256 query rows (attention_tc.cu says why).
+  // The FP32 forward also caps a block at 256 query rows and batches the blocks of equal query
+  // rows over sequences (attention_tc.cu says why).
   void set_block_elems(int64_t n);
 
   struct Impl;

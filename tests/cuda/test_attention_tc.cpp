@@ -126,9 +126,11 @@ TEST(CudaTrainAttentionTc, RejectsBadShapes) {
 }
 
 // The FP32 forward the rollout engine's prefill runs (set_fp32): float32 SGEMMs, the CPU's
-// attention up to summation order; lse optional; the backward refuses the mode. A sequence longer
-// than its 256-row blocks (600 tokens: three blocks), and one of 257 tokens under a lower score
-// bound, run in blocks, each against the keys up to its last query.
+// attention up to summation order; lse optional; the backward refuses the mode. Sequences longer
+// than its 256-row blocks (600 tokens: three blocks, 300, 257) run in blocks, each against the keys
+// up to its last query; the blocks of equal query rows run as one batched GEMM over sequences
+// (three 300-token sequences; three of 257 tokens under a lower score bound, 40-row blocks, which
+// splits their batches in two).
 TEST(CudaModelAttentionGemm, Fp32ForwardMatchesCpu) {
   QUADS_REQUIRE_GPU();
   struct Case {
@@ -137,7 +139,10 @@ TEST(CudaModelAttentionGemm, Fp32ForwardMatchesCpu) {
     int64_t block_elems;
   };
   const std::vector<Case> cases = {
-      {{70, 1, 600}, 4, 2, 64, 0}, {{63, 130}, 32, 4, 128, 0}, {{257, 9}, 8, 8, 32, 8 * 40 * 264}};
+      {{70, 1, 600}, 4, 2, 64, 0},
+      {{63, 130}, 32, 4, 128, 0},
+      {{257, 9, 257, 257}, 8, 8, 32, 8 * 40 * 264},
+      {{300, 45, 300, 300}, 8, 2, 64, 0}};
   cuda::AttentionTc tc;
   tc.set_fp32(true);
   for (size_t ci = 0; ci < cases.size(); ++ci) {
