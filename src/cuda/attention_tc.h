@@ -15,9 +15,9 @@
 //             dS = P (dP - D) (BF16), dQ = scale dS Kb, dK = scale dSᵀ Qb, dV = Pᵀ dOb
 // Nothing of size L^2 is kept between calls: the score scratch is sized for the largest block of
 // query rows and reused (long sequences run in blocks of query rows, each against the keys up to
-// its last query, so the masked upper triangle beyond a block is skipped; the FP32 forward runs the
-// blocks with the same query rows of all sequences as one pointer-array batched GEMM). The GEMMs and every
-// reduction run in a fixed order: the results are the same bits from run to run.
+// its last query, so the masked upper triangle beyond a block is skipped; the FP32 forward runs
+// the blocks with the same query rows of all sequences as one pointer-array batched GEMM). The
+// GEMMs and every reduction run in a fixed order: the results are the same bits from run to run.
 // C++17-clean host header; device pointers, asynchronous on the stream passed in.
 #include <cuda_runtime_api.h>
 
