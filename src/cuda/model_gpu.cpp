@@ -262,9 +262,10 @@ struct GpuModel::Impl {
     return T <= 8 || T > 64 ? 1 : T <= 16 ? 4 : 2;
   }
   // Prefills of fresh slots (every item from position 0, at least kGemmAttnTokens tokens): the
-  // attention as FP32 SGEMMs per sequence (AttentionTc::set_fp32: the CPU's arithmetic up to
-  // summation order, ~6x the one-warp-per-row kernel at 16 x 1024); QUADS_GPU_ATTN=direct keeps
-  // kern::attention for every prefill.
+  // attention as FP32 SGEMMs in causal blocks of query rows, batched over the sequences
+  // (AttentionTc::set_fp32: the CPU's arithmetic up to summation order, ~6x the one-warp-per-row
+  // kernel at 16 x 1024 before the blocks); QUADS_GPU_ATTN=direct keeps kern::attention for every
+  // prefill.
   bool attn_gemm_on = true;
   std::unique_ptr<AttentionTc> attn_gemm;
   static constexpr int64_t kGemmAttnTokens = 64;
