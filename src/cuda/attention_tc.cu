@@ -318,10 +318,9 @@ struct AttentionTc::Impl {
   // (bench_model_gpu), bf16 / nvfp4 prompt tok/s, a sequence's blocks one after another: one block
   // 137.3k / 98.7k, 256 rows 148.3k / 104.4k, 128 rows 138.2k / 98.5k (the GEMMs too small to fill
   // the GPU); with the blocks batched over sequences (fwd_fp32): 256 rows 167.3k / 112.9k, 128 rows
-  // 173.9k, 174.2k / 115.7k, 115.2k, 64 rows 173.8k / 115.1k. The default stays at 256 until the
-  // tests have run with 128 (they ran at 256 and at 40-row blocks). QUADS_ATTN_BLOCK_ROWS overrides
+  // 173.9k, 174.2k / 115.7k, 115.2k, 64 rows 173.8k / 115.1k: 128. QUADS_ATTN_BLOCK_ROWS overrides
   // it, for both modes (the BF16 trainer's default is one block).
-  int64_t fp32_rows = 256;
+  int64_t fp32_rows = 128;
   int64_t rows_env = -1;
   DeviceArray<uint16_t> qg, dog, kb, vb, pb, dsb;
   DeviceArray<float> og, S, dP, D;
