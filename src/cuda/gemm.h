@@ -7,7 +7,10 @@
 //    significant bits, magnitudes 2^-10 .. 2688), so the kernel dequantizes the packed 4-bit tiles in
 //    registers (never a BF16/FP16 copy of the weights in memory), multiplies on FP16 tensor cores
 //    (mma.sync m16n8k16) with FP32 accumulation, and applies the global scales in the epilogue.
-//    Its only rounding is the FP32 accumulation. For M <= 16 (decode) the tiles are 16 x 128 and
+//    Its only rounding is the FP32 accumulation. On Hopper, calls of many rows (prefill) use the
+//    warpgroup MMA (wgmma, FP16 from shared memory): each stage's W codes dequantized once per CTA
+//    into shared memory, X's in the registers of the warp that multiplies them (W4A4Tile::Wg128).
+//    For M <= 16 (decode) the tiles are 16 x 128 and
 //    stream the packed weights; small grids split K (partials summed in a fixed order, so results
 //    are deterministic). For a few rows (decode) a GEMV on CUDA cores (int8 dot products of the
 //    codes, exact block terms, FP32 sums) streams the weights without split K (W4A4Tile::Gemv).
@@ -63,7 +66,13 @@ Nvfp4View nvfp4_view(const DeviceQTensor& q, const char* what = "operand");
 // swapped, and the bits are M16's (one split). Auto takes it from kGemvAutoMaxRows + 1 rows per
 // weight up to kSkinnyDenseMaxRows (dense) and kSkinnyAutoMaxRows (grouped: the bound on a group's
 // rows, the decode batch). QUADS_W4A4_SKINNY=0 keeps Auto off it (=grouped: grouped calls only).
-enum class W4A4Tile : uint8_t { Auto, M16, M64, M128, Gemv, M16W4, M16N64, M16W4S3, Skinny };
+// Wg128 / Wg256 (sm_90 only, w4a4_wgmma.cu): 128 rows of X x 128 / 256 rows of W a CTA of two
+// warpgroups, m64n128k16 wgmma with FP32 accumulators; the same products as M128 summed in wgmma's
+// order (FP32 rounding apart, not the same bits). Auto takes Wg128 where it would take M128 (not
+// for the RAC gather) when the device runs it; QUADS_W4A4_WGMMA=0 keeps M128, =256 takes Wg256.
+enum class W4A4Tile : uint8_t { Auto, M16, M64, M128, Gemv, M16W4, M16N64, M16W4S3, Skinny, Wg128, Wg256 };
+// Whether this build and device run the Wg tiles (sm_90: H100 / H200).
+bool w4a4_wgmma_available();
 struct W4A4Options {
   W4A4Tile tile = W4A4Tile::Auto;
   int splits = 0;  // K splits of the tile kernels; 0 = choose (enough CTAs to fill the GPU)

@@ -24,19 +24,13 @@
 #include "cuda/mma_util.cuh"
 #include "cuda/pdl.cuh"
 #include "cuda/w4a4_gemv.cuh"  // Params, the GEMV and its launch
-#include "cuda/w4a4_skinny.cuh"  // the FP16 dequantization, the skinny tiles
+#include "cuda/w4a4_skinny.cuh"  // the skinny tiles
+#include "cuda/w4a4_tile.cuh"  // the large tiles' stage copy and epilogue
+#include "cuda/w4a4_wgmma.h"
 
 namespace quads::cuda {
 
 namespace {
-
-constexpr int kBK = 128;  // K elements per stage
-
-template <int BM, int BN, bool GATHER>
-struct Smem {
-  static constexpr int A = BM * 64, B = BN * 64, AS = BM * 8, BS = GATHER ? BN * 32 : BN * 8;
-  static constexpr int STAGE = A + B + AS + BS;
-};
 
 // MINB: CTAs an SM must hold (caps the registers a thread).
 template <int BM, int BN, int WM, int WN, int STAGES, bool GATHER, bool GROUPED, int MINB = 1>
@@ -55,77 +49,13 @@ w4a4_kernel(const Params p) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int wm = warp / NWN, wn = warp % NWN;
-  int64_t m0 = static_cast<int64_t>(blockIdx.y) * BM, mend = p.M;
-  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * BN;
-  const int64_t kb_total = (p.K + kBK - 1) / kBK;
-  int64_t kb0 = static_cast<int64_t>(blockIdx.z) * p.kb_per_split;
-  const uint8_t* wq = p.wq;
-  const uint8_t* ws = p.ws;
-  const float* wamax = p.wamax;
-  const int32_t* blk = p.blk;
-  if constexpr (GROUPED) {
-    // The grid covers the largest possible group; tiles past this expert's rows leave at once
-    // (uniformly for the whole CTA, before any barrier).
-    const int e = blockIdx.z / p.gsplits;
-    const int64_t mb = p.eoff[e];
-    mend = p.eoff[e + 1];
-    m0 += mb;
-    if (m0 >= mend) return;
-    wq = p.wtab[e].codes;
-    ws = p.wtab[e].scales;
-    wamax = p.wtab[e].amax;
-    if constexpr (GATHER) blk += e * p.blk_stride;
-    kb0 = static_cast<int64_t>(blockIdx.z % p.gsplits) * p.kb_per_split;
-  }
-  const int64_t zsplit = GROUPED ? blockIdx.z % p.gsplits : blockIdx.z;
-  const int64_t prows = GROUPED ? p.Mtot : p.M;
-  const int64_t kb1 = min(kb_total, kb0 + p.kb_per_split);
-  const int nkb = kb1 > kb0 ? static_cast<int>(kb1 - kb0) : 0;
-  const int64_t xrow = p.K / 2, xsrow = p.K / 16, wrow = p.Kw / 2, wsrow = p.Kw / 16;
+  TileCtx c;
+  if (!tile_ctx<BM, BN, GROUPED, GATHER>(p, c)) return;
+  const int64_t kb0 = c.kb0;
+  const int nkb = c.nkb;
   const int64_t kblocks = p.K / 16;
-
-  auto load_stage = [&](int slot, int64_t kb) {
-    uint8_t* sa = smem + slot * SM::STAGE;
-    uint8_t* sb = sa + SM::A;
-    uint8_t* sas = sb + SM::B;
-    uint8_t* sbs = sas + SM::AS;
-    const int64_t k0 = kb * kBK;
-    for (int c = tid; c < BM * 4; c += NT) {
-      const int r = c >> 2, part = c & 3;
-      const int64_t gr = m0 + r, kc = k0 + part * 32;
-      const bool ok = gr < mend && kc < p.K;
-      cp_async16(sa + r * 64 + part * 16, p.xq + (ok ? gr * xrow + kc / 2 : 0), ok ? 16 : 0);
-    }
-    for (int c = tid; c < BM * 2; c += NT) {
-      const int r = c >> 1, h = c & 1;
-      const int64_t gr = m0 + r, kc = k0 + h * 64;
-      const bool ok = gr < mend && kc < p.K;
-      cp_async4(sas + r * 8 + h * 4, p.xs + (ok ? gr * xsrow + kc / 16 : 0), ok ? 4 : 0);
-    }
-    if constexpr (!GATHER) {
-      for (int c = tid; c < BN * 4; c += NT) {
-        const int r = c >> 2, part = c & 3;
-        const int64_t gn = n0 + r, kc = k0 + part * 32;
-        const bool ok = gn < p.N && kc < p.K;
-        cp_async16(sb + r * 64 + part * 16, wq + (ok ? gn * wrow + kc / 2 : 0), ok ? 16 : 0);
-      }
-      for (int c = tid; c < BN * 2; c += NT) {
-        const int r = c >> 1, h = c & 1;
-        const int64_t gn = n0 + r, kc = k0 + h * 64;
-        const bool ok = gn < p.N && kc < p.K;
-        cp_async4(sbs + r * 8 + h * 4, ws + (ok ? gn * wsrow + kc / 16 : 0), ok ? 4 : 0);
-      }
-    } else {
-      for (int c = tid; c < BN * 8; c += NT) {
-        const int r = c >> 3, b = c & 7;
-        const int64_t gn = n0 + r, kblk = kb * 8 + b;
-        const bool ok = gn < p.N && kblk < kblocks;
-        const int64_t src = ok ? blk[kblk] : 0;
-        cp_async8(sb + r * 64 + b * 8, wq + (ok ? gn * wrow + src * 8 : 0), ok ? 8 : 0);
-        cp_async4(sbs + (r * 8 + b) * 4, ws + (ok ? gn * wsrow + (src & ~int64_t(3)) : 0), ok ? 4 : 0);
-      }
-    }
-  };
+  const int32_t* blk = c.blk;
+  auto load = [&](int slot, int64_t kb) { load_stage<BM, BN, NT, GATHER>(p, c, smem + slot * SM::STAGE, kb, tid); };
 
   float acc[MT][NTL][4];
 #pragma unroll
@@ -137,7 +67,7 @@ w4a4_kernel(const Params p) {
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < nkb) load_stage(s, kb0 + s);
+    if (s < nkb) load(s, kb0 + s);
     cp_async_commit();
   }
 
@@ -146,7 +76,7 @@ w4a4_kernel(const Params p) {
     __syncthreads();
     {
       const int nx = it + STAGES - 1;
-      if (nx < nkb) load_stage(nx % STAGES, kb0 + nx);
+      if (nx < nkb) load(nx % STAGES, kb0 + nx);
       cp_async_commit();
     }
     const uint8_t* sa = smem + (it % STAGES) * SM::STAGE;
@@ -232,28 +162,18 @@ w4a4_kernel(const Params p) {
   cp_async_wait<0>();
 
   // epilogue
-  const float kInv = 1.f / 2688.f;
 #pragma unroll
   for (int i = 0; i < MT; ++i)
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      const int64_t row = m0 + wm * WM + i * 16 + g + 8 * hr;
-      if (row >= mend) continue;
-      const float rf = p.partial ? 0.f : p.xamax[p.xamax_row ? row : 0] * kInv * 16384.f;
+      const int64_t row = c.m0 + wm * WM + i * 16 + g + 8 * hr;
+      if (row >= c.mend) continue;
 #pragma unroll
       for (int j = 0; j < NTL; ++j)
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int64_t col = n0 + wn * WN + j * 8 + 2 * t + c;
-          if (col >= p.N) continue;
-          const float v = acc[i][j][2 * hr + c];
-          if (p.partial) {
-            p.partial[(zsplit * prows + row) * p.N + col] = v;
-          } else {
-            const float out = v * rf * (wamax[p.wamax_row ? col : 0] * kInv);
-            float* dst = p.y + row * p.ldy + col;
-            *dst = p.accumulate ? *dst + out : out;
-          }
+        for (int cc = 0; cc < 2; ++cc) {
+          const int64_t col = c.n0 + wn * WN + j * 8 + 2 * t + cc;
+          if (col < p.N) store_out(p, c, row, col, acc[i][j][2 * hr + cc]);
         }
     }
 }
@@ -318,22 +238,17 @@ __global__ void gather_blocks_grouped_kernel(const float* x, int64_t m, int64_t 
 }
 
 
-template <int BM, int BN, int WM, int WN, int STAGES, bool GATHER, bool GROUPED = false, int MINB = 1>
-void launch(Params p, int splits_req, cudaStream_t s, int groups = 1) {
-  constexpr int threads = 32 * (BM / WM) * (BN / WN);
-  const int smem = Smem<BM, BN, GATHER>::STAGE * STAGES;
-  constexpr auto kern = w4a4_kernel<BM, BN, WM, WN, STAGES, GATHER, GROUPED, MINB>;
-  prepare_mma_kernel<kern>(smem);
-  const int64_t tiles_n = (p.N + BN - 1) / BN, tiles_m = (p.M + BM - 1) / BM;
+void launch_tile(const TileKernel& k, Params p, int splits_req, cudaStream_t s, bool grouped, int groups) {
+  const int64_t tiles_n = (p.N + k.bn - 1) / k.bn, tiles_m = (p.M + k.bm - 1) / k.bm;
   const int64_t kb_total = (p.K + kBK - 1) / kBK;
-  if constexpr (GROUPED) {
+  if (grouped) {
     // The grid is E x the tiles of the largest group (p.M); decode's few active experts would
     // leave most SMs idle, so K is split until about 4 CTAs per SM could be busy (row tiles with
     // work: at least one per active expert, at most min(E, rows) experts, and at least rows / BM).
     // Partials are summed in split order (deterministic).
     int splits = splits_req;
     if (splits <= 0) {
-      const int64_t row_tiles = std::max<int64_t>(std::min<int64_t>(groups, p.Mtot), (p.Mtot + BM - 1) / BM);
+      const int64_t row_tiles = std::max<int64_t>(std::min<int64_t>(groups, p.Mtot), (p.Mtot + k.bm - 1) / k.bm);
       const int64_t busy = row_tiles * tiles_n, want = 4LL * sm_count();
       splits = busy >= want ? 1 : static_cast<int>(std::min<int64_t>((want + busy - 1) / busy, kb_total / 2));
     }
@@ -349,7 +264,7 @@ void launch(Params p, int splits_req, cudaStream_t s, int groups = 1) {
     QUADS_CHECK(int64_t(groups) * splits <= 65535, "w4a4_gemm_grouped: {} groups x {} splits", groups, splits);
     const dim3 grid(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_m),
                     static_cast<unsigned>(groups * splits));
-    launch_pdl(kern, grid, threads, smem, s, p);
+    launch_pdl(k.kernel, grid, k.threads, static_cast<size_t>(k.smem), s, p);
     if (splits > 1) {
       const int64_t n = p.Mtot * p.N;  // every row of y: each belongs to one expert
       const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 16LL * sm_count()));
@@ -374,13 +289,22 @@ void launch(Params p, int splits_req, cudaStream_t s, int groups = 1) {
     p.partial = partial;
   }
   const dim3 grid(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_m), static_cast<unsigned>(splits));
-  launch_pdl(kern, grid, threads, smem, s, p);
+  launch_pdl(k.kernel, grid, k.threads, static_cast<size_t>(k.smem), s, p);
   if (splits > 1) {
     const int64_t n = p.M * p.N;
     const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 16LL * sm_count()));
     launch_pdl(splitk_reduce_kernel, blocks, 256, 0, s, p, splits, 0);
     QUADS_CUDA_CHECK(cudaFreeAsync(partial, s));
   }
+}
+
+
+template <int BM, int BN, int WM, int WN, int STAGES, bool GATHER, bool GROUPED = false, int MINB = 1>
+void launch(Params p, int splits_req, cudaStream_t s, int groups = 1) {
+  const int smem = Smem<BM, BN, GATHER>::STAGE * STAGES;
+  constexpr auto kern = w4a4_kernel<BM, BN, WM, WN, STAGES, GATHER, GROUPED, MINB>;
+  prepare_mma_kernel<kern>(smem);
+  launch_tile({kern, 32 * (BM / WM) * (BN / WN), smem, BM, BN}, p, splits_req, s, GROUPED, groups);
 }
 
 // Auto's 16-row tile. The 3-stage, 7-CTAs-per-SM variant wins where K is short (bench_cuda --gemv,
@@ -418,6 +342,22 @@ bool skinny_early_on() {
   return on;
 }
 
+// Auto's tile for many rows (see W4A4Tile).
+W4A4Tile auto_large() {
+  static const W4A4Tile tile = [] {
+    const char* e = std::getenv("QUADS_W4A4_WGMMA");
+    if ((e && std::strcmp(e, "0") == 0) || !w4a4_wgmma_available()) return W4A4Tile::M128;
+    return e && std::strcmp(e, "256") == 0 ? W4A4Tile::Wg256 : W4A4Tile::Wg128;
+  }();
+  return tile;
+}
+
+TileKernel wgmma_tile(W4A4Tile tile, bool grouped) {
+  const TileKernel k = w4a4_wgmma_tile(tile == W4A4Tile::Wg256 ? 256 : 128, grouped);
+  QUADS_CHECK(k.kernel, "w4a4_gemm: the warpgroup tiles (Wg128, Wg256) need an sm_90 GPU (H100, H200)");
+  return k;
+}
+
 template <bool GATHER>
 void dispatch(const Params& p, const W4A4Options& opt, cudaStream_t s) {
   W4A4Tile tile = opt.tile;
@@ -434,7 +374,12 @@ void dispatch(const Params& p, const W4A4Options& opt, cudaStream_t s) {
   }
   // M = 17..32 runs two 16-row tiles over the same weights (measured faster than one 64-row tile);
   // 4 warps per 16-row tile beat 2 by 0-13% at M 8..32 on the H200 (bench_cuda --gemv).
-  if (tile == W4A4Tile::Auto) tile = p.M <= 32 ? auto_m16(p.K) : p.M <= 64 ? W4A4Tile::M64 : W4A4Tile::M128;
+  if (tile == W4A4Tile::Auto) tile = p.M <= 32 ? auto_m16(p.K) : p.M <= 64 ? W4A4Tile::M64 : GATHER ? W4A4Tile::M128 : auto_large();
+  if (tile == W4A4Tile::Wg128 || tile == W4A4Tile::Wg256) {
+    QUADS_CHECK(!GATHER, "w4a4_gemm_gather: the warpgroup tiles have no gather variant");
+    launch_tile(wgmma_tile(tile, false), p, opt.splits, s, false, 1);
+    return;
+  }
   switch (tile) {
     case W4A4Tile::Gemv: launch_gemv<GATHER, false>(p, gemv_plan(p.K, p.M, p.N), 1, s); break;
     case W4A4Tile::M16: launch<16, 128, 16, 64, 4, GATHER>(p, opt.splits, s); break;
@@ -474,7 +419,13 @@ void dispatch_grouped(Params p, int groups, int splits, W4A4Tile tile, cudaStrea
   // p.M is the largest group: decode has a few rows per expert, M16 tiles stream the weights. With
   // 4 warps per tile (H200, routed decode batches, bench_cuda --gemv): gate/up 70 vs 82 us at batch
   // 16, 87 vs 87 at 64; down 40 vs 37 at 16, 46 vs 55 at 64.
-  if (tile == W4A4Tile::Auto) tile = p.M <= 64 ? auto_m16(p.K) : p.M <= 256 ? W4A4Tile::M64 : W4A4Tile::M128;
+  if (tile == W4A4Tile::Auto)
+    tile = p.M <= 64 ? auto_m16(p.K) : p.M <= 256 ? W4A4Tile::M64 : GATHER ? W4A4Tile::M128 : auto_large();
+  if (tile == W4A4Tile::Wg128 || tile == W4A4Tile::Wg256) {
+    QUADS_CHECK(!GATHER, "w4a4_gemm_grouped_gather: the warpgroup tiles have no gather variant");
+    launch_tile(wgmma_tile(tile, true), p, splits, s, true, groups);
+    return;
+  }
   switch (tile) {
     case W4A4Tile::M16: launch<16, 128, 16, 64, 4, GATHER, true>(p, splits, s, groups); break;
     case W4A4Tile::M16W4: launch<16, 128, 16, 32, 4, GATHER, true>(p, splits, s, groups); break;
@@ -501,6 +452,12 @@ GemvTileLoop& tile_loop_mode() {
 }  // namespace
 void set_gemv_tile_loop(GemvTileLoop mode) { tile_loop_mode() = mode; }
 GemvTileLoop gemv_tile_loop() { return tile_loop_mode(); }
+
+bool w4a4_wgmma_available() {
+  static const bool ok = w4a4_wgmma_tile(128, false).kernel && w4a4_wgmma_tile(128, true).kernel &&
+                         w4a4_wgmma_tile(256, false).kernel && w4a4_wgmma_tile(256, true).kernel;
+  return ok;
+}
 
 bool gemv_auto_grouped(int64_t max_rows, int64_t /*k*/) {
   // max_rows is the decode batch (a group has at most one row per token); from 2 rows the skinny

@@ -2,8 +2,8 @@
 // The W4A4 GEMV (decode) and what the W4A4 kernels share, included by w4a4_gemm.cu (the tile
 // kernels, the plain GEMV on quantize()'s codes, the RAC gather) and w4a4_gemv_fused.cu (the GEMV
 // that quantizes its activation rows in its prologue). Two translation units because the GEMV's
-// template variants make one slow to compile. Everything here has internal linkage (an anonymous
-// namespace): each unit instantiates the kernels it launches.
+// template variants make one slow to compile. Everything here but Params has internal linkage (an
+// anonymous namespace): each unit instantiates the kernels it launches.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -19,8 +19,7 @@
 
 namespace quads::cuda {
 
-namespace {
-
+// Params has external linkage: w4a4_wgmma.cu (a unit of its own, built for sm_90a) takes it too.
 struct Params {
   const uint8_t* xq;
   const uint8_t* xs;
@@ -55,6 +54,8 @@ struct Params {
   float fstatic_amax;
   int early_w;            // dense: stream the first weights before waiting for the previous kernel
 };
+
+namespace {
 
 // The j-th group (0-based) with rows among eoff's groups (eoff[e] < eoff[e + 1]), or -1; the
 // whole warp calls it and gets the same answer, 32 groups a ballot.

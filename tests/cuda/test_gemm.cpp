@@ -134,8 +134,10 @@ TEST(CudaGemm, W4A4MatchesDequantizedCpuGemm) {
         ref_gemm(dequant_cpu(xq), dequant_cpu(wq), s.m, s.n, s.k, ref, absref);
         DeviceQTensor dxq = to_device(xq), dwq = to_device(wq);
         DeviceArray<float> y(s.m * s.n);
-        for (W4A4Tile tile : {W4A4Tile::M16, W4A4Tile::M16W4, W4A4Tile::M16N64, W4A4Tile::M16W4S3, W4A4Tile::M64,
-                              W4A4Tile::M128, W4A4Tile::Gemv, W4A4Tile::Skinny})
+        std::vector<W4A4Tile> tiles = {W4A4Tile::M16,  W4A4Tile::M16W4, W4A4Tile::M16N64, W4A4Tile::M16W4S3,
+                                       W4A4Tile::M64,  W4A4Tile::M128,  W4A4Tile::Gemv,   W4A4Tile::Skinny};
+        if (w4a4_wgmma_available()) tiles.insert(tiles.end(), {W4A4Tile::Wg128, W4A4Tile::Wg256});
+        for (W4A4Tile tile : tiles)
           for (int splits : {1, 0, 3}) {
             if (tile == W4A4Tile::Gemv && splits != 1) continue;  // the GEMV does not split K
             if (tile == W4A4Tile::Skinny && splits == 3) continue;  // 1, 2, 4 or 8 warps a row tile
@@ -152,6 +154,52 @@ TEST(CudaGemm, W4A4MatchesDequantizedCpuGemm) {
           }
       }
   }
+}
+
+// The warpgroup tiles exist on every sm_90 GPU this library runs on (the build always holds their
+// sm_90a code), and nowhere else; at 8192 x 1536 x 2048 (several waves of CTAs, K split off and
+// on) they stay within FP32 rounding of the mma.sync tile, whose sums they reorder.
+TEST(CudaGemm, W4A4WarpgroupTilesOnHopper) {
+  QUADS_REQUIRE_GPU();
+  int dev = 0, major = 0, minor = 0;
+  QUADS_CUDA_CHECK(cudaGetDevice(&dev));
+  QUADS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  QUADS_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  EXPECT_EQ(w4a4_wgmma_available(), major == 9 && minor == 0);
+  if (!w4a4_wgmma_available()) {
+    W4A4Options o;
+    o.tile = W4A4Tile::Wg128;
+    DeviceQTensor a = make_qtensor(128, 64, QConfig::nvfp4_act()), b = make_qtensor(128, 64, QConfig::nvfp4_act());
+    DeviceArray<float> y(128 * 128);
+    EXPECT_THROW(w4a4_gemm_emulated(nvfp4_view(a), nvfp4_view(b), y.data(), false, nullptr, o), Error);
+    return;
+  }
+  const int64_t M = 1000, N = 1536, K = 2048;
+  QConfig xc = QConfig::nvfp4_act();
+  xc.global = Global::PerRow;
+  const std::vector<float> x = random_matrix(M, K, 41), w = random_matrix(N, K, 42);
+  const num::QTensor xq = num::quantize(x.data(), M, K, xc), wq = num::quantize(w.data(), N, K, QConfig::nvfp4_weight(false));
+  DeviceQTensor dxq = to_device(xq), dwq = to_device(wq);
+  DeviceArray<float> y(M * N);
+  auto run = [&](W4A4Tile tile, int splits) {
+    W4A4Options o;
+    o.tile = tile;
+    o.splits = splits;
+    y.fill_bytes(0xFF);
+    w4a4_gemm_emulated(nvfp4_view(dxq), nvfp4_view(dwq), y.data(), false, nullptr, o);
+    return y.download();
+  };
+  const std::vector<float> ref = run(W4A4Tile::M128, 1);
+  double mag = 0;
+  for (float v : ref) mag = std::max(mag, std::fabs(double(v)));
+  for (W4A4Tile tile : {W4A4Tile::Wg128, W4A4Tile::Wg256, W4A4Tile::Auto})
+    for (int splits : {1, 2}) {
+      const std::vector<float> got = run(tile, splits);
+      double err = 0;
+      for (size_t i = 0; i < ref.size(); ++i) err = std::max(err, std::fabs(double(got[i]) - ref[i]));
+      EXPECT_LE(err, 2e-6 * mag) << "tile " << static_cast<int>(tile) << " splits " << splits;
+      EXPECT_EQ(first_float_mismatch(got, run(tile, splits)), -1) << "tile " << static_cast<int>(tile) << ": repeat run differs";
+    }
 }
 
 // The 16-row tile variants differ only in how the CTA's columns are split over warps and CTAs:

@@ -195,31 +195,41 @@ TEST(CudaMoe, GroupedW4A4EqualsPerExpertGemm) {
     DeviceArray<cuda::Nvfp4Weight> dtab = dev(tab);
     DeviceArray<int32_t> deoff = dev(off);
     DeviceArray<float> y(R * N), yref(R * N);
-    y.fill_bytes(0xFF);  // NaN: every row must be written
-    cuda::w4a4_gemm_grouped(xv, dtab.data(), false, N, E, deoff.data(), max_rows, y.data(), nullptr, c.splits);
-    cuda::W4A4Options opt;
-    opt.splits = c.splits;
-    opt.tile = max_rows <= 64 ? cuda::W4A4Tile::M16 : cuda::W4A4Tile::M128;
-    for (int e = 0; e < E; ++e) {
-      if (sizes[e] == 0) continue;
-      cuda::Nvfp4View xe = xv;
-      xe.codes += off[e] * K / 2;
-      xe.scales += off[e] * K / 16;
-      xe.amax += off[e];
-      xe.rows = sizes[e];
-      cuda::w4a4_gemm_emulated(xe, cuda::nvfp4_view(wq[e], "w"), yref.data() + off[e] * N, false, nullptr, opt);
+    // Many rows: each 128-row tile (Auto takes the warpgroup one on Hopper), grouped and per expert.
+    std::vector<cuda::W4A4Tile> tiles = {cuda::W4A4Tile::Auto};
+    if (max_rows > 64) {
+      tiles = {cuda::W4A4Tile::M128};
+      if (cuda::w4a4_wgmma_available()) tiles.insert(tiles.end(), {cuda::W4A4Tile::Wg128, cuda::W4A4Tile::Wg256});
     }
-    const std::vector<float> ref = yref.download(), same = y.download();
-    double d = 0, m = 0;
-    for (size_t i = 0; i < ref.size(); ++i) {
-      d = std::max(d, std::fabs(double(same[i]) - ref[i]));
-      m = std::max(m, std::fabs(double(ref[i])));
+    std::vector<float> ref;
+    for (cuda::W4A4Tile tile : tiles) {
+      y.fill_bytes(0xFF);  // NaN: every row must be written
+      cuda::w4a4_gemm_grouped(xv, dtab.data(), false, N, E, deoff.data(), max_rows, y.data(), nullptr, c.splits, tile);
+      cuda::W4A4Options opt;
+      opt.splits = c.splits;
+      opt.tile = max_rows <= 64 ? cuda::W4A4Tile::M16 : tile;
+      for (int e = 0; e < E; ++e) {
+        if (sizes[e] == 0) continue;
+        cuda::Nvfp4View xe = xv;
+        xe.codes += off[e] * K / 2;
+        xe.scales += off[e] * K / 16;
+        xe.amax += off[e];
+        xe.rows = sizes[e];
+        cuda::w4a4_gemm_emulated(xe, cuda::nvfp4_view(wq[e], "w"), yref.data() + off[e] * N, false, nullptr, opt);
+      }
+      ref = yref.download();
+      const std::vector<float> same = y.download();
+      double d = 0, m = 0;
+      for (size_t i = 0; i < ref.size(); ++i) {
+        d = std::max(d, std::fabs(double(same[i]) - ref[i]));
+        m = std::max(m, std::fabs(double(ref[i])));
+      }
+      // A row's sum does not depend on where its tile starts (each output is its own MMA dot
+      // product over the same k-steps), so the bits agree; the deviation says how far off if not.
+      EXPECT_EQ(first_float_mismatch(same, ref), -1)
+          << "max rows " << max_rows << ", tile " << static_cast<int>(tile) << ": max |diff| " << d << " of max |y| " << m;
     }
-    // A row's sum does not depend on where its tile starts (each output is its own MMA dot
-    // product over the same k-steps), so the bits agree; the deviation says how far off if not.
-    EXPECT_EQ(first_float_mismatch(same, ref), -1)
-        << "max rows " << max_rows << ": max |diff| " << d << " of max |y| " << m;
-    // the split count chosen by the call itself: the same sums up to their grouping
+    // the split count and tile chosen by the call itself: the same sums up to their grouping
     cuda::w4a4_gemm_grouped(xv, dtab.data(), false, N, E, deoff.data(), max_rows, y.data());
     const std::vector<float> got = y.download();
     double err = 0, mag = 0;
