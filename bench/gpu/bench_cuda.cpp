@@ -101,6 +101,8 @@ const char* tile_name(W4A4Tile t) {
     case W4A4Tile::M16N64: return "16x64";
     case W4A4Tile::M16W4S3: return "16x128/4w/3st";
     case W4A4Tile::Skinny: return "skinny";
+    case W4A4Tile::Wg128: return "wgmma 128x128";
+    case W4A4Tile::Wg256: return "wgmma 128x256";
     default: return "auto";
   }
 }
@@ -779,98 +781,10 @@ int skinny_trace_table() {
   return 0;
 }
 
-int main(int argc, char** argv) {
-  if (device_count() == 0) {
-    std::printf("no CUDA device\n");
-    return 0;
-  }
-  if (argc > 1 && std::string(argv[1]) == "--profile") return profile();
-  if (argc > 1 && std::string(argv[1]) == "--decode-kernels") return decode_bench::run();  // decode_kernels_bench.h
-  if (argc > 1 && std::string(argv[1]) == "--route") return route_bench::run();  // route_bench.h
-  if (argc > 1 && std::string(argv[1]) == "--skinny-trace") return skinny_trace_table();
-  cudaDeviceProp prop{};
-  QUADS_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s, %d SMs, L2 %d MB\n\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
-
-  // ---- bandwidth ----
-  int64_t R = 16384, C = 8192;  // 134M elements: 512 MB float32
-  DeviceArray<float> src(R * C), dst(R * C);
-  const std::vector<float> blk = randn(1 << 24, 1);
-  fill_device(src, blk);
-  const double copy_us = time_us([&] { QUADS_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.bytes(), cudaMemcpyDeviceToDevice)); });
-  const double copy_gbs = 2.0 * src.bytes() / copy_us / 1e3;
-  std::printf("| kernel | shape | us | GB/s | %% of copy |\n|---|---|---|---|---|\n");
-  std::printf("| device copy (read+write) | %lld MB | %.1f | %.0f | 100 |\n", static_cast<long long>(src.bytes() >> 20), copy_us, copy_gbs);
-  if (argc > 1 && std::string(argv[1]) == "--gemv") {  // the decode GEMV table alone
-    src.reset();
-    dst.reset();
-    gemv_table(copy_gbs);
-    fused_table(copy_gbs);
-    return 0;
-  }
-  if (argc > 1 && std::string(argv[1]) == "--fused-warm") {  // the fused table from HBM and warm in L2
-    src.reset();
-    dst.reset();
-    fused_table(copy_gbs);
-    fused_table(copy_gbs, true);
-    return 0;
-  }
-  if (argc > 1 && std::string(argv[1]) == "--dense-sweep") {
-    src.reset();
-    dst.reset();
-    dense_sweep(copy_gbs);
-    return 0;
-  }
-  if (argc > 1 && std::string(argv[1]) == "--fp8") {  // the FP8 GEMV / tile table alone
-    src.reset();
-    dst.reset();
-    fp8_table(copy_gbs);
-    return 0;
-  }
-
-  DeviceArray<uint16_t> srcb(R * C), dstb(R * C);
-  {
-    std::vector<uint16_t> bb(blk.size());
-    for (size_t i = 0; i < blk.size(); ++i) bb[i] = bf16(blk[i]);
-    fill_device(srcb, bb);
-  }
-  auto row = [&](const std::string& name, double us, double bytes) {
-    const double gbs = bytes / us / 1e3;
-    std::printf("| %s | %lldx%lld | %.1f | %.0f | %.0f |\n", name.c_str(), static_cast<long long>(R),
-                static_cast<long long>(C), us, gbs, 100.0 * gbs / copy_gbs);
-  };
-  // activations [tokens, hidden 2048] first (the rollout's case), then long rows (two passes per row)
-  for (int64_t cols : {2048, 8192}) {
-    C = cols;
-    R = 16384 * 8192 / cols;
-    const double codes_b = R * C / 2.0, scales_b = R * C / 16.0;
-    for (num::Global g : {num::Global::PerRow, num::Global::PerTensor}) {
-      num::QConfig cfg = num::QConfig::nvfp4_act();
-      cfg.global = g;
-      const std::string gname = g == num::Global::PerRow ? "per-row" : "per-tensor";
-      DeviceQTensor q = make_qtensor(R, C, cfg);
-      row("nvfp4 quantize f32, " + gname, time_us([&] { quantize(src.data(), q); }), 4.0 * R * C + codes_b + scales_b);
-      row("nvfp4 quantize bf16, " + gname, time_us([&] { quantize_bf16(srcb.data(), q); }), 2.0 * R * C + codes_b + scales_b);
-      row("nvfp4 fake-quant f32, " + gname,
-          time_us([&] { fake_quantize(src.data(), dst.data(), R, C, cfg, nullptr, q.amax.data()); }), 8.0 * R * C);
-      row("nvfp4 fake-quant bf16, " + gname,
-          time_us([&] { fake_quantize_bf16(srcb.data(), dstb.data(), R, C, cfg, nullptr, q.amax.data()); }), 4.0 * R * C);
-    }
-    if (cols != 2048) continue;
-    DeviceQTensor q = make_qtensor(R, C, num::QConfig::nvfp4_weight(true));
-    row("nvfp4 quantize f32, 16x16 (weights)", time_us([&] { quantize(src.data(), q); }), 4.0 * R * C + codes_b + scales_b);
-    row("nvfp4 dequantize -> f32", time_us([&] { dequantize(q, dst.data()); }), 4.0 * R * C + codes_b + scales_b);
-    DeviceQTensor m = make_qtensor(R, C, num::QConfig::mxfp4());
-    row("mxfp4 quantize f32", time_us([&] { quantize(src.data(), m); }), 4.0 * R * C + codes_b + scales_b / 2);
-    DeviceQTensor f8 = make_qtensor(R, C, num::QConfig::fp8(num::Block::PerRow));
-    row("fp8 quantize f32, per-row", time_us([&] { quantize(src.data(), f8); }), 5.0 * R * C);
-  }
-  src.reset();
-  dst.reset();
-  srcb.reset();
-  dstb.reset();
-
-  // ---- GEMMs at the peer model's shapes ----
+// GEMMs at the peer model's shapes (the W4A4 emulation's tile Auto takes there, against cuBLAS BF16
+// and FP8), then the large-M tiles side by side: the expert shapes at prefill sizes and a square
+// GEMM (the emulation's compute ceiling).
+void gemm_table() {
   Blas blas;
   std::printf("\n| GEMM Y=X.W^T | M | N | K | W4A4 emul us | TFLOP/s | BF16 cuBLAS us | TFLOP/s | FP8 cuBLASLt us | TFLOP/s | W4A4/BF16 |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
@@ -929,7 +843,9 @@ int main(int argc, char** argv) {
     quantize(x.data(), wq);
     x.reset();
     const double flop = 2.0 * M * N * K;
-    for (W4A4Tile t : {W4A4Tile::M128, W4A4Tile::M64}) {
+    std::vector<W4A4Tile> sq = {W4A4Tile::M128, W4A4Tile::M64};
+    if (w4a4_wgmma_available()) sq.insert(sq.end(), {W4A4Tile::Wg128, W4A4Tile::Wg256});
+    for (W4A4Tile t : sq) {
       W4A4Options o;
       o.tile = t;
       const double us = time_us([&] { w4a4_gemm_emulated(nvfp4_view(xq), nvfp4_view(wq), y.data(), false, nullptr, o); }, 5);
@@ -945,6 +861,130 @@ int main(int argc, char** argv) {
     std::printf("| square, cuBLAS BF16 | %lld | %lld | %lld | | | %.1f | %.1f | | | |\n", static_cast<long long>(M),
                 static_cast<long long>(N), static_cast<long long>(K), tb, flop / tb / 1e6);
   }
+
+  std::printf("\n| W4A4 tile (many rows) | M | N | K | us | TFLOP/s |\n|---|---|---|---|---|---|\n");
+  std::vector<W4A4Tile> big = {W4A4Tile::M128};
+  if (w4a4_wgmma_available()) big.insert(big.end(), {W4A4Tile::Wg128, W4A4Tile::Wg256});
+  struct S {
+    int64_t m, n, k;
+  };
+  for (const S& g : {S{2048, 1536, 2048}, S{2048, 2048, 768}, S{16384, 5120, 2048}, S{16384, 2048, 4096}}) {
+    DeviceArray<float> x(g.m * g.k), w(g.n * g.k), y(g.m * g.n);
+    fill_device(x, randn(std::min<int64_t>(g.m * g.k, 1 << 22), 11));
+    fill_device(w, randn(std::min<int64_t>(g.n * g.k, 1 << 22), 12, 0.02f));
+    num::QConfig xc = num::QConfig::nvfp4_act();
+    xc.global = num::Global::PerRow;
+    DeviceQTensor xq = make_qtensor(g.m, g.k, xc), wq = make_qtensor(g.n, g.k, num::QConfig::nvfp4_weight(true));
+    quantize(x.data(), xq);
+    quantize(w.data(), wq);
+    for (W4A4Tile t : big) {
+      W4A4Options o;
+      o.tile = t;
+      const double us = time_us([&] { w4a4_gemm_emulated(nvfp4_view(xq), nvfp4_view(wq), y.data(), false, nullptr, o); });
+      std::printf("| %s | %lld | %lld | %lld | %.1f | %.1f |\n", tile_name(t), static_cast<long long>(g.m),
+                  static_cast<long long>(g.n), static_cast<long long>(g.k), us, 2.0 * g.m * g.n * g.k / us / 1e6);
+    }
+  }
+}
+
+int main(int argc, char** argv) {
+  if (device_count() == 0) {
+    std::printf("no CUDA device\n");
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "--profile") return profile();
+  if (argc > 1 && std::string(argv[1]) == "--decode-kernels") return decode_bench::run();  // decode_kernels_bench.h
+  if (argc > 1 && std::string(argv[1]) == "--route") return route_bench::run();  // route_bench.h
+  if (argc > 1 && std::string(argv[1]) == "--skinny-trace") return skinny_trace_table();
+  cudaDeviceProp prop{};
+  QUADS_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs, L2 %d MB\n\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
+
+  // ---- bandwidth ----
+  int64_t R = 16384, C = 8192;  // 134M elements: 512 MB float32
+  DeviceArray<float> src(R * C), dst(R * C);
+  const std::vector<float> blk = randn(1 << 24, 1);
+  fill_device(src, blk);
+  const double copy_us = time_us([&] { QUADS_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.bytes(), cudaMemcpyDeviceToDevice)); });
+  const double copy_gbs = 2.0 * src.bytes() / copy_us / 1e3;
+  std::printf("| kernel | shape | us | GB/s | %% of copy |\n|---|---|---|---|---|\n");
+  std::printf("| device copy (read+write) | %lld MB | %.1f | %.0f | 100 |\n", static_cast<long long>(src.bytes() >> 20), copy_us, copy_gbs);
+  if (argc > 1 && std::string(argv[1]) == "--gemv") {  // the decode GEMV table alone
+    src.reset();
+    dst.reset();
+    gemv_table(copy_gbs);
+    fused_table(copy_gbs);
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "--fused-warm") {  // the fused table from HBM and warm in L2
+    src.reset();
+    dst.reset();
+    fused_table(copy_gbs);
+    fused_table(copy_gbs, true);
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "--dense-sweep") {
+    src.reset();
+    dst.reset();
+    dense_sweep(copy_gbs);
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "--gemm") {  // the GEMM tables alone
+    src.reset();
+    dst.reset();
+    gemm_table();
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "--fp8") {  // the FP8 GEMV / tile table alone
+    src.reset();
+    dst.reset();
+    fp8_table(copy_gbs);
+    return 0;
+  }
+
+  DeviceArray<uint16_t> srcb(R * C), dstb(R * C);
+  {
+    std::vector<uint16_t> bb(blk.size());
+    for (size_t i = 0; i < blk.size(); ++i) bb[i] = bf16(blk[i]);
+    fill_device(srcb, bb);
+  }
+  auto row = [&](const std::string& name, double us, double bytes) {
+    const double gbs = bytes / us / 1e3;
+    std::printf("| %s | %lldx%lld | %.1f | %.0f | %.0f |\n", name.c_str(), static_cast<long long>(R),
+                static_cast<long long>(C), us, gbs, 100.0 * gbs / copy_gbs);
+  };
+  // activations [tokens, hidden 2048] first (the rollout's case), then long rows (two passes per row)
+  for (int64_t cols : {2048, 8192}) {
+    C = cols;
+    R = 16384 * 8192 / cols;
+    const double codes_b = R * C / 2.0, scales_b = R * C / 16.0;
+    for (num::Global g : {num::Global::PerRow, num::Global::PerTensor}) {
+      num::QConfig cfg = num::QConfig::nvfp4_act();
+      cfg.global = g;
+      const std::string gname = g == num::Global::PerRow ? "per-row" : "per-tensor";
+      DeviceQTensor q = make_qtensor(R, C, cfg);
+      row("nvfp4 quantize f32, " + gname, time_us([&] { quantize(src.data(), q); }), 4.0 * R * C + codes_b + scales_b);
+      row("nvfp4 quantize bf16, " + gname, time_us([&] { quantize_bf16(srcb.data(), q); }), 2.0 * R * C + codes_b + scales_b);
+      row("nvfp4 fake-quant f32, " + gname,
+          time_us([&] { fake_quantize(src.data(), dst.data(), R, C, cfg, nullptr, q.amax.data()); }), 8.0 * R * C);
+      row("nvfp4 fake-quant bf16, " + gname,
+          time_us([&] { fake_quantize_bf16(srcb.data(), dstb.data(), R, C, cfg, nullptr, q.amax.data()); }), 4.0 * R * C);
+    }
+    if (cols != 2048) continue;
+    DeviceQTensor q = make_qtensor(R, C, num::QConfig::nvfp4_weight(true));
+    row("nvfp4 quantize f32, 16x16 (weights)", time_us([&] { quantize(src.data(), q); }), 4.0 * R * C + codes_b + scales_b);
+    row("nvfp4 dequantize -> f32", time_us([&] { dequantize(q, dst.data()); }), 4.0 * R * C + codes_b + scales_b);
+    DeviceQTensor m = make_qtensor(R, C, num::QConfig::mxfp4());
+    row("mxfp4 quantize f32", time_us([&] { quantize(src.data(), m); }), 4.0 * R * C + codes_b + scales_b / 2);
+    DeviceQTensor f8 = make_qtensor(R, C, num::QConfig::fp8(num::Block::PerRow));
+    row("fp8 quantize f32, per-row", time_us([&] { quantize(src.data(), f8); }), 5.0 * R * C);
+  }
+  src.reset();
+  dst.reset();
+  srcb.reset();
+  dstb.reset();
+
+  gemm_table();
 
   // ---- decode: weight streaming ----
   // All 128 experts' gate/up weights stacked (N = 128 * 1536, K = 2048: 201 MB of codes + 25 MB of
