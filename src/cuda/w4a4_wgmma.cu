@@ -18,13 +18,13 @@
 // fragments (the loop runs two stages a turn, so that each set is a fixed set of registers:
 // ptxas serializes the wgmma otherwise); then the wait for the stage before.
 //
-// Measured (H200, bench_cuda --gemm, docs/cuda.md Part 22): 8192^3 298 TFLOP/s against 239 for
-// M128 and 764-795 for cuBLAS BF16. The same loop without the dequantization (constant operands)
-// reaches only ~370, without the MMAs ~400: a wgmma's issue waits for the tensor pipe, so the
-// warps that issue them cannot dequantize meanwhile. Neither a 128-byte swizzled W tile (the
-// same speed) nor one warpgroup a CTA with two CTAs an SM (267) did better; the next step is
-// warp specialization (producer warps dequantizing into a ring, consumer warpgroups issuing only
-// wgmma), as CUTLASS's mixed-input Hopper GEMMs do.
+// Measured (H200, bench_cuda --gemm, docs/cuda.md Part 22): 8192^3 298-301 TFLOP/s against 239
+// for M128 and 764-795 for cuBLAS BF16. Without the dequantization (constant operands) this loop
+// reaches only ~370, without the MMAs ~400. Neither a 128-byte swizzled W tile (the same speed),
+// one warpgroup a CTA with two CTAs an SM (267), nor warp specialization (two warpgroups
+// dequantizing both operands into a ring of FP16 slots, two issuing only wgmma: 301) did better;
+// Part 22 has the probes that say why (the dequantization's ALU work and the copy-and-barrier
+// pipeline each cap it at about the same rate).
 #include "cuda/w4a4_wgmma.h"
 
 #include <cuda_fp16.h>
