@@ -217,6 +217,9 @@ struct GpuModel::Impl {
   // layer, no host sync in a step. QUADS_GPU_MOE=legacy keeps the old path (expert ids to the
   // host, cpu::moe_permute, one GEMM per active expert); QUADS_GPU_GRAPHS=0 turns graphs off.
   bool legacy_moe = false, graphs_on = true, rac_grouped_on = true;
+  // RAC's residual operand in one kernel (cuda::rac_quantize) where the formats allow; off
+  // (QUADS_GPU_RAC_FUSED=0): fake_quantize, sub, gather, quantize (the same bits).
+  bool rac_fused_on = true;
   int attn_tokens = 1;  // QUADS_GPU_ATTN_TOKENS: prefill attention tokens per CTA (kern::attention)
   bool attn_tiled = false;  // QUADS_GPU_ATTN=tiled: prefill through kern::attention_tiled
   // Decode attention: kern::attention_decode_split by default (keys split over CTAs, flash-decoding;
@@ -336,6 +339,7 @@ struct GpuModel::Impl {
     legacy_moe = env_is("QUADS_GPU_MOE", "legacy");
     graphs_on = !env_is("QUADS_GPU_GRAPHS", "0");
     rac_grouped_on = !env_is("QUADS_GPU_RAC_GROUPED", "0");
+    rac_fused_on = !env_is("QUADS_GPU_RAC_FUSED", "0");
     if (const char* a = std::getenv("QUADS_GPU_ATTN_TOKENS")) attn_tokens = std::max(1, std::atoi(a));
     if (const char* a = std::getenv("QUADS_GPU_FP8_GEMV_ROWS")) fp8_gemv_rows = std::max(0, std::atoi(a));
     fp8_tiles = !env_is("QUADS_GPU_FP8_TILES", "0");
@@ -552,12 +556,20 @@ struct GpuModel::Impl {
     if (!gr.on || R == 0) return resid;
     const DevLinear& L0 = lin[li.mlp + j];  // experts_uniform: every expert's shape and numerics
     const int64_t in = L0.in, cols = gr.cols;
+    const GroupedProj& P = j == 0 ? Gt.g : j == 1 ? Gt.u : Gt.d;
+    if (rac_fused_on && rac_quantize_supported(L0.act_cfg(), gr.quant.cfg)) {
+      rac_xrq(R, cols, gr.quant.cfg);
+      rac_quantize(X, in, L0.act_cfg(), gr.blocks.data(), cols / 16, 0, gr.nsel.data(), eoff_d.data(), li.nexperts,
+                   xrq, stream);
+      w4a4_gemm_grouped_gather(nvfp4_view(xrq, L0.name.c_str()), P.q.data(), P.amax_row, L0.out, in, li.nexperts,
+                               eoff_d.data(), T, gr.blocks.data(), y, ldy, stream);
+      return resid;
+    }
     if (!resid) resid = rac_residual(L0, X, R);
     float* gb = grow(gbuf, size_t(R * cols));
     gather_blocks_grouped(resid, R, in, gr.blocks.data(), gr.nsel.data(), cols, eoff_d.data(), li.nexperts, gb,
                           stream);
     quantize_rac(gb, R, cols, gr.quant.cfg);
-    const GroupedProj& P = j == 0 ? Gt.g : j == 1 ? Gt.u : Gt.d;
     w4a4_gemm_grouped_gather(nvfp4_view(xrq, L0.name.c_str()), P.q.data(), P.amax_row, L0.out, in, li.nexperts,
                              eoff_d.data(), T, gr.blocks.data(), y, ldy, stream);
     return resid;
@@ -1066,8 +1078,8 @@ struct GpuModel::Impl {
     kern::sub(X, r, r, n * L.in, stream);
     return r;
   }
-  // The gathered residual blocks [n, cols] quantized into xrq (NVFP4, row-major scales).
-  void quantize_rac(const float* gb, int64_t n, int64_t cols, const num::QConfig& cfg) {
+  // xrq shaped for n rows of the residual's cols (NVFP4, row-major scales).
+  void rac_xrq(int64_t n, int64_t cols, const num::QConfig& cfg) {
     xrq.cfg = cfg;
     xrq.rows = n;
     xrq.cols = cols;
@@ -1075,6 +1087,10 @@ struct GpuModel::Impl {
     grow(xrq.codes, size_t(n * cols / 2));
     grow(xrq.scales, size_t(n * cols / 16));
     grow(xrq.amax, size_t(n));
+  }
+  // The gathered residual blocks [n, cols] quantized into xrq.
+  void quantize_rac(const float* gb, int64_t n, int64_t cols, const num::QConfig& cfg) {
+    rac_xrq(n, cols, cfg);
     quantize(gb, xrq, stream);
   }
 
@@ -1083,6 +1099,12 @@ struct GpuModel::Impl {
     if (n == 0) return;
     stats.weight_bytes += L.rac_bytes();
     const int64_t in = L.in, cols = L.rac_cols;
+    if (L.mode == GpuLinearMode::W4A4 && rac_fused_on && rac_quantize_supported(L.act_cfg(), L.rac_quant.cfg)) {
+      rac_xrq(n, cols, L.rac_quant.cfg);
+      rac_quantize(X, in, L.act_cfg(), L.rac_blocks.data(), cols / 16, L.rac_nsel, nullptr, nullptr, 0, xrq, stream);
+      w4a4_gemm_gather(nvfp4_view(xrq, L.name.c_str()), L.wv, L.rac_blocks.data(), Y, true, stream);
+      return;
+    }
     const float* r = rac_residual(L, X, n);
     float* gb = grow(gbuf, size_t(n * cols));
     gather_blocks(r, n, in, L.rac_blocks.data(), L.rac_nsel, gb, cols, stream);

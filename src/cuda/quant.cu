@@ -678,6 +678,116 @@ DeviceQTensor make_qtensor(int64_t rows, int64_t cols, const QConfig& cfg, Scale
 
 void quantize(const float* x, DeviceQTensor& q, cudaStream_t s) { quantize_any(x, q, s); }
 
+namespace {
+
+// rac_quantize: one warp a row. Lane l takes the listed blocks l, l + 32, ...: the activation
+// quantizer's codes of a block give X_eff, the residual is x - X_eff (as fake_quantize then
+// kern::sub), and the residual row is quantized as quantize() would the gathered row: its amax
+// (over the listed blocks; the zero blocks past nsel do not change it), then each block. The
+// residual is computed twice (for the amax, then for the codes), the same operations both times.
+__global__ void __launch_bounds__(128) rac_quantize_kernel(const float* __restrict__ x, int64_t rows, int64_t cols,
+                                                           int act_static, float act_amax, const int32_t* blocks,
+                                                           int64_t nb, int64_t nsel_dense, const int32_t* nsel_dev,
+                                                           const int32_t* eoff, int groups, int res_static,
+                                                           float res_amax, uint8_t* codes, uint8_t* scales,
+                                                           float* amax_out) {
+  pdl_begin();
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  const float* xr = x + row * cols;
+  float aamax = act_amax;
+  if (!act_static) {
+    uint32_t m = 0;
+    for (int64_t v = lane; v < cols / 4; v += 32) m = max(m, vabsmax(reinterpret_cast<const float4*>(xr)[v]));
+    aamax = u2f(kern::warp_max(m));
+  }
+  const NvGlobal ga = nv_global<false>(aamax);
+  int e = 0;
+  int64_t ns = nsel_dense;
+  if (eoff) {
+    int lo = 0, hi = groups - 1;  // the last e with eoff[e] <= row
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (eoff[mid] <= row) lo = mid;
+      else hi = mid - 1;
+    }
+    e = lo;
+    ns = nsel_dev[e];
+  }
+  const int32_t* bl = blocks + static_cast<int64_t>(e) * nb;
+  auto residual = [&](int64_t i, float4 (&r)[4]) {
+    if (i >= ns) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) r[q] = make_float4(0.f, 0.f, 0.f, 0.f);
+      return;
+    }
+    const float4* src = reinterpret_cast<const float4*>(xr + static_cast<int64_t>(bl[i]) * 16);
+    float4 v[4];
+    uint32_t bm = 0;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      v[q] = src[q];
+      bm = max(bm, vabsmax(v[q]));
+    }
+    const NvBlockScale bs = nv_block_scale(bm, ga);
+    const float dq = nv_decode_factor<false>(bs.sf, ga.amax);
+    auto res = [&](float xv) { return __fsub_rn(xv, __fmul_rn(e2m1_decode(nv_encode<false>(xv, bs.enc)), dq)); };
+#pragma unroll
+    for (int q = 0; q < 4; ++q) r[q] = make_float4(res(v[q].x), res(v[q].y), res(v[q].z), res(v[q].w));
+  };
+  float ramax = res_amax;
+  if (!res_static) {
+    uint32_t m = 0;
+    for (int64_t i = lane; i < nb; i += 32) {
+      float4 r[4];
+      residual(i, r);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) m = max(m, vabsmax(r[q]));
+    }
+    ramax = u2f(kern::warp_max(m));
+    if (lane == 0) amax_out[row] = ramax;
+  } else if (row == 0 && lane == 0) {
+    amax_out[0] = ramax;
+  }
+  const NvGlobal gr = nv_global<false>(ramax);
+  for (int64_t i = lane; i < nb; i += 32) {
+    float4 r[4];
+    residual(i, r);
+    uint32_t bm = 0;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) bm = max(bm, vabsmax(r[q]));
+    uint32_t sf;
+    const uint2 packed = nv_quant_block16(r, bm, gr, sf);
+    *reinterpret_cast<uint2*>(codes + (row * nb + i) * 8) = packed;
+    scales[row * nb + i] = static_cast<uint8_t>(sf);
+  }
+}
+
+}  // namespace
+
+bool rac_quantize_supported(const QConfig& act, const QConfig& res) {
+  return quantize_swiglu_supported(act) && quantize_swiglu_supported(res);
+}
+
+void rac_quantize(const float* x, int64_t cols, const QConfig& act, const int32_t* blocks, int64_t nb,
+                  int64_t nsel_dense, const int32_t* nsel_dev, const int32_t* eoff, int groups, DeviceQTensor& q,
+                  cudaStream_t s) {
+  check_shape(q, "cuda::rac_quantize");
+  QUADS_CHECK(rac_quantize_supported(act, q.cfg) && q.layout == ScaleLayout::RowMajor,
+              "cuda::rac_quantize: NVFP4 E2M1 1x16 with a per-row or static amax (both the activation's {} and "
+              "the residual's {}) and row-major scales only", act.describe(), q.cfg.describe());
+  QUADS_CHECK(q.cols == nb * 16 && cols % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0,
+              "cuda::rac_quantize: the residual has {} columns for {} blocks; x ({} columns) must be 16-byte "
+              "aligned with whole blocks", q.cols, nb, cols);
+  QUADS_CHECK(!eoff || (nsel_dev && groups > 0), "cuda::rac_quantize: a grouped call needs nsel per group");
+  if (q.rows == 0 || nb == 0) return;
+  launch_pdl(rac_quantize_kernel, static_cast<unsigned>((q.rows + 3) / 4), 128, 0, s, x, q.rows, cols,
+             act.global == Global::Static ? 1 : 0, act.static_amax, blocks, nb, nsel_dense, nsel_dev, eoff, groups,
+             q.cfg.global == Global::Static ? 1 : 0, q.cfg.static_amax, q.codes.data(), q.scales.data(), q.amax.data());
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
 bool quantize_swiglu_supported(const QConfig& c) {
   return c.scheme == Scheme::NVFP4 && c.element == Format::E2M1 && c.block == Block::B1x16 &&
          (c.global == Global::PerRow || c.global == Global::Static) && !c.stochastic;

@@ -54,6 +54,20 @@ bool quantize_swiglu_supported(const num::QConfig& cfg);
 void quantize_swiglu(const float* g, const float* u, int64_t ld, DeviceQTensor& q, cudaStream_t stream = nullptr,
                      const int32_t* row_lo = nullptr, const int32_t* row_hi = nullptr);
 
+// RAC's residual operand in one kernel (model/rac.h): for each row of x [rows, cols], the
+// activation quantizer `act` gives X_eff; the residual R = x - X_eff of the row's listed blocks
+// (16 columns each: blocks[e * nb + i] for i < nsel, zeros for i in nsel .. nb - 1) is quantized
+// into q ([rows, nb * 16], q.cfg, row-major scales). Bit for bit fake_quantize(x, act) ->
+// kern::sub -> gather_blocks -> quantize(q), without the three intermediates. Dense: e = 0 and
+// nsel = nsel_dense. Grouped (eoff non-null): row r belongs to the group e with eoff[e] <= r <
+// eoff[e + 1] (groups of them) and nsel = nsel_dev[e]. For act and q.cfg NVFP4 E2M1 1x16 with
+// a per-row or static amax and no stochastic rounding (rac_quantize_supported); x 16-byte aligned,
+// cols a multiple of 16.
+bool rac_quantize_supported(const num::QConfig& act, const num::QConfig& residual);
+void rac_quantize(const float* x, int64_t cols, const num::QConfig& act, const int32_t* blocks, int64_t nb,
+                  int64_t nsel_dense, const int32_t* nsel_dev, const int32_t* eoff, int groups, DeviceQTensor& q,
+                  cudaStream_t stream = nullptr);
+
 // Dequantized values, [rows, cols] float32 (or bf16 bits, rounded to nearest even).
 void dequantize(const DeviceQTensor& q, float* out, cudaStream_t stream = nullptr);
 void dequantize_bf16(const DeviceQTensor& q, uint16_t* out, cudaStream_t stream = nullptr);

@@ -3,6 +3,9 @@
 // golden vectors of the fixtures.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -280,4 +283,77 @@ TEST(CudaQuant, RejectsBadShapes) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("cuda::make_qtensor"), std::string::npos) << e.what();
   }
+}
+
+// RAC's residual operand in one kernel against its CPU twin: num::fake_quantize of the activation,
+// the residual x - X_eff, the listed blocks gathered (zeros past nsel), num::quantize: the same
+// codes, scales and amax, bit for bit. Dense and grouped (a block list per group of rows), per-row
+// and static amax, row widths from one block to 4096, nsel from 0 to all blocks.
+TEST(CudaQuant, RacQuantizeMatchesCpuChain) {
+  QUADS_REQUIRE_GPU();
+  QConfig row = QConfig::nvfp4_act();
+  row.global = Global::PerRow;
+  QConfig fixed = row;
+  fixed.global = Global::Static;
+  fixed.static_amax = 2.5f;
+  struct Shape {
+    int64_t cols, nb;
+    std::vector<int> rows_per_group;  // one entry: dense
+    std::vector<int> nsel;
+  };
+  const std::vector<Shape> shapes = {{2048, 64, {5}, {64}},       {768, 24, {3}, {17}},
+                                     {4096, 128, {70}, {100}},    {16, 1, {2}, {0}},
+                                     {2048, 8, {3, 0, 9, 1}, {8, 2, 0, 5}}, {256, 16, {33, 40}, {16, 7}}};
+  uint64_t seed = 900;
+  for (const Shape& sh : shapes)
+    for (const QConfig& act : {row, fixed})
+      for (const QConfig& res : {row, fixed}) {
+        const bool grouped = sh.rows_per_group.size() > 1;
+        const int G = static_cast<int>(sh.rows_per_group.size());
+        std::vector<int32_t> eoff(size_t(G) + 1, 0);
+        for (int e = 0; e < G; ++e) eoff[size_t(e) + 1] = eoff[size_t(e)] + sh.rows_per_group[size_t(e)];
+        const int64_t rows = eoff.back(), cols = sh.cols, nb = sh.nb;
+        const std::vector<float> x = random_matrix(rows, cols, seed++);
+        std::mt19937 gen(static_cast<uint32_t>(seed++));
+        std::vector<int32_t> blocks(size_t(G * nb), 0);  // each group: distinct blocks, padded with 0
+        for (int e = 0; e < G; ++e) {
+          std::vector<int32_t> all(size_t(cols / 16));
+          std::iota(all.begin(), all.end(), 0);
+          std::shuffle(all.begin(), all.end(), gen);
+          for (int i = 0; i < sh.nsel[size_t(e)]; ++i) blocks[size_t(e * nb + i)] = all[size_t(i)];
+        }
+        // the CPU chain
+        std::vector<float> xeff(x.size()), gath(size_t(rows * nb * 16), 0.f);
+        num::fake_quantize(x.data(), xeff.data(), rows, cols, act);
+        for (int e = 0; e < G; ++e)
+          for (int64_t r = eoff[size_t(e)]; r < eoff[size_t(e) + 1]; ++r)
+            for (int i = 0; i < sh.nsel[size_t(e)]; ++i)
+              for (int c = 0; c < 16; ++c) {
+                const int64_t src = r * cols + int64_t(blocks[size_t(e * nb + i)]) * 16 + c;
+                gath[size_t((r * nb + i) * 16 + c)] = x[size_t(src)] - xeff[size_t(src)];
+              }
+        const num::QTensor want = num::quantize(gath.data(), rows, nb * 16, res);
+        // the fused kernel
+        DeviceArray<float> dx(x.size());
+        dx.upload(x);
+        DeviceArray<int32_t> db(blocks.size()), dn(sh.nsel.size()), de(eoff.size());
+        db.upload(blocks);
+        dn.upload(std::vector<int32_t>(sh.nsel.begin(), sh.nsel.end()));
+        de.upload(eoff);
+        DeviceQTensor got = make_qtensor(rows, nb * 16, res);
+        ASSERT_TRUE(rac_quantize_supported(act, res));
+        rac_quantize(dx.data(), cols, act, db.data(), nb, grouped ? 0 : sh.nsel[0], grouped ? dn.data() : nullptr,
+                     grouped ? de.data() : nullptr, G, got);
+        const num::QTensor h = to_host(got);
+        const std::string what = "cols " + std::to_string(cols) + " rows " + std::to_string(rows) + " act " +
+                                 act.describe() + " residual " + res.describe();
+        EXPECT_EQ(h.codes, want.codes) << what;
+        EXPECT_EQ(h.scales, want.scales) << what;
+        ASSERT_EQ(h.amax.size() >= 1, true) << what;
+        if (res.global == Global::PerRow) EXPECT_EQ(h.amax, want.amax) << what;
+        else EXPECT_EQ(h.amax[0], want.amax[0]) << what;
+      }
+  QConfig te = QConfig::nvfp4_act();  // per-tensor amax: not row-local, so not supported
+  EXPECT_FALSE(rac_quantize_supported(te, row));
+  EXPECT_FALSE(rac_quantize_supported(row, te));
 }
