@@ -87,6 +87,8 @@ struct W4A4Options {
   // 0 = choose (32 above 32 rows, QUADS_SKINNY_ROWSPLIT=0 / 16 to change it). The bits do not
   // depend on it.
   int row_block = 0;
+  // y's row stride (0: N); e.g. one projection's columns inside a fused q/k/v output.
+  int64_t ldy = 0;
 };
 
 // Y (+)= X . W^T, emulated (any GPU from sm_80; tests and benchmarks use it on Hopper). K must be a

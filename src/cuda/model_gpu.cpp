@@ -576,10 +576,11 @@ struct GpuModel::Impl {
   }
 
   // The W4A4 GEMV with the activation quantizer in its prologue (w4a4_gemv_fused): for a linear in
-  // W4A4 without RAC whose activation rounding the fused quantizer reproduces, at rows per weight
-  // (a dense call's rows, a grouped call's token count) where it pays (kGemvFusedMaxRows).
+  // W4A4 whose activation rounding the fused quantizer reproduces, at rows per weight (a dense
+  // call's rows, a grouped call's token count) where it pays (kGemvFusedMaxRows). RAC, if any,
+  // runs after it from the unquantized rows (rac()).
   bool fused_gemv(const DevLinear& L, int64_t rows_per_weight) const {
-    return fused_on && !kern::legacy_decode_kernels() && L.mode == GpuLinearMode::W4A4 && L.rac_nsel == 0 &&
+    return fused_on && !kern::legacy_decode_kernels() && L.mode == GpuLinearMode::W4A4 &&
            w4a4_gemv_fused_supported(L.act_cfg(), L.in, rows_per_weight);
   }
   static FusedAct fused_act(const float* x, int64_t ld, int64_t rows, const DevLinear& L, bool dense) {
@@ -1094,15 +1095,18 @@ struct GpuModel::Impl {
     quantize(gb, xrq, stream);
   }
 
-  // Y [n, out] += Q_rac(R[:, S]) · W[:, S]^T for the rows X [n, in], R = X - X_eff.
-  void rac(const DevLinear& L, const float* X, int64_t n, float* Y) {
+  // Y [n, out] (row stride ldy, 0: out) += Q_rac(R[:, S]) · W[:, S]^T for the rows X [n, in], R =
+  // X - X_eff.
+  void rac(const DevLinear& L, const float* X, int64_t n, float* Y, int64_t ldy = 0) {
     if (n == 0) return;
     stats.weight_bytes += L.rac_bytes();
     const int64_t in = L.in, cols = L.rac_cols;
     if (L.mode == GpuLinearMode::W4A4 && rac_fused_on && rac_quantize_supported(L.act_cfg(), L.rac_quant.cfg)) {
       rac_xrq(n, cols, L.rac_quant.cfg);
       rac_quantize(X, in, L.act_cfg(), L.rac_blocks.data(), cols / 16, L.rac_nsel, nullptr, nullptr, 0, xrq, stream);
-      w4a4_gemm_gather(nvfp4_view(xrq, L.name.c_str()), L.wv, L.rac_blocks.data(), Y, true, stream);
+      W4A4Options o;
+      o.ldy = ldy;
+      w4a4_gemm_gather(nvfp4_view(xrq, L.name.c_str()), L.wv, L.rac_blocks.data(), Y, true, stream, o);
       return;
     }
     const float* r = rac_residual(L, X, n);
@@ -1110,7 +1114,9 @@ struct GpuModel::Impl {
     gather_blocks(r, n, in, L.rac_blocks.data(), L.rac_nsel, gb, cols, stream);
     if (L.mode == GpuLinearMode::W4A4) {
       quantize_rac(gb, n, cols, L.rac_quant.cfg);
-      w4a4_gemm_gather(nvfp4_view(xrq, L.name.c_str()), L.wv, L.rac_blocks.data(), Y, true, stream);
+      W4A4Options o;
+      o.ldy = ldy;
+      w4a4_gemm_gather(nvfp4_view(xrq, L.name.c_str()), L.wv, L.rac_blocks.data(), Y, true, stream, o);
       return;
     }
     switch (L.rac_quant.kind) {
@@ -1123,7 +1129,7 @@ struct GpuModel::Impl {
     QUADS_CUBLAS_CHECK(cublasSetWorkspace(cublas, cublas_ws.data(), cublas_ws.bytes()));  // reset by SetStream
     QUADS_CUBLAS_CHECK(cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(L.out), static_cast<int>(n),
                                  static_cast<int>(cols), &alpha, L.rac_w.data(), static_cast<int>(cols), gb,
-                                 static_cast<int>(cols), &beta, Y, static_cast<int>(L.out)));
+                                 static_cast<int>(cols), &beta, Y, static_cast<int>(ldy ? ldy : L.out)));
   }
 
   // ---- GEMMs
@@ -1547,7 +1553,7 @@ struct GpuModel::Impl {
       float* kcl = kc.data() + l * cache_layer;
       float* vcl = vc.data() + l * cache_layer;
       const float* kvf = l < int(kv_factor.size()) && kv_factor[l].size() ? kv_factor[l].data() : nullptr;
-      if (li.fused_qkv && Lq.rac_nsel == 0 && Lk.rac_nsel == 0 && Lv.rac_nsel == 0) {
+      if (li.fused_qkv) {
         const int64_t rows = qd + 2 * kvd;
         stats.weight_bytes += Lq.bytes() + Lk.bytes() + Lv.bytes();
         if (fuse && qkv_norm_quant(l, T)) {  // the input norm wrote the codes
@@ -1563,6 +1569,10 @@ struct GpuModel::Impl {
           else
             w4a4_gemm_emulated(oq.v, qkv[l].v, qkvp, false, stream);
         }
+        // RAC of each projection into its columns (the fused GEMM above is the three main GEMMs)
+        if (Lq.rac_nsel > 0) rac(Lq, xnp, T, qkvp, rows);
+        if (Lk.rac_nsel > 0) rac(Lk, xnp, T, qkvp + qd, rows);
+        if (Lv.rac_nsel > 0) rac(Lv, xnp, T, qkvp + qd + kvd, rows);
         if (fuse) {
           kern::qk_norm_rope_store_qkv(qkvp, rows, qp, M + o.q_norm, M + o.k_norm, eps, d_cos, d_sin, d_slot, d_pos, T,
                                        nh, nkv, hd, kcl, vcl, max_len, stream, kvf);
@@ -1606,7 +1616,7 @@ struct GpuModel::Impl {
       else
         kern::attention(qp, kcl, vcl, d_slot, d_pos, T, nh, nkv, hd, scale, max_len, max_ctx, decode, ap, stream,
                         attn_tokens);
-      if (Lo.mode == GpuLinearMode::W4A4 && Lo.rac_nsel == 0) {
+      if (Lo.mode == GpuLinearMode::W4A4) {
         // the epilogue adds into the residual stream (x + o, the add_inplace it replaces)
         stats.weight_bytes += Lo.bytes();
         if (fused_gemv(Lo, T)) {
@@ -1617,6 +1627,7 @@ struct GpuModel::Impl {
           o.weights_ready = true;  // no kernel of a step writes weights (requantize() runs between steps)
           w4a4_gemm_emulated(oo.v, Lo.wv, xp, true, stream, o);
         }
+        if (Lo.rac_nsel > 0) rac(Lo, ap, T, xp);  // its residual GEMM adds into the stream too
         if (fuse) {
           kern::RowRouter rr;
           if (router_in_norm(li, T)) {

@@ -479,6 +479,14 @@ Nvfp4View nvfp4_view(const DeviceQTensor& q, const char* what) {
   return v;
 }
 
+namespace {
+void set_ldy(Params& p, const W4A4Options& opt, const char* what) {
+  if (opt.ldy == 0) return;
+  QUADS_CHECK(opt.ldy >= p.N, "{}: ldy = {} < N = {}", what, opt.ldy, p.N);
+  p.ldy = opt.ldy;
+}
+}  // namespace
+
 void w4a4_gemm_emulated(const Nvfp4View& x, const Nvfp4View& w, float* y, bool accumulate, cudaStream_t s,
                         const W4A4Options& opt) {
   QUADS_CHECK(x.k == w.k, "w4a4_gemm: X is [{}, {}] but W is [{}, {}]: inner dimensions differ", x.rows, x.k, w.rows, w.k);
@@ -486,6 +494,7 @@ void w4a4_gemm_emulated(const Nvfp4View& x, const Nvfp4View& w, float* y, bool a
   if (x.rows == 0 || w.rows == 0) return;
   Params p = make_params(x, w, y, accumulate);
   p.early_w = opt.weights_ready;
+  set_ldy(p, opt, "w4a4_gemm");
   dispatch<false>(p, opt, s);
 }
 
@@ -493,11 +502,13 @@ void w4a4_gemm_gather(const Nvfp4View& xr, const Nvfp4View& w, const int32_t* bl
                       cudaStream_t s, const W4A4Options& opt) {
   QUADS_CHECK(xr.k % 64 == 0, "w4a4_gemm_gather: the residual's K = {} must be a multiple of 64 (pad with zero blocks)", xr.k);
   QUADS_CHECK(w.k % 64 == 0, "w4a4_gemm_gather: W's K = {} must be a multiple of 64", w.k);
+  Params p = make_params(xr, w, y, accumulate);
+  set_ldy(p, opt, "w4a4_gemm_gather");
   if (xr.rows == 0 || w.rows == 0 || xr.k == 0) {
-    if (!accumulate && xr.rows && w.rows) QUADS_CUDA_CHECK(cudaMemsetAsync(y, 0, sizeof(float) * xr.rows * w.rows, s));
+    if (!accumulate && xr.rows && w.rows)
+      QUADS_CUDA_CHECK(cudaMemset2DAsync(y, sizeof(float) * p.ldy, 0, sizeof(float) * w.rows, xr.rows, s));
     return;
   }
-  Params p = make_params(xr, w, y, accumulate);
   p.blk = blocks;
   dispatch<true>(p, opt, s);
 }
