@@ -189,6 +189,40 @@ enum class GemvTileLoop : uint8_t { Auto, Off, On };
 void set_gemv_tile_loop(GemvTileLoop mode);
 GemvTileLoop gemv_tile_loop();
 
+// ---- RAC folded into the main W4A4 GEMM (decode) ----
+// y (+)= X . W^T + Xr_j . W^T, where Xr_j is RAC's quantized residual laid out densely over W's K
+// (cuda::rac_quantize_fold: the compensated 16-blocks hold the residual's codes and scales, every
+// other block is zero), so the residual term is RAC's Q(R[:, S]) . W[:, S]^T exactly and W's codes
+// are read once for both products (w4a4_gemm_gather reads S's blocks a second time, in a second
+// launch). The residual is a second set of rows of the B operand: the GEMV stages it beside X
+// and keeps a second sum, the skinny tiles add it as more n-tiles; the main and residual sums
+// each get their own global factors, then y = (y +) main + residual, in that order (the order of
+// the main GEMM followed by the gather GEMM adding into y). Up to three residual operands for one
+// call (a fused q/k/v or gate/up weight: operand j for W's rows from split[j - 1]); the splits must
+// be multiples of 16 (a GEMV warp's rows and a skinny CTA's never straddle one: the skinny tiles
+// split K over more warps where 128 rows a CTA would). Decode shapes only: Auto's GEMV and skinny
+// tiles (w4a4_rac_fold_supported).
+struct RacFold {
+  const uint8_t* codes = nullptr;   // operand j: codes + j * rows * k / 2, [rows, k / 2]
+  const uint8_t* scales = nullptr;  // operand j: scales + j * rows * k / 16 (row-major E4M3)
+  const float* amax = nullptr;      // operand j: amax + j * rows, one per row
+  int64_t rows = 0;                 // rows of each operand: the call's rows (grouped: all groups')
+  int nops = 1;
+  int64_t split[2] = {INT64_MAX, INT64_MAX};
+};
+// Whether the folded GEMM runs for this many rows per weight (a dense call's rows, a grouped
+// call's max_rows) and K.
+bool w4a4_rac_fold_supported(int64_t rows_per_weight, int64_t k, bool grouped);
+void w4a4_gemm_rac(const Nvfp4View& x, const Nvfp4View& w, const RacFold& r, float* y, bool accumulate = false,
+                   cudaStream_t stream = nullptr, const W4A4Options& opt = {});
+// Grouped as w4a4_gemm_grouped (x read through x_map / x_map_div when x_map is set, as
+// w4a4_gemm_grouped_mapped), y [rows, n] with row stride ldy (0: n); the residual rows are the
+// problem's rows (no map).
+void w4a4_gemm_grouped_rac(const Nvfp4View& x, const int32_t* x_map, int x_map_div, int64_t rows, const RacFold& r,
+                           const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n, int groups,
+                           const int32_t* eoff, int64_t max_rows, float* y, int64_t ldy = 0,
+                           cudaStream_t stream = nullptr);
+
 // ---- The GEMV with the activation quantizer fused into it (decode) ----
 // Y (+)= quantize(X) . W^T where X is given as FP32 rows and each CTA quantizes the rows it needs
 // (NVFP4 E2M1 1x16, the config's per-row or static amax) in its prologue, straight into the GEMV's

@@ -80,6 +80,7 @@ struct DevLinear {
   int64_t rac_nsel = 0, rac_cols = 0;
   model::OperandQuant rac_quant;
   DeviceArray<float> rac_w;
+  DeviceArray<uint8_t> rac_sel;  // W4A4: [in / 16], 1 where a block is compensated (RAC folded)
   // Gate linears of a layer that fuses gate and up (LayerIdx::fused_gu): both weights stacked
   // [2I, H] for one GEMM, BF16 or NVFP4 (codes, scales, and a global amax per row: the gate's on
   // the first I rows, the up's on the others; per-row W amax is read by the same W4A4 kernel).
@@ -200,6 +201,8 @@ struct GpuModel::Impl {
   DeviceArray<float> x, xn, q, k, v, attn, tmp, rlogits, probs, w, xe, g, u, h, ye, xs, xf, logits, fop;
   DeviceArray<float> rbuf, gbuf;  // RAC: X_eff then the residual; the gathered residual blocks
   DeviceQTensor xrq;              // RAC: the quantized residual (W4A4 linears)
+  DeviceArray<uint8_t> rf_codes, rf_scales;  // RAC folded: the dense residual operands
+  DeviceArray<float> rf_amax;
   DeviceArray<int32_t> idx, perm, inv, argmax;
   DeviceArray<kern::SampleJobDev> sample_jobs;  // step_sample's draws
   DeviceArray<kern::SampleDrawDev> sample_out;
@@ -220,6 +223,9 @@ struct GpuModel::Impl {
   // RAC's residual operand in one kernel (cuda::rac_quantize) where the formats allow; off
   // (QUADS_GPU_RAC_FUSED=0): fake_quantize, sub, gather, quantize (the same bits).
   bool rac_fused_on = true;
+  // RAC folded into the main W4A4 GEMM at decode shapes (cuda::w4a4_gemm_rac: W read once for both
+  // products); QUADS_GPU_RAC_FOLD=0 keeps the main GEMM followed by rac().
+  bool rac_fold_on = true;
   int attn_tokens = 1;  // QUADS_GPU_ATTN_TOKENS: prefill attention tokens per CTA (kern::attention)
   bool attn_tiled = false;  // QUADS_GPU_ATTN=tiled: prefill through kern::attention_tiled
   // Decode attention: kern::attention_decode_split by default (keys split over CTAs, flash-decoding;
@@ -287,6 +293,7 @@ struct GpuModel::Impl {
     bool on = false;
     int64_t cols = 0;
     DeviceArray<int32_t> blocks, nsel;
+    DeviceArray<uint8_t> sel;  // [E, in / 16]: 1 where expert e compensates a block (RAC folded)
     model::OperandQuant quant;
   };
   struct Grouped {
@@ -340,6 +347,7 @@ struct GpuModel::Impl {
     graphs_on = !env_is("QUADS_GPU_GRAPHS", "0");
     rac_grouped_on = !env_is("QUADS_GPU_RAC_GROUPED", "0");
     rac_fused_on = !env_is("QUADS_GPU_RAC_FUSED", "0");
+    rac_fold_on = !env_is("QUADS_GPU_RAC_FOLD", "0");
     if (const char* a = std::getenv("QUADS_GPU_ATTN_TOKENS")) attn_tokens = std::max(1, std::atoi(a));
     if (const char* a = std::getenv("QUADS_GPU_FP8_GEMV_ROWS")) fp8_gemv_rows = std::max(0, std::atoi(a));
     fp8_tiles = !env_is("QUADS_GPU_FP8_TILES", "0");
@@ -540,6 +548,13 @@ struct GpuModel::Impl {
         }
         R.blocks.upload(blocks);
         R.nsel.upload(nsel);
+        const int64_t kb = b.in / 16;
+        std::vector<uint8_t> sel(size_t(li.nexperts * kb), 0);
+        for (int e = 0; e < li.nexperts; ++e) {
+          const DevLinear& a = lin[li.mlp + 3 * e + j];
+          for (int64_t i = 0; i < a.rac_nsel; ++i) sel[size_t(e * kb + a.rac_blocks_host[size_t(i)])] = 1;
+        }
+        R.sel.upload(sel);
         G.expert_bytes += rac_bytes / li.nexperts;
       }
     }
@@ -1042,6 +1057,7 @@ struct GpuModel::Impl {
     L.rac_blocks.reset();
     L.rac_blocks_host.clear();
     L.rac_w.reset();
+    L.rac_sel.reset();
     if (channels.empty()) return;
     const int64_t ns = static_cast<int64_t>(channels.size());
     QUADS_CHECK(ns % 16 == 0, "GpuModel RAC: {} compensates {} channels: the GPU needs whole 16-channel blocks", L.name, ns);
@@ -1066,10 +1082,118 @@ struct GpuModel::Impl {
     QUADS_CHECK(L.mode != GpuLinearMode::BF16, "GpuModel RAC: {} runs in bf16", L.name);
     L.rac_nsel = ns / 16;
     L.rac_quant = q;
+    if (L.mode == GpuLinearMode::W4A4) {
+      std::vector<uint8_t> sel(size_t(L.in / 16), 0);
+      for (int32_t b : blocks) sel[size_t(b)] = 1;
+      L.rac_sel.upload(sel);
+    }
     blocks.resize(L.rac_cols / 16, 0);
     L.rac_blocks.upload(blocks);
     L.rac_blocks_host = blocks;
     refresh_rac_weights(L);
+  }
+
+  // ---- RAC folded into the main W4A4 GEMM (decode shapes)
+  // L's RAC can be folded into its main GEMM at rows_per_weight rows (a grouped call's bound).
+  bool rac_fold(const DevLinear& L, int64_t rows_per_weight, bool grouped) const {
+    return rac_fold_on && L.mode == GpuLinearMode::W4A4 && L.rac_nsel > 0 && L.rac_sel.size() > 0 &&
+           rac_quantize_supported(L.act_cfg(), L.rac_quant.cfg) &&
+           w4a4_rac_fold_supported(rows_per_weight, L.in, grouped);
+  }
+  // nops dense residual operands of rows x k in rf_*.
+  RacFold fold_buffers(int nops, int64_t rows, int64_t k) {
+    RacFold f;
+    f.codes = grow(rf_codes, size_t(nops * rows * k / 2));
+    f.scales = grow(rf_scales, size_t(nops * rows * k / 16));
+    f.amax = grow(rf_amax, size_t(nops * rows));
+    f.rows = rows;
+    f.nops = nops;
+    return f;
+  }
+  // y (+)= the linears Ls (stacked in w: Ls[j]'s rows after Ls[0..j-1]'s) of the T rows X (row
+  // stride ld) with their RAC: one quantizer launch for the codes and every residual, one GEMM.
+  void gemm_rac_fold(std::initializer_list<const DevLinear*> Ls, const Nvfp4View& w, const float* X, int64_t ld,
+                     int64_t T, float* Y, bool accumulate) {
+    const DevLinear& L0 = **Ls.begin();
+    shape_xq(L0, T, L0.in);
+    RacFold f = fold_buffers(static_cast<int>(Ls.size()), T, L0.in);
+    const uint8_t* sel[3] = {};
+    int n = 0;
+    int64_t rows = 0;
+    for (const DevLinear* L : Ls) {
+      if (n > 0) f.split[n - 1] = rows;
+      sel[n++] = L->rac_sel.data();
+      rows += L->out;
+    }
+    RacFoldSource src;
+    src.x = X;
+    src.ld = ld;
+    rac_quantize_fold(src, T, L0.in, L0.act_cfg(), &xq, n, sel, nullptr, 0, L0.rac_quant.cfg, rf_codes.data(),
+                      rf_scales.data(), rf_amax.data(), stream);
+    W4A4Options o;
+    o.weights_ready = true;  // no kernel of a step writes weights (requantize() runs between steps)
+    w4a4_gemm_rac(nvfp4_view(xq, L0.name.c_str()), w, f, Y, accumulate, stream, o);
+    stats.rac_fold_gemms += 1;
+  }
+  // Layer l's fused q/k/v with RAC folded (every projection W4A4 with RAC in one format, the
+  // splits whole 16-row blocks).
+  bool qkv_fold(int l, int64_t T) const {
+    const LayerIdx& li = layers[l];
+    if (!li.fused_qkv) return false;
+    const DevLinear &Lq = lin[li.q], &Lk = lin[li.k], &Lv = lin[li.v];
+    return rac_fold(Lq, T, false) && rac_fold(Lk, T, false) && rac_fold(Lv, T, false) &&
+           Lq.num.act == Lk.num.act && Lk.num.act == Lv.num.act && Lq.rac_quant == Lk.rac_quant &&
+           Lk.rac_quant == Lv.rac_quant && Lq.out % 16 == 0 && Lk.out % 16 == 0;
+  }
+  // Sparse layer l's experts with RAC folded (mlp_grouped_fold): grouped, gate and up fused, all
+  // three projections W4A4 with grouped RAC.
+  bool moe_fold(int l, int64_t T) const {
+    const LayerIdx& li = layers[l];
+    if (!rac_fold_on || !li.sparse || !li.fused_gu || !grouped_now(l, T)) return false;
+    const Grouped& Gt = grouped[l];
+    if (Gt.gu.mode != GpuLinearMode::W4A4 || Gt.d.mode != GpuLinearMode::W4A4) return false;
+    for (int j = 0; j < 3; ++j)
+      if (!Gt.rac[j].on || Gt.rac[j].sel.size() == 0 || !rac_quantize_supported(lin[li.mlp + j].act_cfg(), Gt.rac[j].quant.cfg))
+        return false;
+    return Gt.rac[0].quant == Gt.rac[1].quant && lin[li.mlp].num.act == lin[li.mlp + 1].num.act && li.inter % 16 == 0 &&
+           w4a4_rac_fold_supported(T, cfg.hidden_size, true) && w4a4_rac_fold_supported(T, li.inter, true);
+  }
+  // mlp_grouped with RAC folded, over the R = T * k expert-ordered rows: gate/up reads the normed
+  // token rows xn through the routing map, down the SwiGLU of gate/up (both in the quantizer's loads).
+  void mlp_grouped_fold(int l, int64_t T, const float* xn, int64_t R, float* Y) {
+    const LayerIdx& li = layers[l];
+    const Grouped& Gt = grouped[l];
+    const int E = li.nexperts;
+    const int64_t H = cfg.hidden_size, I = li.inter;
+    float* gp = grow(g, size_t(R * 2 * I));
+    const DevLinear &G0 = lin[li.mlp], &D0 = lin[li.mlp + 2];
+    const int32_t* eo = eoff_d.data();
+    shape_xq(G0, R, H);
+    RacFold f = fold_buffers(2, R, H);
+    f.split[0] = I;
+    const uint8_t* sel_gu[2] = {Gt.rac[0].sel.data(), Gt.rac[1].sel.data()};
+    RacFoldSource src;
+    src.x = xn;
+    src.ld = H;
+    src.map = perm.data();
+    src.map_div = cfg.num_experts_per_tok;
+    rac_quantize_fold(src, R, H, G0.act_cfg(), &xq, 2, sel_gu, eo, E, Gt.rac[0].quant.cfg, rf_codes.data(),
+                      rf_scales.data(), rf_amax.data(), stream);
+    w4a4_gemm_grouped_rac(nvfp4_view(xq, G0.name.c_str()), nullptr, 1, R, f, Gt.gu.q.data(), Gt.gu.amax_row, 2 * I, E,
+                          eo, T, gp, 0, stream);
+    shape_xq(D0, R, I);
+    RacFold fd = fold_buffers(1, R, I);
+    const uint8_t* sel_d[1] = {Gt.rac[2].sel.data()};
+    RacFoldSource sd;
+    sd.x = gp;
+    sd.u = gp + I;
+    sd.ld = 2 * I;
+    rac_quantize_fold(sd, R, I, D0.act_cfg(), &xq, 1, sel_d, eo, E, Gt.rac[2].quant.cfg, rf_codes.data(),
+                      rf_scales.data(), rf_amax.data(), stream);
+    w4a4_gemm_grouped_rac(nvfp4_view(xq, D0.name.c_str()), nullptr, 1, R, fd, Gt.d.q.data(), Gt.d.amax_row, H, E, eo,
+                          T, Y, 0, stream);
+    stats.expert_gemms += 2;
+    stats.rac_fold_gemms += 2;
   }
 
   // RAC's residual R = X - X_eff of n rows of L's input (in rbuf).
@@ -1556,7 +1680,10 @@ struct GpuModel::Impl {
       if (li.fused_qkv) {
         const int64_t rows = qd + 2 * kvd;
         stats.weight_bytes += Lq.bytes() + Lk.bytes() + Lv.bytes();
-        if (fuse && qkv_norm_quant(l, T)) {  // the input norm wrote the codes
+        const bool qkv_folded = qkv_fold(l, T);
+        if (qkv_folded) {
+          gemm_rac_fold({&Lq, &Lk, &Lv}, qkv[l].v, xnp, H, T, qkvp, false);
+        } else if (fuse && qkv_norm_quant(l, T)) {  // the input norm wrote the codes
           W4A4Options o;
           o.weights_ready = true;  // no kernel of a step writes weights (requantize() runs between steps)
           w4a4_gemm_emulated(nq_view(T, H), qkv[l].v, qkvp, false, stream, o);
@@ -1570,9 +1697,11 @@ struct GpuModel::Impl {
             w4a4_gemm_emulated(oq.v, qkv[l].v, qkvp, false, stream);
         }
         // RAC of each projection into its columns (the fused GEMM above is the three main GEMMs)
-        if (Lq.rac_nsel > 0) rac(Lq, xnp, T, qkvp, rows);
-        if (Lk.rac_nsel > 0) rac(Lk, xnp, T, qkvp + qd, rows);
-        if (Lv.rac_nsel > 0) rac(Lv, xnp, T, qkvp + qd + kvd, rows);
+        if (!qkv_folded) {
+          if (Lq.rac_nsel > 0) rac(Lq, xnp, T, qkvp, rows);
+          if (Lk.rac_nsel > 0) rac(Lk, xnp, T, qkvp + qd, rows);
+          if (Lv.rac_nsel > 0) rac(Lv, xnp, T, qkvp + qd + kvd, rows);
+        }
         if (fuse) {
           kern::qk_norm_rope_store_qkv(qkvp, rows, qp, M + o.q_norm, M + o.k_norm, eps, d_cos, d_sin, d_slot, d_pos, T,
                                        nh, nkv, hd, kcl, vcl, max_len, stream, kvf);
@@ -1619,7 +1748,10 @@ struct GpuModel::Impl {
       if (Lo.mode == GpuLinearMode::W4A4) {
         // the epilogue adds into the residual stream (x + o, the add_inplace it replaces)
         stats.weight_bytes += Lo.bytes();
-        if (fused_gemv(Lo, T)) {
+        const bool o_folded = rac_fold(Lo, T, false);
+        if (o_folded) {
+          gemm_rac_fold({&Lo}, Lo.wv, ap, qd, T, xp, true);
+        } else if (fused_gemv(Lo, T)) {
           w4a4_gemv_fused(fused_act(ap, qd, T, Lo, true), Lo.wv, xp, true, stream);
         } else {
           const Operand oo = prepare(Lo, ap, T);
@@ -1627,7 +1759,7 @@ struct GpuModel::Impl {
           o.weights_ready = true;  // no kernel of a step writes weights (requantize() runs between steps)
           w4a4_gemm_emulated(oo.v, Lo.wv, xp, true, stream, o);
         }
-        if (Lo.rac_nsel > 0) rac(Lo, ap, T, xp);  // its residual GEMM adds into the stream too
+        if (Lo.rac_nsel > 0 && !o_folded) rac(Lo, ap, T, xp);  // its residual GEMM adds into the stream too
         if (fuse) {
           kern::RowRouter rr;
           if (router_in_norm(li, T)) {
@@ -1653,7 +1785,7 @@ struct GpuModel::Impl {
       }
       if (li.sparse) {
         const DevLinear& Lr = lin[li.router];
-        const bool router_done = fuse && Lo.mode == GpuLinearMode::W4A4 && Lo.rac_nsel == 0 && router_in_norm(li, T);
+        const bool router_done = fuse && Lo.mode == GpuLinearMode::W4A4 && router_in_norm(li, T);
         if (!router_done) {
           const Operand orr = prepare(Lr, xnp, T, -1, bf_post(l));
           gemm(Lr, orr, 0, T, rlogits.data());
@@ -1673,9 +1805,12 @@ struct GpuModel::Impl {
             kern::moe_route(idx.data(), T * K, E, ecount.data(), eoff_d.data(), perm.data(), inv.data(),
                             grouped_now(l, T) ? active_d.data() + l : nullptr, bad_d.data(), stream);
           const bool mapped = fuse && moe_mapped(l, T);
-          const bool gather_fused = !mapped && grouped_now(l, T) && moe_gate_up_fused(l, T);
-          if (!gather_fused && !mapped) kern::gather_rows(xnp, perm.data(), T * K, K, H, xep, stream);
-          if (grouped_now(l, T)) {
+          const bool folded = moe_fold(l, T);
+          const bool gather_fused = !mapped && !folded && grouped_now(l, T) && moe_gate_up_fused(l, T);
+          if (!gather_fused && !mapped && !folded) kern::gather_rows(xnp, perm.data(), T * K, K, H, xep, stream);
+          if (folded) {
+            mlp_grouped_fold(l, T, xnp, T * K, yep);
+          } else if (grouped_now(l, T)) {
             mlp_grouped(l, T, xep, T * K, yep, gather_fused ? xnp : nullptr, mapped);
           } else {
             // RAC or mixed expert numerics: the per-expert path with the offsets from the device.

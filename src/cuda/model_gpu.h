@@ -57,6 +57,7 @@ struct GpuModelStats {
   int64_t graph_steps = 0;   // steps run as a CUDA graph (decode, every MoE layer grouped)
   int64_t gemm_attention_steps = 0;  // prefills whose attention ran as FP32 SGEMMs (AttentionTc)
   int64_t graph_kernels = 0;  // kernel nodes of the last decode step captured as a CUDA graph
+  int64_t rac_fold_gemms = 0;  // GEMMs with RAC folded in (cuda::w4a4_gemm_rac and its grouped twin)
   double gpu_seconds = 0;     // device time of the steps, from the input copy to the results copied
 };
 

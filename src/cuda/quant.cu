@@ -764,6 +764,116 @@ __global__ void __launch_bounds__(128) rac_quantize_kernel(const float* __restri
   }
 }
 
+
+// rac_quantize_fold: one warp a row, grid.y the operand. Lane l takes blocks l, l + 32, ... of the
+// row: the activation's block quantization (stored by operand 0's warps when xq is given) gives
+// X_eff, the selected blocks' residual its amax, then the selected blocks are quantized again as
+// rac_quantize does and the others written as zeros.
+struct FoldSel {
+  const uint8_t* p[3];
+};
+__global__ void __launch_bounds__(128) rac_fold_kernel(const float* __restrict__ x, const float* __restrict__ u,
+                                                       int64_t ld, const int32_t* map, int map_div, int64_t rows,
+                                                       int64_t cols, int act_static, float act_amax, uint8_t* xcodes,
+                                                       uint8_t* xscales, float* xamax, FoldSel sel,
+                                                       const int32_t* eoff, int groups, int res_static,
+                                                       float res_amax, uint8_t* rcodes, uint8_t* rscales,
+                                                       float* ramax) {
+  pdl_begin();
+  const int lane = threadIdx.x & 31, j = static_cast<int>(blockIdx.y);
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  const int64_t nb = cols / 16, src = map ? static_cast<int64_t>(map[row] / map_div) : row;
+  const float4* xr = reinterpret_cast<const float4*>(x + src * ld);
+  const float4* ur = u ? reinterpret_cast<const float4*>(u + src * ld) : nullptr;
+  auto load_block = [&](int64_t b, float4 (&v)[4], uint32_t& bm) {
+    bm = 0;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      float4 g = xr[b * 4 + q];
+      if (ur) {
+        const float4 w = ur[b * 4 + q];
+        g = make_float4(kern::swiglu1(g.x, w.x), kern::swiglu1(g.y, w.y), kern::swiglu1(g.z, w.z),
+                        kern::swiglu1(g.w, w.w));
+      }
+      v[q] = g;
+      bm = max(bm, vabsmax(g));
+    }
+  };
+  float aamax = act_amax;
+  if (!act_static) {
+    uint32_t m = 0;
+    for (int64_t b = lane; b < nb; b += 32) {
+      float4 v[4];
+      uint32_t bm;
+      load_block(b, v, bm);
+      m = max(m, bm);
+    }
+    aamax = u2f(kern::warp_max(m));
+  }
+  const NvGlobal ga = nv_global<false>(aamax);
+  const bool main_out = xcodes != nullptr && j == 0;
+  if (main_out && lane == 0 && (!act_static || row == 0)) xamax[act_static ? 0 : row] = aamax;
+  int e = 0;
+  if (eoff) {
+    int lo = 0, hi = groups - 1;  // the last e with eoff[e] <= row
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (eoff[mid] <= row) lo = mid;
+      else hi = mid - 1;
+    }
+    e = lo;
+  }
+  const uint8_t* sl = sel.p[j] + static_cast<int64_t>(e) * nb;
+  auto residual = [&](const float4 (&v)[4], uint32_t bm, float4 (&r)[4]) {
+    const NvBlockScale bs = nv_block_scale(bm, ga);
+    const float dq = nv_decode_factor<false>(bs.sf, ga.amax);
+    auto res = [&](float xv) { return __fsub_rn(xv, __fmul_rn(e2m1_decode(nv_encode<false>(xv, bs.enc)), dq)); };
+#pragma unroll
+    for (int q = 0; q < 4; ++q) r[q] = make_float4(res(v[q].x), res(v[q].y), res(v[q].z), res(v[q].w));
+  };
+  uint32_t m = 0;
+  for (int64_t b = lane; b < nb; b += 32) {
+    const bool on = sl[b] != 0;
+    if (!on && !main_out) continue;
+    float4 v[4];
+    uint32_t bm;
+    load_block(b, v, bm);
+    if (main_out) {
+      uint32_t sf;
+      const uint2 packed = nv_quant_block16(v, bm, ga, sf);
+      *reinterpret_cast<uint2*>(xcodes + (row * nb + b) * 8) = packed;
+      xscales[row * nb + b] = static_cast<uint8_t>(sf);
+    }
+    if (on && !res_static) {
+      float4 r[4];
+      residual(v, bm, r);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) m = max(m, vabsmax(r[q]));
+    }
+  }
+  const float rmax = res_static ? res_amax : u2f(kern::warp_max(m));
+  const int64_t orow = static_cast<int64_t>(j) * rows + row;
+  if (lane == 0) ramax[orow] = rmax;
+  const NvGlobal gr = nv_global<false>(rmax);
+  for (int64_t b = lane; b < nb; b += 32) {
+    uint2 packed = make_uint2(0u, 0u);
+    uint32_t sf = 0;
+    if (sl[b] != 0) {
+      float4 v[4], r[4];
+      uint32_t bm;
+      load_block(b, v, bm);
+      residual(v, bm, r);
+      uint32_t rm = 0;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) rm = max(rm, vabsmax(r[q]));
+      packed = nv_quant_block16(r, rm, gr, sf);
+    }
+    *reinterpret_cast<uint2*>(rcodes + (orow * nb + b) * 8) = packed;
+    rscales[orow * nb + b] = static_cast<uint8_t>(sf);
+  }
+}
+
 }  // namespace
 
 bool rac_quantize_supported(const QConfig& act, const QConfig& res) {
@@ -785,6 +895,40 @@ void rac_quantize(const float* x, int64_t cols, const QConfig& act, const int32_
   launch_pdl(rac_quantize_kernel, static_cast<unsigned>((q.rows + 3) / 4), 128, 0, s, x, q.rows, cols,
              act.global == Global::Static ? 1 : 0, act.static_amax, blocks, nb, nsel_dense, nsel_dev, eoff, groups,
              q.cfg.global == Global::Static ? 1 : 0, q.cfg.static_amax, q.codes.data(), q.scales.data(), q.amax.data());
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void rac_quantize_fold(const RacFoldSource& src, int64_t rows, int64_t cols, const QConfig& act, DeviceQTensor* xq,
+                       int nops, const uint8_t* const* sel, const int32_t* eoff, int groups, const QConfig& res,
+                       uint8_t* rcodes, uint8_t* rscales, float* ramax, cudaStream_t s) {
+  QUADS_CHECK(rac_quantize_supported(act, res),
+              "cuda::rac_quantize_fold: NVFP4 E2M1 1x16 with a per-row or static amax (both the activation's {} and "
+              "the residual's {})", act.describe(), res.describe());
+  QUADS_CHECK(nops >= 1 && nops <= 3 && sel, "cuda::rac_quantize_fold: {} residual operands (1..3, each with a selection)",
+              nops);
+  QUADS_CHECK(cols % 16 == 0 && src.ld % 4 == 0 && src.ld >= cols && reinterpret_cast<uintptr_t>(src.x) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(src.u) % 16 == 0,
+              "cuda::rac_quantize_fold: cols = {} must be a multiple of 16 and ld = {} of 4 (ld >= cols), x and u 16-byte "
+              "aligned", cols, src.ld);
+  QUADS_CHECK(!src.map || src.map_div >= 1, "cuda::rac_quantize_fold: the row map's divisor must be >= 1");
+  QUADS_CHECK(!eoff || groups > 0, "cuda::rac_quantize_fold: a grouped call needs its group count");
+  if (xq) {
+    check_shape(*xq, "cuda::rac_quantize_fold");
+    QUADS_CHECK(xq->rows == rows && xq->cols == cols && xq->cfg.describe() == act.describe() && xq->layout == ScaleLayout::RowMajor,
+                "cuda::rac_quantize_fold: the activation's codes must be [{}, {}] in {} with row-major scales", rows,
+                cols, act.describe());
+  }
+  if (rows == 0 || cols == 0) return;
+  FoldSel fs{};
+  for (int j = 0; j < nops; ++j) {
+    QUADS_CHECK(sel[j], "cuda::rac_quantize_fold: residual operand {} has no selection", j);
+    fs.p[j] = sel[j];
+  }
+  launch_pdl(rac_fold_kernel, dim3(static_cast<unsigned>((rows + 3) / 4), static_cast<unsigned>(nops)), 128, 0, s,
+             src.x, src.u, src.ld, src.map, src.map_div, rows, cols, act.global == Global::Static ? 1 : 0,
+             act.static_amax, xq ? xq->codes.data() : nullptr, xq ? xq->scales.data() : nullptr,
+             xq ? xq->amax.data() : nullptr, fs, eoff, groups, res.global == Global::Static ? 1 : 0, res.static_amax,
+             rcodes, rscales, ramax);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 

@@ -68,6 +68,28 @@ void rac_quantize(const float* x, int64_t cols, const num::QConfig& act, const i
                   int64_t nsel_dense, const int32_t* nsel_dev, const int32_t* eoff, int groups, DeviceQTensor& q,
                   cudaStream_t stream = nullptr);
 
+// RAC folded into the main GEMM (w4a4_gemm_rac, gemm.h), one kernel for the activation's codes
+// and up to three residual operands. Row r < rows of the input is source row s = map ? map[r] /
+// map_div : r of x (row stride ld), or with u the SwiGLU kern::swiglu1(x, u) (as quantize_swiglu).
+// xq (optional, [rows, cols]): the activation's NVFP4 codes, quantize()'s bits. Operand j < nops
+// (sel[j]: [groups, cols / 16] bytes on the device, nonzero where the block is compensated; row
+// r's group by eoff as rac_quantize, or group 0 when eoff is null): the residual R = X - X_eff of
+// the selected blocks quantized with `res` densely over cols, every other block zero: codes at
+// rcodes + (j * rows + r) * cols / 2, scales at rscales + (j * rows + r) * cols / 16, amax at
+// ramax[j * rows + r]. Its selected blocks hold rac_quantize's bits for the same blocks. Formats
+// as rac_quantize_supported; x (and u) 16-byte aligned, cols a multiple of 16, ld of 4.
+struct RacFoldSource {
+  const float* x = nullptr;
+  const float* u = nullptr;
+  int64_t ld = 0;
+  const int32_t* map = nullptr;
+  int map_div = 1;
+};
+void rac_quantize_fold(const RacFoldSource& src, int64_t rows, int64_t cols, const num::QConfig& act,
+                       DeviceQTensor* xq, int nops, const uint8_t* const* sel, const int32_t* eoff, int groups,
+                       const num::QConfig& res, uint8_t* rcodes, uint8_t* rscales, float* ramax,
+                       cudaStream_t stream = nullptr);
+
 // Dequantized values, [rows, cols] float32 (or bf16 bits, rounded to nearest even).
 void dequantize(const DeviceQTensor& q, float* out, cudaStream_t stream = nullptr);
 void dequantize_bf16(const DeviceQTensor& q, uint16_t* out, cudaStream_t stream = nullptr);

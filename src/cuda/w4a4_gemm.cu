@@ -592,6 +592,79 @@ void w4a4_gemm_grouped_gather(const Nvfp4View& xr, const Nvfp4Weight* w_table, b
   dispatch_grouped<true>(p, groups, splits, tile, s);
 }
 
+namespace {
+// The folded call's residual fields, checked against W's rows and the call's rows.
+void set_rac_fold(Params& p, const RacFold& r, int64_t rows, const char* what) {
+  QUADS_CHECK(r.codes && r.scales && r.amax, "{}: the residual operand's codes, scales and amax are needed", what);
+  QUADS_CHECK(r.nops >= 1 && r.nops <= 3, "{}: {} residual operands (1..3)", what, r.nops);
+  QUADS_CHECK(r.rows == rows, "{}: the residual has {} rows, the call {}", what, r.rows, rows);
+  for (int j = 0; j + 1 < r.nops; ++j)
+    QUADS_CHECK(r.split[j] > 0 && r.split[j] < p.N && r.split[j] % 16 == 0 && (j == 0 || r.split[j] > r.split[j - 1]),
+                "{}: residual operand {} starts at W row {}: splits must rise, lie inside W's {} rows and be "
+                "multiples of 16", what, j + 1, r.split[j], p.N);
+  p.rq = r.codes;
+  p.rs = r.scales;
+  p.ramax = r.amax;
+  p.nres = r.nops;
+  p.rrows = r.rows;
+  p.rsplit0 = r.nops > 1 ? r.split[0] : INT64_MAX;
+  p.rsplit1 = r.nops > 2 ? r.split[1] : INT64_MAX;
+}
+}  // namespace
+
+bool w4a4_rac_fold_supported(int64_t rows_per_weight, int64_t k, bool grouped) {
+  if (k % 64 != 0 || rows_per_weight < 1) return false;
+  if (grouped ? gemv_auto_grouped(rows_per_weight, k) : rows_per_weight <= kGemvAutoMaxRows)
+    return gemv_plan(k, rows_per_weight, 1, 4).R > 0;
+  return skinny_enabled(grouped) && rows_per_weight <= (grouped ? kSkinnyAutoMaxRows : skinny_dense_max_rows()) &&
+         skinny_smem_stages(2, (k + 127) / 128) <= kSkinnySmemMax;
+}
+
+void w4a4_gemm_rac(const Nvfp4View& x, const Nvfp4View& w, const RacFold& r, float* y, bool accumulate,
+                   cudaStream_t s, const W4A4Options& opt) {
+  QUADS_CHECK(x.k == w.k, "w4a4_gemm_rac: X is [{}, {}] but W is [{}, {}]: inner dimensions differ", x.rows, x.k, w.rows, w.k);
+  QUADS_CHECK(w4a4_rac_fold_supported(x.rows, x.k, false),
+              "w4a4_gemm_rac: no folded kernel for {} rows and K = {} (ask w4a4_rac_fold_supported)", x.rows, x.k);
+  QUADS_CHECK(opt.tile == W4A4Tile::Auto && opt.splits == 0, "w4a4_gemm_rac: Auto's GEMV or skinny tiles only");
+  if (x.rows == 0 || w.rows == 0) return;
+  Params p = make_params(x, w, y, accumulate);
+  p.early_w = opt.weights_ready;
+  set_ldy(p, opt, "w4a4_gemm_rac");
+  set_rac_fold(p, r, x.rows, "w4a4_gemm_rac");
+  if (p.M <= kGemvAutoMaxRows) {
+    launch_gemv<false, false, 0, true>(p, gemv_plan(p.K, p.M, p.N, 1 + r.nops), 1, s);
+  } else {
+    p.early_w = p.early_w && skinny_early_on();
+    launch_skinny<false, true>(p, p.M, 1, 0, opt.kcluster, s, opt.row_block);
+  }
+}
+
+void w4a4_gemm_grouped_rac(const Nvfp4View& x, const int32_t* x_map, int x_map_div, int64_t rows, const RacFold& r,
+                           const Nvfp4Weight* w_table, bool w_amax_per_row, int64_t n, int groups,
+                           const int32_t* eoff, int64_t max_rows, float* y, int64_t ldy, cudaStream_t s) {
+  QUADS_CHECK(w4a4_rac_fold_supported(max_rows, x.k, true),
+              "w4a4_gemm_grouped_rac: no folded kernel for {} rows a group and K = {} (ask w4a4_rac_fold_supported)",
+              max_rows, x.k);
+  QUADS_CHECK(groups > 0 && groups <= 65535, "w4a4_gemm_grouped_rac: {} groups (1..65535)", groups);
+  QUADS_CHECK(!x_map || x_map_div >= 1, "w4a4_gemm_grouped_rac: the row map's divisor must be >= 1");
+  QUADS_CHECK(x_map || x.rows == rows, "w4a4_gemm_grouped_rac: X has {} rows, the call {} (and no row map)", x.rows, rows);
+  if (rows == 0 || x.rows == 0 || n == 0) return;
+  Params p = grouped_params(x, w_table, w_amax_per_row, n, eoff, max_rows, rows, y);
+  if (ldy) {
+    QUADS_CHECK(ldy >= n, "w4a4_gemm_grouped_rac: ldy = {} < n = {}", ldy, n);
+    p.ldy = ldy;
+  }
+  p.fmap = x_map;
+  p.fmap_div = x_map ? x_map_div : 1;
+  p.groups = groups;
+  set_rac_fold(p, r, rows, "w4a4_gemm_grouped_rac");
+  const int64_t grid_active = std::min<int64_t>(groups, p.Mtot);
+  if (gemv_auto_grouped(max_rows, x.k))
+    launch_gemv<false, true, 0, true>(p, gemv_plan_grouped(p, groups, 1 + r.nops), grid_active, s);
+  else
+    launch_skinny<true, true>(p, p.M, grid_active, 0, 0, s, 0, grid_active);
+}
+
 void gather_blocks(const float* x, int64_t m, int64_t k, const int32_t* blocks, int64_t nsel, float* out,
                    int64_t out_cols, cudaStream_t s) {
   QUADS_CHECK(out_cols % 16 == 0 && out_cols >= 16 * nsel, "gather_blocks: out_cols = {} cannot hold {} blocks", out_cols, nsel);

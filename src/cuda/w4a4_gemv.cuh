@@ -53,6 +53,14 @@ struct Params {
   int fstatic;            // Global::Static: amax fstatic_amax, else per row
   float fstatic_amax;
   int early_w;            // dense: stream the first weights before waiting for the previous kernel
+  // RAC folded (RES kernels, RacFold in gemm.h): residual operand j < nres at rq + j * rrows * K / 2,
+  // rs + j * rrows * K / 16, ramax + j * rrows (per row); its rows are the problem's (no map); W
+  // rows n >= rsplit0 take operand 1, n >= rsplit1 operand 2.
+  const uint8_t* rq;
+  const uint8_t* rs;
+  const float* ramax;
+  int nres;
+  int64_t rrows, rsplit0, rsplit1;
 };
 
 namespace {
@@ -73,6 +81,11 @@ __device__ __forceinline__ int nth_nonempty_group(const int32_t* eoff, int group
     seen += cnt;
   }
   return -1;
+}
+
+// The residual operand of W rows from n on (RAC folded; the splits are multiples of 16).
+__device__ __forceinline__ int res_operand(const Params& p, int64_t n) {
+  return n >= p.rsplit1 ? 2 : n >= p.rsplit0 ? 1 : 0;
 }
 
 // Row r of the problem is X's row fmap[r] / fmap_div where a grouped call reads X's codes through
@@ -212,15 +225,19 @@ __device__ __forceinline__ void fused_prologue(const Params& p, int64_t xr0, int
 // FUSE: 0 X as codes (quantize()'s output), 1 fused from FP32 rows, 2 fused from the SwiGLU of
 // two FP32 sources (a template argument: the SwiGLU's loads and exp would cost the other
 // variants registers).
+// RES (RAC folded, FUSE 0): the nres residual operands' rows are staged after X's (R rows each),
+// and a warp's rows meet X's rows and their operand's rows in the same pass over its weights,
+// into a second set of sums.
 // Weight-row tiles (kGemvWarps * NW rows): tile blockIdx.x, then every gridDim.x-th after it. A
 // grid of one tile per CTA decodes X once per tile; a smaller one (gemv_tile_loop) decodes it once
 // per CTA and keeps the weight stream going from one tile into the next: when the steps of a row
 // are a multiple of PF, the refill after the last steps of a tile loads the first ones of the
 // CTA's next tile. Either way every output is the same sum in the same order.
-template <int R, int NW, bool GATHER, bool GROUPED, int FUSE>
+template <int R, int NW, bool GATHER, bool GROUPED, int FUSE, bool RES = false>
 __global__ void __launch_bounds__(32 * kGemvWarps, NW == 4 ? 2 : 3) w4a4_gemv_kernel(const Params p) {
   constexpr bool FUSED = FUSE != 0;
   static_assert(!(GATHER && FUSED), "the RAC gather has no fused variant");
+  static_assert(!(RES && (GATHER || FUSED)), "the folded residual reads X as codes");
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ uint32_t s_wmax[kGemvWarps];  // fused: the warps' row amax bits
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -230,7 +247,8 @@ __global__ void __launch_bounds__(32 * kGemvWarps, NW == 4 ? 2 : 3) w4a4_gemv_ke
   const int64_t K = p.K, kpad = gemv_kpad(K);
   const int nb = static_cast<int>(K / 16);
   uint8_t* sx = smem;
-  float* sxs = reinterpret_cast<float*>(smem + R * kpad);
+  const int rt = RES ? R * (1 + p.nres) : R;  // staged rows: X's, then each residual operand's
+  float* sxs = reinterpret_cast<float*>(smem + rt * kpad);
   const int64_t wrow = p.Kw / 2, wsrow = p.Kw / 16;
   const int nsteps = (nb + 63) / 64, N = static_cast<int>(p.N);
   const int ntiles = (N + kGemvWarps * NW - 1) / (kGemvWarps * NW);
@@ -331,17 +349,29 @@ __global__ void __launch_bounds__(32 * kGemvWarps, NW == 4 ? 2 : 3) w4a4_gemv_ke
       fused_prologue<R, FUSE == 2>(p, row0 + r0, nr, sx, sxs, s_wmax);
     } else {
       const int nch = nb / 2;  // 32-element chunks (2 blocks) per row
-      for (int q = threadIdx.x; q < nr * nch; q += blockDim.x) {
-        const int r = q / nch, ch = q - r * nch, b = 2 * ch;
-        const int64_t gr = x_row(p, row0 + r0 + r);
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(p.xq + gr * (K / 2) + ch * 16));
-        const uint32_t xsb = __ldg(reinterpret_cast<const uint16_t*>(p.xs + gr * nb + b));
+      // chunk ch of a row of codes / scales into staged row sr
+      auto stage = [&](const uint8_t* codes, const uint8_t* scales, int sr, int ch) {
+        const int b = 2 * ch;
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(codes + ch * 16));
+        const uint32_t xsb = __ldg(reinterpret_cast<const uint16_t*>(scales + b));
         uint4 lo, hi;
         e2m1x32_to_s8(v, lo, hi);
-        uint8_t* dst = sx + r * kpad + (b >> 6) * 1024 + ((b >> 1) & 31) * 16;
+        uint8_t* dst = sx + sr * kpad + (b >> 6) * 1024 + ((b >> 1) & 31) * 16;
         *reinterpret_cast<uint4*>(dst) = lo;
         *reinterpret_cast<uint4*>(dst + 512) = hi;
-        *reinterpret_cast<float2*>(sxs + r * nb + b) = e4m3x2_float2(xsb);
+        *reinterpret_cast<float2*>(sxs + sr * nb + b) = e4m3x2_float2(xsb);
+      };
+      for (int q = threadIdx.x; q < nr * nch; q += blockDim.x) {
+        const int r = q / nch, ch = q - r * nch;
+        const int64_t gr = x_row(p, row0 + r0 + r);
+        stage(p.xq + gr * (K / 2), p.xs + gr * nb, r, ch);
+      }
+      if constexpr (RES) {
+        for (int q = threadIdx.x; q < p.nres * nr * nch; q += blockDim.x) {
+          const int jr = q / (nr * nch), rem = q - jr * nr * nch, r = rem / nch, ch = rem - r * nch;
+          const int64_t gr = static_cast<int64_t>(jr) * p.rrows + row0 + r0 + r;
+          stage(p.rq + gr * (K / 2), p.rs + gr * nb, R + jr * R + r, ch);
+        }
       }
     }
     __syncthreads();
@@ -352,11 +382,13 @@ __global__ void __launch_bounds__(32 * kGemvWarps, NW == 4 ? 2 : 3) w4a4_gemv_ke
 #pragma unroll
         for (int j = 0; j < PF; ++j) load(t, j, c[j], sc[j]);
       }
-      float acc[R][NW];
+      float acc[R][NW], accr[RES ? R : 1][NW];
 #pragma unroll
       for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int i = 0; i < NW; ++i) acc[r][i] = 0.f;
+        for (int i = 0; i < NW; ++i) acc[r][i] = accr[RES ? r : 0][i] = 0.f;
+      // this warp's residual operand (its NW rows never straddle a split)
+      const int jr = RES ? res_operand(p, int64_t(t * kGemvWarps + warp) * NW) : 0;
       for (int s0 = 0; s0 < nsteps; s0 += PF) {
 #pragma unroll
         for (int j = 0; j < PF; ++j) {
@@ -389,6 +421,18 @@ __global__ void __launch_bounds__(32 * kGemvWarps, NW == 4 ? 2 : 3) w4a4_gemv_ke
                 acc[r][i] = __fmaf_rn(static_cast<float>(dot16(wlo[i], xlo)), __fmul_rn(xs.x, ws0[i]), acc[r][i]);
                 acc[r][i] = __fmaf_rn(static_cast<float>(dot16(whi[i], xhi)), __fmul_rn(xs.y, ws1[i]), acc[r][i]);
               }
+              if constexpr (RES) {
+                const int sr = R + jr * R + r;
+                const uint8_t* rr = sx + sr * kpad + s * 1024 + lane * 16;
+                const uint4 rlo = *reinterpret_cast<const uint4*>(rr);
+                const uint4 rhi = *reinterpret_cast<const uint4*>(rr + 512);
+                const float2 rsc = *reinterpret_cast<const float2*>(sxs + sr * nb + b0);
+#pragma unroll
+                for (int i = 0; i < NW; ++i) {
+                  accr[r][i] = __fmaf_rn(static_cast<float>(dot16(wlo[i], rlo)), __fmul_rn(rsc.x, ws0[i]), accr[r][i]);
+                  accr[r][i] = __fmaf_rn(static_cast<float>(dot16(whi[i], rhi)), __fmul_rn(rsc.y, ws1[i]), accr[r][i]);
+                }
+              }
             }
           }
         }
@@ -402,9 +446,13 @@ __global__ void __launch_bounds__(32 * kGemvWarps, NW == 4 ? 2 : 3) w4a4_gemv_ke
       for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int i = 0; i < NW; ++i) {
-          float v = acc[r][i];
+          float v = acc[r][i], vr = accr[RES ? r : 0][i];
 #pragma unroll
           for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+          if constexpr (RES) {
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) vr += __shfl_xor_sync(0xFFFFFFFFu, vr, o);
+          }
           const int64_t n = nbase + i;
           if (lane != 0 || r >= nr || n >= p.N) continue;
           const int64_t row = row0 + r0 + r;
@@ -419,10 +467,15 @@ __global__ void __launch_bounds__(32 * kGemvWarps, NW == 4 ? 2 : 3) w4a4_gemv_ke
           } else {
             xa = p.xamax[p.xamax_row ? x_row(p, row) : 0];
           }
-          const float rf = xa * kInv * 16384.f;
-          const float out = __fmul_rn(v, 1.f / 65536.f) * rf * (wamax[p.wamax_row ? n : 0] * kInv);
+          const float rf = xa * kInv * 16384.f, wf = wamax[p.wamax_row ? n : 0] * kInv;
+          const float out = __fmul_rn(v, 1.f / 65536.f) * rf * wf;
           float* dst = p.y + row * p.ldy + n;
-          *dst = p.accumulate ? *dst + out : out;
+          float o = p.accumulate ? *dst + out : out;
+          if constexpr (RES) {
+            const float rrf = p.ramax[static_cast<int64_t>(jr) * p.rrows + row] * kInv * 16384.f;
+            o += __fmul_rn(vr, 1.f / 65536.f) * rrf * wf;
+          }
+          *dst = o;
         }
     }
   }
@@ -437,12 +490,13 @@ struct GemvPlan {
   int R = 0, NW = 1;
   int64_t smem = 0;
 };
-GemvPlan gemv_plan(int64_t k, int64_t rows_per_weight, int64_t active_weight_rows) {
+// staged: rows staged per row of X (1 + the residual operands of a folded RAC call).
+GemvPlan gemv_plan(int64_t k, int64_t rows_per_weight, int64_t active_weight_rows, int staged = 1) {
   GemvPlan g;
   g.R = rows_per_weight <= 1 ? 1 : rows_per_weight <= 2 ? 2 : 4;
-  while (g.R > 1 && gemv_smem(g.R, k) > kGemvSmemMax) g.R /= 2;
-  if (gemv_smem(g.R, k) > kGemvSmemMax) g.R = 0;  // K too long for one row in shared memory
-  g.smem = gemv_smem(std::max(g.R, 1), k);
+  while (g.R > 1 && gemv_smem(g.R * staged, k) > kGemvSmemMax) g.R /= 2;
+  if (gemv_smem(g.R * staged, k) > kGemvSmemMax) g.R = 0;  // K too long for one row in shared memory
+  g.smem = gemv_smem(std::max(g.R, 1) * staged, k);
   const int64_t steps = (k / 16 + 63) / 64;
   g.NW = steps >= 4 ? 1 : steps >= 2 ? 2 : 4;
   if (g.R >= 4) g.NW = std::min(g.NW, 2);  // registers: R * NW accumulators
@@ -450,9 +504,9 @@ GemvPlan gemv_plan(int64_t k, int64_t rows_per_weight, int64_t active_weight_row
   return g;
 }
 
-template <int R, int NW, bool GATHER, bool GROUPED, int FUSE>
+template <int R, int NW, bool GATHER, bool GROUPED, int FUSE, bool RES>
 void launch_gemv_k(const Params& p, int64_t smem, dim3 grid, cudaStream_t s) {
-  auto kern = w4a4_gemv_kernel<R, NW, GATHER, GROUPED, FUSE>;
+  auto kern = w4a4_gemv_kernel<R, NW, GATHER, GROUPED, FUSE, RES>;
   static int64_t smem_set = 48 * 1024;  // per instantiation: the opt-in for more shared memory
   if (smem > smem_set) {
     QUADS_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kGemvSmemMax)));
@@ -470,20 +524,20 @@ void launch_gemv_k(const Params& p, int64_t smem, dim3 grid, cudaStream_t s) {
   }
   launch_pdl(kern, grid, 32 * kGemvWarps, static_cast<size_t>(smem), s, p);
 }
-template <int R, bool GATHER, bool GROUPED, int FUSE>
+template <int R, bool GATHER, bool GROUPED, int FUSE, bool RES>
 void launch_gemv_nw(const Params& p, const GemvPlan& g, dim3 grid, cudaStream_t s) {
   // the RAC residuals are short (a few hundred columns): one weight row per warp
   if constexpr (GATHER) {
-    launch_gemv_k<R, 1, GATHER, GROUPED, FUSE>(p, g.smem, grid, s);
+    launch_gemv_k<R, 1, GATHER, GROUPED, FUSE, RES>(p, g.smem, grid, s);
   } else {
-    if (g.NW == 1) launch_gemv_k<R, 1, GATHER, GROUPED, FUSE>(p, g.smem, grid, s);
-    else if (g.NW == 2 || R >= 4) launch_gemv_k<R, 2, GATHER, GROUPED, FUSE>(p, g.smem, grid, s);
-    else launch_gemv_k<R, (R >= 4 ? 2 : 4), GATHER, GROUPED, FUSE>(p, g.smem, grid, s);
+    if (g.NW == 1) launch_gemv_k<R, 1, GATHER, GROUPED, FUSE, RES>(p, g.smem, grid, s);
+    else if (g.NW == 2 || R >= 4) launch_gemv_k<R, 2, GATHER, GROUPED, FUSE, RES>(p, g.smem, grid, s);
+    else launch_gemv_k<R, (R >= 4 ? 2 : 4), GATHER, GROUPED, FUSE, RES>(p, g.smem, grid, s);
   }
 }
 // grid_y: 1 for a dense call, min(groups, rows) for a grouped one. Dense calls spread their rows
 // over grid z; grouped ones loop (a host bound on a group's rows would launch mostly idle CTAs).
-template <bool GATHER, bool GROUPED, int FUSE = 0>
+template <bool GATHER, bool GROUPED, int FUSE = 0, bool RES = false>
 void launch_gemv(Params p, GemvPlan g, int64_t grid_y, cudaStream_t s) {
   QUADS_CHECK(g.R > 0, "w4a4_gemm: K = {} is too long for the GEMV (a row of X must fit in shared memory)", p.K);
   QUADS_CHECK(p.N < (int64_t(1) << 30), "w4a4_gemm: {} weight rows are too many for the GEMV (its indices are 32-bit)", p.N);
@@ -493,17 +547,17 @@ void launch_gemv(Params p, GemvPlan g, int64_t grid_y, cudaStream_t s) {
   const dim3 grid(static_cast<unsigned>((p.N + rows_per_cta - 1) / rows_per_cta), static_cast<unsigned>(grid_y),
                   static_cast<unsigned>(chunks));
   switch (g.R) {
-    case 1: launch_gemv_nw<1, GATHER, GROUPED, FUSE>(p, g, grid, s); break;
-    case 2: launch_gemv_nw<2, GATHER, GROUPED, FUSE>(p, g, grid, s); break;
-    default: launch_gemv_nw<4, GATHER, GROUPED, FUSE>(p, g, grid, s); break;
+    case 1: launch_gemv_nw<1, GATHER, GROUPED, FUSE, RES>(p, g, grid, s); break;
+    case 2: launch_gemv_nw<2, GATHER, GROUPED, FUSE, RES>(p, g, grid, s); break;
+    default: launch_gemv_nw<4, GATHER, GROUPED, FUSE, RES>(p, g, grid, s); break;
   }
 }
 
 
 // The GEMV plan of a grouped call: rows per CTA from the bound on a group's rows (p.M), warps from
 // the weight rows of the min(groups, rows) groups that can have rows.
-GemvPlan gemv_plan_grouped(const Params& p, int groups) {
-  return gemv_plan(p.K, p.M, std::min<int64_t>(groups, p.Mtot) * p.N);
+GemvPlan gemv_plan_grouped(const Params& p, int groups, int staged = 1) {
+  return gemv_plan(p.K, p.M, std::min<int64_t>(groups, p.Mtot) * p.N, staged);
 }
 
 Params make_params(const Nvfp4View& x, const Nvfp4View& w, float* y, bool accumulate) {

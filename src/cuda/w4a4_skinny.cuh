@@ -108,10 +108,14 @@ __host__ __device__ constexpr int64_t skinny_smem(int nt, int64_t k) { return sk
 // 8 rows of X at a time fit 80 registers without spills (3 CTAs an SM); 16 rows take ~110 (2 CTAs:
 // capped at 80 they spill, and ran 7% slower at routed batch 64).
 // cper: stages a CTA of the cluster takes (CL = 1: all).
-template <int NT, bool GROUPED, int CL>
-__global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
+// RES (RAC folded): the CTA's residual operand (one per CTA: skinny_plan splits K over enough
+// warps that a CTA's rows never straddle a split) is staged as NT more n-tiles after X's, for the same rows, and its sums are added to X's in the
+// epilogue with their own global factor. NA: the n-tiles staged.
+template <int NT, bool GROUPED, int CL, bool RES = false>
+__global__ void __launch_bounds__(32 * kSkinnyWarps, (RES ? 2 * NT : NT) == 1 ? 3 : 2)
     w4a4_skinny_kernel(const Params p, int ks, int cper, int rblock) {
   static_assert(CL == 1 || !GROUPED, "the grouped skinny tiles split K over warps only");
+  constexpr int NA = RES ? 2 * NT : NT;
   extern __shared__ __align__(16) uint8_t smem[];
 #ifndef QUADS_MMA_SM80
   __trap();
@@ -127,11 +131,12 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
   const int64_t kbeg = int64_t(cs_beg) * 128, kc = min(int64_t(cs_end) * 128, K) - kbeg;  // K columns staged
   // X's fragments (the sums after the K loop), then its raw codes and scales (8 NT rows)
   uint4* sx = reinterpret_cast<uint4*>(smem);
-  float4* red = reinterpret_cast<float4*>(smem);  // [kSkinnyWarps][NT][32]
-  uint8_t* raw = smem + skinny_frag_bytes(NT, cper);
-  uint8_t* raw_s = raw + 8 * NT * cper * 64;
+  float4* red = reinterpret_cast<float4*>(smem);  // [kSkinnyWarps][NA][32]
+  uint8_t* raw = smem + skinny_frag_bytes(NA, cper);
+  uint8_t* raw_s = raw + 8 * NA * cper * 64;
   const int tiles_per_cta = kSkinnyWarps / ks, kidx = warp % ks;
   const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * tiles_per_cta + warp / ks) * 16;
+  const int jr = RES ? res_operand(p, static_cast<int64_t>(blockIdx.x) * tiles_per_cta * 16) : 0;
   const int per = (ncs + ks - 1) / ks, s_beg = cs_beg + min(ncs, kidx * per), s_end = min(cs_end, s_beg + per);
   // This lane's codes and scales of rows n0 + g (a) and n0 + g + 8 (b) at stage s_beg. Rows past
   // N read row N - 1 (their outputs are not stored: a row's sums never meet another row's).
@@ -219,6 +224,17 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
         const int r = i / spr;
         cp_async4(raw_s + i * 4, p.xs + x_row(p, row0 + c0 + r) * (K / 16) + kbeg / 16 + (i - r * spr) * 4, 4);
       }
+      if constexpr (RES) {  // the residual's rows at raw rows 8 NT ..
+        const int64_t rbase = static_cast<int64_t>(jr) * p.rrows + row0 + c0;
+        for (int i = threadIdx.x; i < nrow * cpr; i += blockDim.x) {
+          const int r = i / cpr;
+          cp_async16(raw + (8 * NT * cpr + i) * 16, p.rq + (rbase + r) * (K / 2) + kbeg / 2 + (i - r * cpr) * 16, 16);
+        }
+        for (int i = threadIdx.x; i < nrow * spr; i += blockDim.x) {
+          const int r = i / spr;
+          cp_async4(raw_s + (8 * NT * spr + i) * 4, p.rs + (rbase + r) * (K / 16) + kbeg / 16 + (i - r * spr) * 4, 4);
+        }
+      }
       cp_async_commit();
       if (!early || c0 > 0) {
 #pragma unroll
@@ -235,14 +251,16 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
     {
       // With 8 rows (one n-tile: the routed decode batches), two half-warps share a row, taking
       // alternate stages, so all 8 warps work instead of 4.
+      // (RES: staged rows 8 NT .. 8 NT + 8 ntu are the residual's; 8 ntu .. 8 NT are skipped)
       const int wi = lane & 15, qt = wi >> 2, hw = wi & 3, hwi = warp * 2 + (lane >> 4);
-      const bool two = ntu == 1;
+      const bool two = ntu == 1 && !RES;
       const int s0 = two ? hwi >> 3 : 0, sstep = two ? 2 : 1;
-      for (int r = two ? hwi & 7 : hwi; r < 8 * ntu; r += 2 * kSkinnyWarps) {
-        uint4* dst = sx + (hw * NT + (r >> 3)) * 32 + (r & 7) * 4 + qt;
+      for (int r = two ? hwi & 7 : hwi; r < (RES ? 8 * NT : 0) + 8 * ntu; r += 2 * kSkinnyWarps) {
+        if (RES && r >= 8 * ntu && r < 8 * NT) continue;
+        uint4* dst = sx + (hw * NA + (r >> 3)) * 32 + (r & 7) * 4 + qt;
         const uint8_t* src = raw + r * rowb + wi * 4;
         const uint8_t* ssrc = raw_s + r * rows_s + 2 * qt + (hw >> 1);
-        const bool live = r < nrow;
+        const bool live = (RES && r >= 8 * NT ? r - 8 * NT : r) < nrow;
         // kXU stages at a time, their shared-memory reads issued before any store (one stage at
         // a time, each waited for its read: 8.2k -> 5.6k cycles at 64 dense rows, 3.8k -> 3.3k
         // in a grouped gate/up CTA at routed batch 16; bench_cuda --skinny-trace, H200)
@@ -262,7 +280,7 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
             const int s = sb + u * sstep;
             if (s >= ncs) break;
             const uint32_t f = lo2(scales_f16x2(sc[u]));
-            dst[s * 4 * NT * 32] = ok[u] ? make_uint4(deq<0>(w[u], f), deq<4>(w[u], f), deq<8>(w[u], f), deq<12>(w[u], f))
+            dst[s * 4 * NA * 32] = ok[u] ? make_uint4(deq<0>(w[u], f), deq<4>(w[u], f), deq<8>(w[u], f), deq<12>(w[u], f))
                                          : make_uint4(0, 0, 0, 0);
           }
         }
@@ -271,9 +289,9 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
     __syncthreads();
     SKINNY_STAMP(5, clock64());
 
-    float acc[NT][4];
+    float acc[NA][4];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int nt = 0; nt < NA; ++nt)
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[nt][q] = 0.f;
     // the K loop for NTU n-tiles with rows (a compile-time count: no branch per MMA)
@@ -287,7 +305,7 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
           if (s >= s_end) break;  // uniform
           const uint4 A = ca[j], B = cb[j];
           const uint32_t fa = scales_f16x2(sca[j]), fb = scales_f16x2(scb[j]);
-          const uint4* xs_s = sx + (s - cs_beg) * 4 * NT * 32 + lane;
+          const uint4* xs_s = sx + (s - cs_beg) * 4 * NA * 32 + lane;
           const uint32_t wa[4] = {A.x, A.y, A.z, A.w}, wb[4] = {B.x, B.y, B.z, B.w};
 #pragma unroll
           for (int hw = 0; hw < 4; ++hw) {
@@ -296,9 +314,17 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
             const uint32_t a1[4] = {deq<8>(wa[hw], sa), deq<8>(wb[hw], sb), deq<12>(wa[hw], sa), deq<12>(wb[hw], sb)};
 #pragma unroll
             for (int nt = 0; nt < NTU; ++nt) {
-              const uint4 xf = xs_s[(hw * NT + nt) * 32];
+              const uint4 xf = xs_s[(hw * NA + nt) * 32];
               mma16816(acc[nt], a0, xf.x, xf.y);
               mma16816(acc[nt], a1, xf.z, xf.w);
+            }
+            if constexpr (RES) {
+#pragma unroll
+              for (int nt = 0; nt < NTU; ++nt) {
+                const uint4 xf = xs_s[(hw * NA + NT + nt) * 32];
+                mma16816(acc[NT + nt], a0, xf.x, xf.y);
+                mma16816(acc[NT + nt], a1, xf.z, xf.w);
+              }
             }
           }
           // The slot's next stage is loaded once this stage's codes are decoded: loaded first, into
@@ -330,13 +356,13 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
     // a warp's tile sums into red[warp] (this CTA's, or another rank's `from`), and back
     auto publish = [&] {
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        red[(warp * NT + nt) * 32 + lane] = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
+      for (int nt = 0; nt < NA; ++nt)
+        red[(warp * NA + nt) * 32 + lane] = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
     };
     auto add_sums = [&](const float4* from, int w) {
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const float4 v = from[(w * NT + nt) * 32 + lane];
+      for (int nt = 0; nt < NA; ++nt) {
+        const float4 v = from[(w * NA + nt) * 32 + lane];
         acc[nt][0] += v.x;
         acc[nt][1] += v.y;
         acc[nt][2] += v.z;
@@ -374,13 +400,15 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
     // X's row factors all read before the first store (y may alias xamax for the compiler: read
     // between the stores, no load could be issued before the store ahead of it, and the loads'
     // latencies added up)
-    float rfs[NT][2];
+    float rfs[NT][2], rrs[RES ? NT : 1][2];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int64_t r = c0 + nt * 8 + 2 * t + j;
-        rfs[nt][j] = nt < ntu && r < rows ? p.xamax[p.xamax_row ? x_row(p, row0 + r) : 0] * kInv * 16384.f : 0.f;
+        const bool in = nt < ntu && r < rows;
+        rfs[nt][j] = in ? p.xamax[p.xamax_row ? x_row(p, row0 + r) : 0] * kInv * 16384.f : 0.f;
+        if constexpr (RES) rrs[nt][j] = in ? p.ramax[static_cast<int64_t>(jr) * p.rrows + row0 + r] * kInv * 16384.f : 0.f;
       }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -394,11 +422,15 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, NT == 1 ? 3 : 2)
         float* dst = p.y + row * p.ldy + na;
         if (na < p.N) {
           const float out = acc[nt][j] * rf * wfa;
-          dst[0] = p.accumulate ? dst[0] + out : out;
+          float o = p.accumulate ? dst[0] + out : out;
+          if constexpr (RES) o += acc[NT + nt][j] * rrs[nt][j] * wfa;
+          dst[0] = o;
         }
         if (nb8 < p.N) {
           const float out = acc[nt][2 + j] * rf * wfb;
-          dst[8] = p.accumulate ? dst[8] + out : out;
+          float o = p.accumulate ? dst[8] + out : out;
+          if constexpr (RES) o += acc[NT + nt][2 + j] * rrs[nt][j] * wfb;
+          dst[8] = o;
         }
       }
     }
@@ -457,9 +489,21 @@ struct SkinnyPlan {
 // rows: rows of X per weight (dense: M; grouped: the bound on a group's rows); active: weights
 // with rows (dense 1; grouped min(groups, rows of X)); splits: warps per row tile, kcluster: CTAs
 // of a cluster splitting K (dense only); 0: choose.
+// res: a folded RAC call (each n-tile of X staged twice; dense calls take 16 rows of X a CTA, so
+// that X's and the residual's sums fit the registers 32 rows take).
 SkinnyPlan skinny_plan(const Params& p, bool grouped, int64_t rows, int64_t active, int splits, int kcluster,
-                       int row_block) {
+                       int row_block, bool res = false) {
   SkinnyPlan pl;
+  const int mult = res ? 2 : 1;
+  if (res && !grouped && rows > 16 && row_block == 0) row_block = 16;
+  // res: a CTA's weight rows (16 * kSkinnyWarps / ks) must not straddle a residual operand's split
+  auto align_ks = [&] {
+    auto fits = [&](int ks) {
+      const int64_t rpc = 16LL * (kSkinnyWarps / ks);
+      return (p.rsplit0 == INT64_MAX || p.rsplit0 % rpc == 0) && (p.rsplit1 == INT64_MAX || p.rsplit1 % rpc == 0);
+    };
+    while (res && pl.ks < kSkinnyWarps && !fits(pl.ks)) pl.ks *= 2;
+  };
   const int nst = static_cast<int>((p.K + 127) / 128);
   const int64_t row_tiles = (p.N + 15) / 16;
   if (grouped || rows <= 8) {
@@ -467,6 +511,7 @@ SkinnyPlan skinny_plan(const Params& p, bool grouped, int64_t rows, int64_t acti
     // common (above 16, the decode batch; 8 rows at a time have more resident warps)
     pl.nt = grouped && rows > 16 && skinny_smem(2, p.K) <= kSkinnySmemMax ? 2 : 1;
     pl.ks = splits > 0 ? splits : skinny_ks(row_tiles * active, p.K);
+    align_ks();
     pl.cl = kcluster > 0 ? kcluster : 1;
   } else {
     // Dense, more rows: 16 or 32 rows of X a CTA (more rows: 32 a CTA, the rows split over the
@@ -487,6 +532,7 @@ SkinnyPlan skinny_plan(const Params& p, bool grouped, int64_t rows, int64_t acti
       pl.rblock = rs;  // NT may still shrink below (shared memory): the kernel then takes it in chunks
     }
     pl.ks = splits > 0 ? splits : 1;
+    align_ks();
     if (kcluster > 0) {
       pl.cl = kcluster;
     } else if (splits <= 0 && skinny_cluster_ok()) {
@@ -503,52 +549,56 @@ SkinnyPlan skinny_plan(const Params& p, bool grouped, int64_t rows, int64_t acti
               "w4a4_gemm: K split over a cluster of CTAs needs dense calls, sm_90 code and a device of compute "
               "capability 9.0 or newer");
   pl.cper = (nst + pl.cl - 1) / pl.cl;
-  while (pl.nt > 1 && skinny_smem_stages(pl.nt, pl.cper) > kSkinnySmemMax) pl.nt /= 2;  // rows in more chunks
-  pl.smem = skinny_smem_stages(pl.nt, pl.cper);
+  while (pl.nt > 1 && skinny_smem_stages(pl.nt * mult, pl.cper) > kSkinnySmemMax) pl.nt /= 2;  // rows in more chunks
+  pl.smem = skinny_smem_stages(pl.nt * mult, pl.cper);
   QUADS_CHECK(pl.smem <= kSkinnySmemMax, "w4a4_gemm: K = {} is too long for the skinny tiles", p.K);
   return pl;
 }
-template <int NT, bool GROUPED, int CL>
+template <int NT, bool GROUPED, int CL, bool RES>
 void launch_skinny_k(const Params& p, const SkinnyPlan& pl, dim3 grid, cudaStream_t s) {
-  constexpr auto kern = w4a4_skinny_kernel<NT, GROUPED, CL>;
+  constexpr auto kern = w4a4_skinny_kernel<NT, GROUPED, CL, RES>;
   prepare_mma_kernel<kern>(kSkinnySmemMax);
   grid.z = CL;
   launch_pdl_cluster(kern, grid, 32 * kSkinnyWarps, static_cast<size_t>(pl.smem), s, dim3(1, 1, CL), p, pl.ks,
                      pl.cper, pl.rblock);
 }
-template <int NT, bool GROUPED>
+template <int NT, bool GROUPED, bool RES>
 void launch_skinny_nt(const Params& p, const SkinnyPlan& pl, dim3 grid, cudaStream_t s) {
   if constexpr (GROUPED) {
-    launch_skinny_k<NT, true, 1>(p, pl, grid, s);
+    launch_skinny_k<NT, true, 1, RES>(p, pl, grid, s);
   } else {
     switch (pl.cl) {
-      case 1: launch_skinny_k<NT, false, 1>(p, pl, grid, s); break;
-      case 2: launch_skinny_k<NT, false, 2>(p, pl, grid, s); break;
-      case 4: launch_skinny_k<NT, false, 4>(p, pl, grid, s); break;
-      default: launch_skinny_k<NT, false, 8>(p, pl, grid, s); break;
+      case 1: launch_skinny_k<NT, false, 1, RES>(p, pl, grid, s); break;
+      case 2: launch_skinny_k<NT, false, 2, RES>(p, pl, grid, s); break;
+      case 4: launch_skinny_k<NT, false, 4, RES>(p, pl, grid, s); break;
+      default: launch_skinny_k<NT, false, 8, RES>(p, pl, grid, s); break;
     }
   }
 }
 // grid_active (grouped, >= 0): the grid's rows of CTAs where the plan is made for `active` groups
 // (a window of a larger call).
-template <bool GROUPED>
+template <bool GROUPED, bool RES = false>
 void launch_skinny(const Params& p, int64_t rows, int64_t active, int splits, int kcluster, cudaStream_t s,
                    int row_block = 0, int64_t grid_active = -1) {
-  const SkinnyPlan pl = skinny_plan(p, GROUPED, rows, active, splits, kcluster, row_block);
+  const SkinnyPlan pl = skinny_plan(p, GROUPED, rows, active, splits, kcluster, row_block, RES);
   const int64_t rows_per_cta = 16LL * (kSkinnyWarps / pl.ks);
   const int64_t gy = grid_active >= 0 ? grid_active : active;
   QUADS_CHECK(gy <= 65535, "w4a4_gemm: {} groups are too many for the skinny tiles", gy);
   const dim3 grid(static_cast<unsigned>((p.N + rows_per_cta - 1) / rows_per_cta),
                   static_cast<unsigned>(GROUPED ? gy : pl.rsplit));
   if constexpr (GROUPED) {
-    if (pl.nt == 1) launch_skinny_nt<1, true>(p, pl, grid, s);
-    else launch_skinny_nt<2, true>(p, pl, grid, s);
+    if (pl.nt == 1) launch_skinny_nt<1, true, RES>(p, pl, grid, s);
+    else launch_skinny_nt<2, true, RES>(p, pl, grid, s);
+  } else if constexpr (RES) {  // 16 rows a CTA at most (skinny_plan)
+    QUADS_CHECK(pl.nt <= 2, "w4a4_gemm_rac: {} n-tiles a CTA (at most 2)", pl.nt);
+    if (pl.nt == 1) launch_skinny_nt<1, false, true>(p, pl, grid, s);
+    else launch_skinny_nt<2, false, true>(p, pl, grid, s);
   } else {
     switch (pl.nt) {
-      case 1: launch_skinny_nt<1, false>(p, pl, grid, s); break;
-      case 2: launch_skinny_nt<2, false>(p, pl, grid, s); break;
-      case 4: launch_skinny_nt<4, false>(p, pl, grid, s); break;
-      default: launch_skinny_nt<8, false>(p, pl, grid, s); break;
+      case 1: launch_skinny_nt<1, false, false>(p, pl, grid, s); break;
+      case 2: launch_skinny_nt<2, false, false>(p, pl, grid, s); break;
+      case 4: launch_skinny_nt<4, false, false>(p, pl, grid, s); break;
+      default: launch_skinny_nt<8, false, false>(p, pl, grid, s); break;
     }
   }
 }

@@ -568,6 +568,118 @@ TEST(CudaDecodeFused, QuantizeSwigluIsSwigluThenQuantize) {
   }
 }
 
+// RAC folded (rac_quantize_fold): the activation's codes are quantize()'s and each residual operand
+// is the CPU chain's (fake_quantize, X - X_eff on the selected blocks, zeros elsewhere, quantize)
+// byte for byte, for plain rows, rows through a map, the SwiGLU of gate/up (the source rows made
+// by kern::gather_rows / kern::swiglu on the device, which their own tests check), dense and
+// grouped selections, one to three operands, per-row and static amax.
+TEST(CudaDecodeFused, RacQuantizeFoldMatchesCpuChain) {
+  QUADS_REQUIRE_GPU();
+  num::QConfig row = num::QConfig::nvfp4_act();
+  row.global = num::Global::PerRow;
+  num::QConfig fixed = row;
+  fixed.global = num::Global::Static;
+  fixed.static_amax = 3.f;
+  struct Case {
+    int64_t rows, cols;
+    int nops;
+    int source;  // 0 plain, 1 through a map (div 2), 2 SwiGLU (gate/up fused, ld 2 cols)
+    std::vector<int> groups;  // rows per group; empty: dense
+  };
+  uint64_t seed = 700;
+  for (const Case& c : std::vector<Case>{{1, 2048, 3, 0, {}},
+                                         {5, 512, 1, 0, {}},
+                                         {16, 2048, 2, 1, {3, 0, 9, 4}},
+                                         {8, 768, 1, 2, {2, 6}},
+                                         {64, 4096, 1, 0, {}},
+                                         {33, 128, 2, 2, {}}})
+    for (const num::QConfig& act : {row, fixed})
+      for (const num::QConfig& res : {row, fixed}) {
+        const int64_t nb = c.cols / 16;
+        const int G = c.groups.empty() ? 1 : static_cast<int>(c.groups.size());
+        std::vector<int32_t> eoff(1, 0);
+        for (int g : c.groups) eoff.push_back(eoff.back() + g);
+        if (!c.groups.empty()) ASSERT_EQ(eoff.back(), c.rows);
+        // the source rows X [rows, cols] on the device and the kernel's source arguments
+        const int64_t src_rows = c.source == 1 ? (c.rows + 1) / 2 : c.rows, ld = c.source == 2 ? 2 * c.cols : c.cols;
+        std::vector<float> a = randn(size_t(src_rows * ld), seed++, 2.f);
+        for (size_t i = 0; i < a.size(); i += 37) a[i] *= 30.f;
+        auto da = dev(a);
+        std::vector<int32_t> map(size_t(c.rows));
+        for (int64_t r = 0; r < c.rows; ++r) map[size_t(r)] = static_cast<int32_t>((r * 7 + 3) % c.rows);  // / 2: a token row
+        auto dmap = dev(map);
+        DeviceArray<float> dx(c.rows * c.cols);
+        cuda::RacFoldSource src;
+        src.x = da.data();
+        src.ld = ld;
+        if (c.source == 0) {
+          QUADS_CUDA_CHECK(cudaMemcpy(dx.data(), da.data(), sizeof(float) * c.rows * c.cols, cudaMemcpyDeviceToDevice));
+        } else if (c.source == 1) {
+          cuda::kern::gather_rows(da.data(), dmap.data(), c.rows, 2, c.cols, dx.data(), nullptr);
+          src.map = dmap.data();
+          src.map_div = 2;
+        } else {
+          cuda::kern::swiglu(da.data(), da.data() + c.cols, ld, c.rows, c.cols, dx.data(), nullptr);
+          src.u = da.data() + c.cols;
+        }
+        const std::vector<float> x = dx.download();
+        // selections: operand j of group e takes about half of the blocks
+        std::mt19937_64 rng(seed++);
+        std::vector<std::vector<uint8_t>> sel(size_t(c.nops), std::vector<uint8_t>(size_t(G * nb)));
+        for (auto& s : sel)
+          for (auto& v : s) v = static_cast<uint8_t>(rng() % 2);
+        // the CPU chain
+        const num::QTensor want_x = num::quantize(x.data(), c.rows, c.cols, act);
+        std::vector<float> xeff(x.size());
+        num::fake_quantize(x.data(), xeff.data(), c.rows, c.cols, act);
+        std::vector<num::QTensor> want_r;
+        for (int j = 0; j < c.nops; ++j) {
+          std::vector<float> r(x.size(), 0.f);
+          for (int64_t m = 0; m < c.rows; ++m) {
+            int e = 0;
+            while (e + 1 < G && eoff[size_t(e) + 1] <= m) ++e;
+            for (int64_t b = 0; b < nb; ++b)
+              if (sel[size_t(j)][size_t(e * nb + b)])
+                for (int64_t i = m * c.cols + b * 16; i < m * c.cols + b * 16 + 16; ++i) r[size_t(i)] = x[size_t(i)] - xeff[size_t(i)];
+          }
+          want_r.push_back(num::quantize(r.data(), c.rows, c.cols, res));
+        }
+        // the kernel
+        std::vector<DeviceArray<uint8_t>> dsel;
+        for (auto& s : sel) dsel.push_back(dev(s));
+        const uint8_t* selp[3] = {};
+        for (int j = 0; j < c.nops; ++j) selp[j] = dsel[size_t(j)].data();
+        auto deoff = dev(eoff);
+        cuda::DeviceQTensor gx = cuda::make_qtensor(c.rows, c.cols, act);
+        gx.codes.fill_bytes(0xAB);
+        DeviceArray<uint8_t> rc(c.nops * c.rows * c.cols / 2), rs(c.nops * c.rows * nb);
+        DeviceArray<float> ra(c.nops * c.rows);
+        rc.fill_bytes(0xAB);
+        rs.fill_bytes(0xAB);
+        cuda::rac_quantize_fold(src, c.rows, c.cols, act, &gx, c.nops, selp, c.groups.empty() ? nullptr : deoff.data(), G,
+                                res, rc.data(), rs.data(), ra.data());
+        const std::string what = "rows " + std::to_string(c.rows) + " cols " + std::to_string(c.cols) + " source " +
+                                 std::to_string(c.source) + " groups " + std::to_string(c.groups.size()) + " act " +
+                                 act.describe() + " residual " + res.describe();
+        const num::QTensor hx = cuda::to_host(gx);
+        EXPECT_EQ(hx.codes, want_x.codes) << what << ": activation codes";
+        EXPECT_EQ(hx.scales, want_x.scales) << what << ": activation scales";
+        EXPECT_EQ(hx.amax[0], want_x.amax[0]) << what << ": activation amax";
+        if (act.global == num::Global::PerRow) EXPECT_EQ(hx.amax, want_x.amax) << what;
+        const std::vector<uint8_t> gc = rc.download(), gs = rs.download();
+        const std::vector<float> ga = ra.download();
+        for (int j = 0; j < c.nops; ++j) {
+          const num::QTensor& w = want_r[size_t(j)];
+          const size_t nc = size_t(c.rows * c.cols / 2), ns = size_t(c.rows * nb);
+          EXPECT_EQ(std::vector<uint8_t>(gc.begin() + j * nc, gc.begin() + (j + 1) * nc), w.codes) << what << " operand " << j;
+          EXPECT_EQ(std::vector<uint8_t>(gs.begin() + j * ns, gs.begin() + (j + 1) * ns), w.scales) << what << " operand " << j;
+          for (int64_t m = 0; m < c.rows; ++m)
+            ASSERT_EQ(bits(ga[size_t(j * c.rows + m)]), bits(w.amax[res.global == num::Global::PerRow ? size_t(m) : 0]))
+                << what << " operand " << j << " row " << m;
+        }
+      }
+}
+
 // The CPU's combine + add + norm agrees with the fused kernel to rounding (a check of the reference
 // sequence's semantics, not only of the fusion).
 TEST(CudaDecodeFused, ResidualRmsnormMatchesCpu) {

@@ -496,3 +496,209 @@ TEST(CudaGemm, NativeNvfp4MatchesEmulation) {
   w4a4_gemm_native(blas, xs, ws, y.data());
   expect_close(y.download(), ref, absref, 1e-5, 1e-4, "native nvfp4");
 }
+
+namespace {
+// RAC folded: residual operands laid out densely over K (the selected 16-blocks hold a quantized
+// residual, the others zero, as rac_quantize_fold writes them), concatenated operand after operand.
+struct FoldOperands {
+  std::vector<std::vector<float>> deq;  // per operand [rows, K], dequantized on the CPU
+  DeviceArray<uint8_t> codes, scales;
+  DeviceArray<float> amax;
+  RacFold fold(int64_t rows, int nops, const std::vector<int64_t>& splits) const {
+    RacFold f;
+    f.codes = codes.data();
+    f.scales = scales.data();
+    f.amax = amax.data();
+    f.rows = rows;
+    f.nops = nops;
+    for (size_t j = 0; j < splits.size(); ++j) f.split[j] = splits[j];
+    return f;
+  }
+};
+FoldOperands fold_operands(int64_t rows, int64_t K, int nops, uint64_t seed) {
+  QConfig rc = QConfig::nvfp4_act();
+  rc.global = Global::PerRow;
+  FoldOperands o;
+  std::vector<uint8_t> codes, scales;
+  std::vector<float> amax;
+  std::mt19937_64 rng(seed);
+  for (int j = 0; j < nops; ++j) {
+    std::vector<float> r = random_matrix(rows, K, seed + 11 * j);
+    for (int64_t b = 0; b < K / 16; ++b) {  // about half of the blocks compensated, the same for every row
+      if (rng() % 2 == 0) continue;
+      for (int64_t m = 0; m < rows; ++m) std::fill_n(r.begin() + m * K + b * 16, 16, 0.f);
+    }
+    const num::QTensor q = num::quantize(r.data(), rows, K, rc);
+    o.deq.push_back(dequant_cpu(q));
+    codes.insert(codes.end(), q.codes.begin(), q.codes.end());
+    scales.insert(scales.end(), q.scales.begin(), q.scales.end());
+    amax.insert(amax.end(), q.amax.begin(), q.amax.end());
+  }
+  o.codes.upload(codes);
+  o.scales.upload(scales);
+  o.amax.upload(amax);
+  return o;
+}
+// ref[m, n] += sum_k r[m, k] w[n, k] (double), absref += |products|.
+void add_ref(const std::vector<float>& r, const std::vector<float>& w, int64_t m, int64_t n, int64_t K,
+             std::vector<double>& ref, std::vector<double>& absref, int64_t ldr) {
+  for (int64_t k = 0; k < K; ++k) {
+    const double p = static_cast<double>(r[m * ldr + k]) * w[n * K + k];
+    ref.back() += p;
+    absref.back() += std::fabs(p);
+  }
+}
+}  // namespace
+
+// RAC folded into the main GEMM (w4a4_gemm_rac): y (+)= X . W^T + Xr_j . W^T (operand j for W's
+// rows from split j - 1) against float64 of the CPU-dequantized operands, on the GEMV (1..3 rows)
+// and the skinny tiles (clusters, row blocks, the K split over warps that keeps a CTA's rows on
+// one side of a split), overwrite and accumulate, repeatable bits; and the grouped twin with and
+// without a row map.
+TEST(CudaGemm, W4A4RacFoldMatchesDequantizedCpuGemm) {
+  QUADS_REQUIRE_GPU();
+  struct Case {
+    int64_t M, N, K;
+    std::vector<int64_t> splits;  // nops - 1 entries
+  };
+  uint64_t seed = 4000;
+  for (const Case& c : std::vector<Case>{{1, 640, 2048, {512, 576}},
+                                         {2, 384, 128, {256, 320}},
+                                         {3, 768, 1024, {384}},
+                                         {5, 640, 512, {}},
+                                         {16, 384, 512, {128, 256}},
+                                         {33, 256, 256, {64}},
+                                         {64, 1536, 2048, {768}}}) {
+    const int nops = static_cast<int>(c.splits.size()) + 1;
+    ASSERT_TRUE(w4a4_rac_fold_supported(c.M, c.K, false));
+    QConfig xc = QConfig::nvfp4_act();
+    xc.global = Global::PerRow;
+    QConfig wc = QConfig::nvfp4_weight(false);
+    wc.global = Global::PerRow;
+    const std::vector<float> x = random_matrix(c.M, c.K, seed++), w = random_matrix(c.N, c.K, seed++);
+    const std::vector<float> y0 = random_matrix(c.M, c.N, seed++);
+    const num::QTensor xq = num::quantize(x.data(), c.M, c.K, xc), wq = num::quantize(w.data(), c.N, c.K, wc);
+    const std::vector<float> xd = dequant_cpu(xq), wd = dequant_cpu(wq);
+    const FoldOperands ops = fold_operands(c.M, c.K, nops, seed++);
+    std::vector<double> ref, absref;
+    for (int64_t m = 0; m < c.M; ++m)
+      for (int64_t n = 0; n < c.N; ++n) {
+        ref.push_back(0.0);
+        absref.push_back(0.0);
+        int j = 0;
+        while (j + 1 < nops && n >= c.splits[size_t(j)]) ++j;
+        add_ref(xd, wd, m, n, c.K, ref, absref, c.K);
+        add_ref(ops.deq[size_t(j)], wd, m, n, c.K, ref, absref, c.K);
+      }
+    const std::string what = "M=" + std::to_string(c.M) + " N=" + std::to_string(c.N) + " K=" + std::to_string(c.K) +
+                             " operands " + std::to_string(nops);
+    DeviceQTensor dxq = to_device(xq), dwq = to_device(wq);
+    const RacFold f = ops.fold(c.M, nops, c.splits);
+    DeviceArray<float> y(c.M * c.N);
+    y.fill_bytes(0xFF);
+    w4a4_gemm_rac(nvfp4_view(dxq), nvfp4_view(dwq), f, y.data());
+    const std::vector<float> first = y.download();
+    expect_close(first, ref, absref, 1e-5, 1e-4, what);
+    y.fill_bytes(0xFF);
+    w4a4_gemm_rac(nvfp4_view(dxq), nvfp4_view(dwq), f, y.data());
+    EXPECT_EQ(first_float_mismatch(first, y.download()), -1) << what << ": repeat run differs";
+    y.upload(y0);
+    w4a4_gemm_rac(nvfp4_view(dxq), nvfp4_view(dwq), f, y.data(), true);
+    std::vector<double> refa = ref, absa = absref;
+    for (size_t i = 0; i < refa.size(); ++i) {
+      refa[i] += y0[i];
+      absa[i] += std::fabs(y0[i]);
+    }
+    expect_close(y.download(), refa, absa, 1e-5, 1e-4, what + " accumulate");
+    // a split off a multiple of 16 is refused
+    if (nops > 1) {
+      RacFold bad = f;
+      bad.split[0] += 8;
+      EXPECT_THROW(w4a4_gemm_rac(nvfp4_view(dxq), nvfp4_view(dwq), bad, y.data()), Error) << what;
+    }
+  }
+
+  // grouped: E experts, rows in expert order, X read directly or through a map of T token rows
+  struct GCase {
+    int64_t T;
+    int k, E;
+    int64_t N, K;
+    std::vector<int64_t> splits;
+  };
+  for (const GCase& c : std::vector<GCase>{{1, 8, 64, 1536, 2048, {768}},
+                                           {2, 2, 8, 128, 128, {64}},
+                                           {4, 8, 64, 1536, 2048, {768}},
+                                           {16, 8, 16, 2048, 768, {}},
+                                           {64, 8, 64, 256, 512, {128}}}) {
+    const int nops = static_cast<int>(c.splits.size()) + 1;
+    ASSERT_TRUE(w4a4_rac_fold_supported(c.T, c.K, true));
+    const int64_t R = c.T * c.k;
+    std::mt19937_64 rng(seed++);
+    // each token picks k distinct experts; rows sorted by expert, map[r] = token * k + slot
+    std::vector<std::vector<int32_t>> by_e(size_t(c.E));
+    for (int64_t t = 0; t < c.T; ++t) {
+      std::vector<int32_t> es(size_t(c.E));
+      std::iota(es.begin(), es.end(), 0);
+      std::shuffle(es.begin(), es.end(), rng);
+      for (int s = 0; s < c.k; ++s) by_e[size_t(es[size_t(s)])].push_back(static_cast<int32_t>(t * c.k + s));
+    }
+    std::vector<int32_t> eoff(1, 0), map;
+    for (int e = 0; e < c.E; ++e) {
+      for (int32_t v : by_e[size_t(e)]) map.push_back(v);
+      eoff.push_back(static_cast<int32_t>(map.size()));
+    }
+    QConfig xc = QConfig::nvfp4_act();
+    xc.global = Global::PerRow;
+    QConfig wc = QConfig::nvfp4_weight(false);
+    wc.global = Global::PerRow;
+    const std::vector<float> xt = random_matrix(c.T, c.K, seed++);
+    std::vector<float> xg(size_t(R * c.K));  // the rows gathered in expert order
+    for (int64_t r = 0; r < R; ++r)
+      std::copy_n(xt.begin() + map[size_t(r)] / c.k * c.K, c.K, xg.begin() + r * c.K);
+    const num::QTensor tq = num::quantize(xt.data(), c.T, c.K, xc), gq = num::quantize(xg.data(), R, c.K, xc);
+    const std::vector<float> gd = dequant_cpu(gq);
+    std::vector<DeviceQTensor> wdev;
+    std::vector<std::vector<float>> wdq;
+    std::vector<Nvfp4Weight> tab;
+    for (int e = 0; e < c.E; ++e) {
+      const std::vector<float> w = random_matrix(c.N, c.K, seed + 100 + e);
+      const num::QTensor q = num::quantize(w.data(), c.N, c.K, wc);
+      wdq.push_back(dequant_cpu(q));
+      wdev.push_back(to_device(q));
+    }
+    seed += 200;
+    for (const DeviceQTensor& q : wdev) tab.push_back({q.codes.data(), q.scales.data(), q.amax.data()});
+    DeviceArray<Nvfp4Weight> dtab;
+    dtab.upload(tab);
+    DeviceArray<int32_t> deoff, dmap;
+    deoff.upload(eoff);
+    dmap.upload(map);
+    const FoldOperands ops = fold_operands(R, c.K, nops, seed++);
+    std::vector<double> ref, absref;
+    for (int e = 0; e < c.E; ++e)
+      for (int64_t r = eoff[size_t(e)]; r < eoff[size_t(e) + 1]; ++r)
+        for (int64_t n = 0; n < c.N; ++n) {
+          ref.push_back(0.0);
+          absref.push_back(0.0);
+          int j = 0;
+          while (j + 1 < nops && n >= c.splits[size_t(j)]) ++j;
+          add_ref(gd, wdq[size_t(e)], r, n, c.K, ref, absref, c.K);
+          add_ref(ops.deq[size_t(j)], wdq[size_t(e)], r, n, c.K, ref, absref, c.K);
+        }
+    const std::string what = "grouped T=" + std::to_string(c.T) + " k=" + std::to_string(c.k) + " E=" +
+                             std::to_string(c.E) + " N=" + std::to_string(c.N) + " K=" + std::to_string(c.K);
+    const RacFold f = ops.fold(R, nops, c.splits);
+    DeviceQTensor dgq = to_device(gq), dtq = to_device(tq);
+    DeviceArray<float> y(R * c.N);
+    std::vector<float> first;
+    for (int mapped = 0; mapped < 2; ++mapped) {
+      y.fill_bytes(0xFF);
+      w4a4_gemm_grouped_rac(nvfp4_view(mapped ? dtq : dgq), mapped ? dmap.data() : nullptr, c.k, R, f, dtab.data(),
+                            true, c.N, c.E, deoff.data(), c.T, y.data());
+      const std::vector<float> got = y.download();
+      expect_close(got, ref, absref, 1e-5, 1e-4, what + (mapped ? " mapped" : ""));
+      if (mapped) EXPECT_EQ(first_float_mismatch(first, got), -1) << what << ": mapped rows differ from gathered";
+      else first = got;
+    }
+  }
+}

@@ -1008,6 +1008,38 @@ TEST(CudaModelGpu, GroupedRacEqualsPerExpertRac) {
   EXPECT_NEAR(bg, bp, 1e-6 * bp) << "both count the same weight bytes";
 }
 
+// RAC folded into the main W4A4 GEMMs (decode shapes: the GEMV at 2 rows, the skinny tiles at the
+// 6-token prefill and the grouped experts) gives the logits of the main GEMMs followed by the
+// separate residual GEMMs (QUADS_GPU_RAC_FOLD=0) to FP32 summation order, in graphs as before.
+// (With the first channels compensated the compact residual's blocks sit where the dense one's do,
+// so the products meet in the same order and the H200 gave the same bits; the bound allows less.)
+TEST(CudaModelGpu, RacFoldEqualsSeparateResidualGemms) {
+  QUADS_REQUIRE_GPU();
+  const model::Weights w = model::Weights::random(small_moe_config(), 19, 0.05f);
+  const auto prec = model::PrecisionConfig::preset("nvfp4");
+  cuda::GpuModel folded(w, prec);
+  folded.set_rac_first_channels(0.5);
+  const auto sep_m = model_with_env("QUADS_GPU_RAC_FOLD", "0", w, prec);
+  cuda::GpuModel& separate = *sep_m;
+  separate.set_rac_first_channels(0.5);
+  cuda::GpuModel plain(w, prec);
+  int64_t fsteps = -1, ssteps = -1;
+  const auto lf = decode_logits(folded, 6, nullptr, &fsteps);
+  const int64_t nfold = folded.stats().rac_fold_gemms;
+  const auto ls = decode_logits(separate, 6, nullptr, &ssteps);
+  const auto lp = decode_logits(plain, 6, nullptr);
+  const double e = rel_l2(lf, ls), moved = rel_l2(lf, lp);
+  std::printf("nvfp4+RAC folded vs separate residual GEMMs: rel L2 of the logits %.3g (RAC moved them by %.3g), "
+              "%lld folded GEMMs\n", e, moved, static_cast<long long>(nfold));
+  EXPECT_LT(e, 1e-5);
+  EXPECT_GT(moved, 100 * e);
+  // a layer's q/k/v, o_proj, gate/up and down (eager steps; graph replays do not count)
+  EXPECT_GE(nfold, 4 * small_moe_config().num_hidden_layers);
+  EXPECT_EQ(separate.stats().rac_fold_gemms, 0);
+  EXPECT_EQ(fsteps, 5);
+  EXPECT_EQ(ssteps, 5);
+}
+
 // Prefills of fresh slots run their attention as FP32 SGEMMs (cuda/attention_tc.h): the logits of
 // every prompt token agree with the one-warp-per-row kernel (QUADS_GPU_ATTN=direct) to FP32
 // summation-order noise, and decode continues from the cache the same way.
