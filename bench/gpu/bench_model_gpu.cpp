@@ -248,8 +248,12 @@ void step_trace(const model::ModelConfig& cfg, const std::string& p) {
     std::stringstream ss(e);
     for (std::string b; std::getline(ss, b, ',');) batches.push_back(std::atoi(b.c_str()));
   }
-  cuda::GpuModel g(cfg, model::PrecisionConfig::preset(p));
+  std::string base = p;
+  const bool rac = base.size() > 4 && base.compare(base.size() - 4, 4, "+rac") == 0;
+  if (rac) base.resize(base.size() - 4);
+  cuda::GpuModel g(cfg, model::PrecisionConfig::preset(base));
   g.randomize(42, 0.02f);
+  if (rac) g.set_rac_first_channels(model::RacConfig{}.ratio);
   for (const int B : batches) {
     QUADS_CHECK(B > 0, "QUADS_STEP_TRACE_BATCHES: {} is not a batch size", B);
     g.reset_cache(B, 160);
