@@ -706,13 +706,7 @@ __global__ void __launch_bounds__(128) rac_quantize_kernel(const float* __restri
   int e = 0;
   int64_t ns = nsel_dense;
   if (eoff) {
-    int lo = 0, hi = groups - 1;  // the last e with eoff[e] <= row
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (eoff[mid] <= row) lo = mid;
-      else hi = mid - 1;
-    }
-    e = lo;
+    e = group_of_row(eoff, groups, row);
     ns = nsel_dev[e];
   }
   const int32_t* bl = blocks + static_cast<int64_t>(e) * nb;
@@ -730,11 +724,7 @@ __global__ void __launch_bounds__(128) rac_quantize_kernel(const float* __restri
       v[q] = src[q];
       bm = max(bm, vabsmax(v[q]));
     }
-    const NvBlockScale bs = nv_block_scale(bm, ga);
-    const float dq = nv_decode_factor<false>(bs.sf, ga.amax);
-    auto res = [&](float xv) { return __fsub_rn(xv, __fmul_rn(e2m1_decode(nv_encode<false>(xv, bs.enc)), dq)); };
-#pragma unroll
-    for (int q = 0; q < 4; ++q) r[q] = make_float4(res(v[q].x), res(v[q].y), res(v[q].z), res(v[q].w));
+    nv_residual16(v, bm, ga, r);
   };
   float ramax = res_amax;
   if (!res_static) {
@@ -843,18 +833,8 @@ __global__ void __launch_bounds__(kFoldThreads) rac_fold_kernel(const float* __r
   }
   const NvGlobal ga = nv_global<false>(aamax);
   if (xcodes && tid == 0 && (!act_static || row == 0)) xamax[act_static ? 0 : row] = aamax;
-  int e = 0;
-  if (eoff) {
-    int lo = 0, hi = groups - 1;  // the last e with eoff[e] <= row
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (eoff[mid] <= row) lo = mid;
-      else hi = mid - 1;
-    }
-    e = lo;
-  }
-  const int64_t soff = static_cast<int64_t>(e) * nb;
-  // block b's activation codes (stored) and residual (into r) from its values
+  const int64_t soff = eoff ? static_cast<int64_t>(group_of_row(eoff, groups, row)) * nb : 0;
+  // block b's activation codes (stored) and residual (into r, its absmax bits returned)
   auto main_and_residual = [&](int64_t b, const float4 (&x4)[4], uint32_t bm, float4 (&r)[4]) {
     if (xcodes) {
       uint32_t sf;
@@ -862,14 +842,7 @@ __global__ void __launch_bounds__(kFoldThreads) rac_fold_kernel(const float* __r
       *reinterpret_cast<uint2*>(xcodes + (row * nb + b) * 8) = packed;
       xscales[row * nb + b] = static_cast<uint8_t>(sf);
     }
-    const NvBlockScale bs = nv_block_scale(bm, ga);
-    const float dq = nv_decode_factor<false>(bs.sf, ga.amax);
-    auto res = [&](float xv) { return __fsub_rn(xv, __fmul_rn(e2m1_decode(nv_encode<false>(xv, bs.enc)), dq)); };
-#pragma unroll
-    for (int q = 0; q < 4; ++q) r[q] = make_float4(res(x4[q].x), res(x4[q].y), res(x4[q].z), res(x4[q].w));
-  };
-  auto absmax16 = [](const float4 (&r)[4]) {
-    return max(max(vabsmax(r[0]), vabsmax(r[1])), max(vabsmax(r[2]), vabsmax(r[3])));
+    return nv_residual16(x4, bm, ga, r);
   };
   float4 rr[kFoldRegs][4];
   uint32_t rmax[kFoldRegs];
@@ -879,8 +852,7 @@ __global__ void __launch_bounds__(kFoldThreads) rac_fold_kernel(const float* __r
     const int64_t b = tid + int64_t(i) * kFoldThreads;
     rmax[i] = 0;
     if (b >= nb) continue;
-    main_and_residual(b, v[i], bmax[i], rr[i]);
-    rmax[i] = absmax16(rr[i]);
+    rmax[i] = main_and_residual(b, v[i], bmax[i], rr[i]);
     for (int j = 0; j < nops; ++j)
       if (sel.p[j][soff + b]) m[j] = max(m[j], rmax[i]);
   }
@@ -888,8 +860,7 @@ __global__ void __launch_bounds__(kFoldThreads) rac_fold_kernel(const float* __r
     float4 t[4], r[4];
     uint32_t bm;
     load_block(b, t, bm);
-    main_and_residual(b, t, bm, r);
-    const uint32_t rm = absmax16(r);
+    const uint32_t rm = main_and_residual(b, t, bm, r);
     for (int j = 0; j < nops; ++j)
       if (sel.p[j][soff + b]) m[j] = max(m[j], rm);
   }
@@ -915,12 +886,7 @@ __global__ void __launch_bounds__(kFoldThreads) rac_fold_kernel(const float* __r
       float4 t[4], r[4];
       uint32_t bm;
       load_block(b, t, bm);
-      const NvBlockScale bs = nv_block_scale(bm, ga);
-      const float dq = nv_decode_factor<false>(bs.sf, ga.amax);
-      auto res = [&](float xv) { return __fsub_rn(xv, __fmul_rn(e2m1_decode(nv_encode<false>(xv, bs.enc)), dq)); };
-#pragma unroll
-      for (int q = 0; q < 4; ++q) r[q] = make_float4(res(t[q].x), res(t[q].y), res(t[q].z), res(t[q].w));
-      emit(b, r, absmax16(r));
+      emit(b, r, nv_residual16(t, bm, ga, r));
     }
   }
 }

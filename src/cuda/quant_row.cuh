@@ -82,4 +82,32 @@ __device__ __forceinline__ uint2 nv_quant_block16(const float4 (&v)[4], uint32_t
   return make_uint2(w[0], w[1]);
 }
 
+// RAC's residual of one block, x - X_eff (fake_quantize then kern::sub, element by element), from
+// its values, their absmax bits and the activation's global g; returns the residual's absmax bits.
+__device__ __forceinline__ uint32_t nv_residual16(const float4 (&x)[4], uint32_t block_amax_bits, const NvGlobal& g,
+                                                  float4 (&r)[4]) {
+  const NvBlockScale bs = nv_block_scale(block_amax_bits, g);
+  const float dq = nv_decode_factor<false>(bs.sf, g.amax);
+  auto res = [&](float xv) { return __fsub_rn(xv, __fmul_rn(e2m1_decode(nv_encode<false>(xv, bs.enc)), dq)); };
+  uint32_t m = 0;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    r[q] = make_float4(res(x[q].x), res(x[q].y), res(x[q].z), res(x[q].w));
+    m = max(m, vabsmax(r[q]));
+  }
+  return m;
+}
+
+// The group of row `row` among `groups` groups of rows (eoff: groups + 1 offsets): the last e with
+// eoff[e] <= row (empty groups skipped).
+__device__ __forceinline__ int group_of_row(const int32_t* eoff, int groups, int64_t row) {
+  int lo = 0, hi = groups - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (eoff[mid] <= row) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
 }  // namespace quads::cuda::dev
