@@ -302,6 +302,7 @@ struct GpuModel::Impl {
     bool bf16 = false;    // some projection uses the BF16 streaming tensor-core kernel
     GroupedProj gu, g, u, d;  // gu: the fused [2I, H] gate/up weights where the layer fuses them
     double expert_bytes = 0;  // weight bytes of one expert (gate + up + down), RAC's included
+    double expert_rac_bytes = 0;  // RAC's share of them (the gather GEMMs read those blocks again)
     bool rac_ok = true;       // the experts' RAC (if any) runs grouped (else the per-expert path)
     GroupedRac rac[3];        // gate, up, down
   };
@@ -313,6 +314,8 @@ struct GpuModel::Impl {
   size_t in_host_bytes = 0;
   DeviceArray<uint8_t> inbuf;   // their device copy
   DeviceArray<unsigned long long> active_d;  // per layer: experts with rows, summed over steps
+  // the same for the steps whose experts ran with RAC folded (their RAC blocks are not read again)
+  DeviceArray<unsigned long long> active_fold_d;
   std::vector<int32_t> heoff;
   DeviceArray<uint8_t> cublas_ws;
   GpuModelStats stats_out;
@@ -395,6 +398,8 @@ struct GpuModel::Impl {
     *bad_host = 0;
     active_d.resize(std::max(cfg.num_hidden_layers, 1));
     active_d.fill_bytes(0);
+    active_fold_d.resize(std::max(cfg.num_hidden_layers, 1));
+    active_fold_d.fill_bytes(0);
   }
   ~Impl() {
     clear_graphs();
@@ -516,6 +521,7 @@ struct GpuModel::Impl {
       if (!li.sparse || !G.ok) continue;
       G.rac_ok = true;
       G.expert_bytes = lin[li.mlp].bytes() + lin[li.mlp + 1].bytes() + lin[li.mlp + 2].bytes();
+      G.expert_rac_bytes = 0;
       for (int j = 0; j < 3; ++j) {
         GroupedRac& R = G.rac[j];
         R = GroupedRac{};
@@ -556,6 +562,7 @@ struct GpuModel::Impl {
         }
         R.sel.upload(sel);
         G.expert_bytes += rac_bytes / li.nexperts;
+        G.expert_rac_bytes += rac_bytes / li.nexperts;
       }
     }
   }
@@ -1144,6 +1151,10 @@ struct GpuModel::Impl {
     return rac_fold(Lq, T, false) && rac_fold(Lk, T, false) && rac_fold(Lv, T, false) &&
            Lq.num.act == Lk.num.act && Lk.num.act == Lv.num.act && Lq.rac_quant == Lk.rac_quant &&
            Lk.rac_quant == Lv.rac_quant && Lq.out % 16 == 0 && Lk.out % 16 == 0;
+  }
+  // Layer l's counter of experts with rows (GpuModel::stats): folded steps read no RAC blocks again.
+  unsigned long long* active_count(int l, int64_t T) {
+    return (moe_fold(l, T) ? active_fold_d.data() : active_d.data()) + l;
   }
   // Sparse layer l's experts with RAC folded (mlp_grouped_fold): grouped, gate and up fused, all
   // three projections W4A4 with grouped RAC.
@@ -1796,14 +1807,14 @@ struct GpuModel::Impl {
         if (one_launch)
           kern::router_route(rlogits.data(), T, E, K, cfg.norm_topk_prob, probs.data(), idx.data(), w.data(),
                              ecount.data(), eoff_d.data(), perm.data(), inv.data(),
-                             grouped_now(l, T) ? active_d.data() + l : nullptr, bad_d.data(), route_ticket.data(), stream);
+                             grouped_now(l, T) ? active_count(l, T) : nullptr, bad_d.data(), route_ticket.data(), stream);
         else
           kern::router_topk_fwd(rlogits.data(), T, E, K, cfg.norm_topk_prob, probs.data(), idx.data(), w.data(), nullptr,
                                 stream);
         if (!legacy_moe) {
           if (!one_launch)
             kern::moe_route(idx.data(), T * K, E, ecount.data(), eoff_d.data(), perm.data(), inv.data(),
-                            grouped_now(l, T) ? active_d.data() + l : nullptr, bad_d.data(), stream);
+                            grouped_now(l, T) ? active_count(l, T) : nullptr, bad_d.data(), stream);
           const bool mapped = fuse && moe_mapped(l, T);
           const bool folded = moe_fold(l, T);
           const bool gather_fused = !mapped && !folded && grouped_now(l, T) && moe_gate_up_fused(l, T);
@@ -2183,14 +2194,16 @@ size_t GpuModel::weight_bytes() const {
 const GpuModelStats& GpuModel::stats() const {
   Impl& m = *impl_;
   m.stats_out = m.stats;
-  const std::vector<unsigned long long> active = m.active_d.download();
+  const std::vector<unsigned long long> active = m.active_d.download(), folded = m.active_fold_d.download();
   for (size_t l = 0; l < m.grouped.size() && l < active.size(); ++l)
-    m.stats_out.weight_bytes += double(active[l]) * m.grouped[l].expert_bytes;
+    m.stats_out.weight_bytes += double(active[l]) * m.grouped[l].expert_bytes +
+                                double(folded[l]) * (m.grouped[l].expert_bytes - m.grouped[l].expert_rac_bytes);
   return m.stats_out;
 }
 void GpuModel::reset_stats() {
   impl_->stats = {};
   impl_->active_d.fill_bytes(0);
+  impl_->active_fold_d.fill_bytes(0);
 }
 
 namespace {

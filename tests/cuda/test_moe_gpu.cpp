@@ -990,6 +990,12 @@ TEST(CudaModelGpu, GroupedRacEqualsPerExpertRac) {
   ASSERT_EQ(plain.linear_mode("model.layers.0.mlp.experts.0.down_proj"), cuda::GpuLinearMode::W4A4);
   double bytes = 0;
   const auto l_plain = decode_logits(plain, 6, &bytes);
+  // Both without RAC folded into the main GEMMs (decode would not run the grouped gather GEMMs
+  // this test is about, and the two would count different weight bytes).
+  setenv("QUADS_GPU_RAC_FOLD", "0", 1);
+  struct Unset {
+    ~Unset() { unsetenv("QUADS_GPU_RAC_FOLD"); }
+  } unset;
   cuda::GpuModel grouped(w, prec);
   grouped.set_rac_first_channels(0.25);
   const auto per_expert_m = model_with_env("QUADS_GPU_RAC_GROUPED", "0", w, prec);
@@ -1024,9 +1030,10 @@ TEST(CudaModelGpu, RacFoldEqualsSeparateResidualGemms) {
   separate.set_rac_first_channels(0.5);
   cuda::GpuModel plain(w, prec);
   int64_t fsteps = -1, ssteps = -1;
-  const auto lf = decode_logits(folded, 6, nullptr, &fsteps);
+  double bf = 0, bs = 0;
+  const auto lf = decode_logits(folded, 6, &bf, &fsteps);
   const int64_t nfold = folded.stats().rac_fold_gemms;
-  const auto ls = decode_logits(separate, 6, nullptr, &ssteps);
+  const auto ls = decode_logits(separate, 6, &bs, &ssteps);
   const auto lp = decode_logits(plain, 6, nullptr);
   const double e = rel_l2(lf, ls), moved = rel_l2(lf, lp);
   std::printf("nvfp4+RAC folded vs separate residual GEMMs: rel L2 of the logits %.3g (RAC moved them by %.3g), "
@@ -1038,6 +1045,10 @@ TEST(CudaModelGpu, RacFoldEqualsSeparateResidualGemms) {
   EXPECT_EQ(separate.stats().rac_fold_gemms, 0);
   EXPECT_EQ(fsteps, 5);
   EXPECT_EQ(ssteps, 5);
+  // weight bytes (the same routing both ways: the same logits): separately, the residual GEMMs read
+  // the compensated half of every W4A4 linear's blocks again; folded, nothing is read twice
+  EXPECT_GT(bs, 1.3 * bf) << "folded " << bf << " separate " << bs;
+  EXPECT_LT(bs, 1.6 * bf) << "folded " << bf << " separate " << bs;
 }
 
 // Prefills of fresh slots run their attention as FP32 SGEMMs (cuda/attention_tc.h): the logits of
