@@ -96,12 +96,12 @@ __device__ __forceinline__ unsigned long long global_ns() {
 
 constexpr int kSkinnyWarps = 8, kSkinnyPF = 2;
 // Shared memory of `stages` 128-wide stages of 8 * nt rows: X's fragments (or, after the K loop,
-// the warps' sums: at least kSkinnyWarps * nt * 512 bytes), then the rows' raw codes and scales.
-__host__ __device__ constexpr int64_t skinny_frag_bytes(int nt, int64_t stages) {
-  return (stages > 2 ? stages : 2) * 4 * nt * 32 * 16;
+// the warps' sums: at least warps * nt * 512 bytes), then the rows' raw codes and scales.
+__host__ __device__ constexpr int64_t skinny_frag_bytes(int nt, int64_t stages, int warps = kSkinnyWarps) {
+  return (4 * stages > warps ? 4 * stages : warps) * nt * 32 * 16;
 }
-__host__ __device__ constexpr int64_t skinny_smem_stages(int nt, int64_t stages) {
-  return skinny_frag_bytes(nt, stages) + 8 * nt * stages * (64 + 8);
+__host__ __device__ constexpr int64_t skinny_smem_stages(int nt, int64_t stages, int warps = kSkinnyWarps) {
+  return skinny_frag_bytes(nt, stages, warps) + 8 * nt * stages * (64 + 8);
 }
 __host__ __device__ constexpr int64_t skinny_smem(int nt, int64_t k) { return skinny_smem_stages(nt, (k + 127) / 128); }
 
@@ -111,8 +111,9 @@ __host__ __device__ constexpr int64_t skinny_smem(int nt, int64_t k) { return sk
 // RES (RAC folded): the CTA's residual operand (one per CTA: skinny_plan splits K over enough
 // warps that a CTA's rows never straddle a split) is staged as NT more n-tiles after X's, for the same rows, and its sums are added to X's in the
 // epilogue with their own global factor. NA: the n-tiles staged.
-template <int NT, bool GROUPED, int CL, bool RES = false>
-__global__ void __launch_bounds__(32 * kSkinnyWarps, (RES ? 2 * NT : NT) == 1 ? 3 : 2)
+// WARPS: warps a CTA (kSkinnyWarps, or 16 for the grouped RES tiles of 16 rows: see skinny_plan).
+template <int NT, bool GROUPED, int CL, bool RES = false, int WARPS = kSkinnyWarps>
+__global__ void __launch_bounds__(32 * WARPS, WARPS > kSkinnyWarps ? 1 : (RES ? 2 * NT : NT) == 1 ? 3 : 2)
     w4a4_skinny_kernel(const Params p, int ks, int cper, int rblock) {
   static_assert(CL == 1 || !GROUPED, "the grouped skinny tiles split K over warps only");
   constexpr int NA = RES ? 2 * NT : NT;
@@ -131,10 +132,10 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, (RES ? 2 * NT : NT) == 1 ? 
   const int64_t kbeg = int64_t(cs_beg) * 128, kc = min(int64_t(cs_end) * 128, K) - kbeg;  // K columns staged
   // X's fragments (the sums after the K loop), then its raw codes and scales (8 NT rows)
   uint4* sx = reinterpret_cast<uint4*>(smem);
-  float4* red = reinterpret_cast<float4*>(smem);  // [kSkinnyWarps][NA][32]
-  uint8_t* raw = smem + skinny_frag_bytes(NA, cper);
+  float4* red = reinterpret_cast<float4*>(smem);  // [WARPS][NA][32]
+  uint8_t* raw = smem + skinny_frag_bytes(NA, cper, WARPS);
   uint8_t* raw_s = raw + 8 * NA * cper * 64;
-  const int tiles_per_cta = kSkinnyWarps / ks, kidx = warp % ks;
+  const int tiles_per_cta = WARPS / ks, kidx = warp % ks;
   const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * tiles_per_cta + warp / ks) * 16;
   const int jr = RES ? res_operand(p, static_cast<int64_t>(blockIdx.x) * tiles_per_cta * 16) : 0;
   const int per = (ncs + ks - 1) / ks, s_beg = cs_beg + min(ncs, kidx * per), s_end = min(cs_end, s_beg + per);
@@ -253,9 +254,9 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, (RES ? 2 * NT : NT) == 1 ? 
       // alternate stages, so all 8 warps work instead of 4.
       // (RES: staged rows 8 NT .. 8 NT + 8 ntu are the residual's; 8 ntu .. 8 NT are skipped)
       const int wi = lane & 15, qt = wi >> 2, hw = wi & 3, hwi = warp * 2 + (lane >> 4);
-      const bool two = ntu == 1 && !RES;
+      const bool two = ntu == 1 && !RES && WARPS == 8;
       const int s0 = two ? hwi >> 3 : 0, sstep = two ? 2 : 1;
-      for (int r = two ? hwi & 7 : hwi; r < (RES ? 8 * NT : 0) + 8 * ntu; r += 2 * kSkinnyWarps) {
+      for (int r = two ? hwi & 7 : hwi; r < (RES ? 8 * NT : 0) + 8 * ntu; r += 2 * WARPS) {
         if (RES && r >= 8 * ntu && r < 8 * NT) continue;
         uint4* dst = sx + (hw * NA + (r >> 3)) * 32 + (r & 7) * 4 + qt;
         const uint8_t* src = raw + r * rowb + wi * 4;
@@ -482,8 +483,16 @@ int skinny_row_split() {
   }();
   return rows;
 }
+// Which grouped tiles of 16 rows take CTAs of 16 warps (QUADS_SKINNY_G16: 0 none, 1 the RES tiles, 2 all).
+int skinny_g16() {
+  static const int w = [] {
+    const char* e = std::getenv("QUADS_SKINNY_G16");
+    return e != nullptr ? std::atoi(e) : 1;
+  }();
+  return w;
+}
 struct SkinnyPlan {
-  int nt = 1, ks = 1, cl = 1, cper = 1, rsplit = 1, rblock = 0;  // rblock: rows of X a CTA row (rsplit > 1)
+  int nt = 1, ks = 1, cl = 1, cper = 1, rsplit = 1, rblock = 0, warps = kSkinnyWarps;  // rblock: rows of X a CTA row (rsplit > 1)
   int64_t smem = 0;
 };
 // rows: rows of X per weight (dense: M; grouped: the bound on a group's rows); active: weights
@@ -499,10 +508,10 @@ SkinnyPlan skinny_plan(const Params& p, bool grouped, int64_t rows, int64_t acti
   // res: a CTA's weight rows (16 * kSkinnyWarps / ks) must not straddle a residual operand's split
   auto align_ks = [&] {
     auto fits = [&](int ks) {
-      const int64_t rpc = 16LL * (kSkinnyWarps / ks);
+      const int64_t rpc = 16LL * (pl.warps / ks);
       return (p.rsplit0 == INT64_MAX || p.rsplit0 % rpc == 0) && (p.rsplit1 == INT64_MAX || p.rsplit1 % rpc == 0);
     };
-    while (res && pl.ks < kSkinnyWarps && !fits(pl.ks)) pl.ks *= 2;
+    while (res && pl.ks < pl.warps && !fits(pl.ks)) pl.ks *= 2;
   };
   const int nst = static_cast<int>((p.K + 127) / 128);
   const int64_t row_tiles = (p.N + 15) / 16;
@@ -510,6 +519,12 @@ SkinnyPlan skinny_plan(const Params& p, bool grouped, int64_t rows, int64_t acti
     // 16 rows of X at a time where the grouped calls' bound says groups of more than 8 rows are
     // common (above 16, the decode batch; 8 rows at a time have more resident warps)
     pl.nt = grouped && rows > 16 && skinny_smem(2, p.K) <= kSkinnySmemMax ? 2 : 1;
+    // RES at 16 rows: X's and the residual's fragments take up to 168 KB (K 2048): one CTA an SM,
+    // 8 warps where plain nvfp4 has 16 (two CTAs). A CTA of 16 warps (256 weight rows) keeps 16 an
+    // SM: nvfp4+rac decode at batch 64 27856 / 27801 -> 29704 / 29880 tok/s (H200, ncu: gate/up
+    // 85.9 us at 12.5% occupancy before). Plain nvfp4 with 16-warp CTAs: 41484 / 41774 against
+    // 42031 / 42543 with 8 (two CTAs an SM either way), so it keeps 8.
+    if (grouped && pl.nt == 2 && skinny_g16() >= (res ? 1 : 2)) pl.warps = 16;  // (the sums need 16 KB an n-tile)
     pl.ks = splits > 0 ? splits : skinny_ks(row_tiles * active, p.K);
     align_ks();
     pl.cl = kcluster > 0 ? kcluster : 1;
@@ -549,22 +564,26 @@ SkinnyPlan skinny_plan(const Params& p, bool grouped, int64_t rows, int64_t acti
               "w4a4_gemm: K split over a cluster of CTAs needs dense calls, sm_90 code and a device of compute "
               "capability 9.0 or newer");
   pl.cper = (nst + pl.cl - 1) / pl.cl;
-  while (pl.nt > 1 && skinny_smem_stages(pl.nt * mult, pl.cper) > kSkinnySmemMax) pl.nt /= 2;  // rows in more chunks
-  pl.smem = skinny_smem_stages(pl.nt * mult, pl.cper);
+  while (pl.nt > 1 && skinny_smem_stages(pl.nt * mult, pl.cper, pl.warps) > kSkinnySmemMax) pl.nt /= 2;  // rows in more chunks
+  if (pl.nt != 2) pl.warps = kSkinnyWarps;  // 16 warps only where NT 2 stays (the kernels instantiated)
+  pl.smem = skinny_smem_stages(pl.nt * mult, pl.cper, pl.warps);
   QUADS_CHECK(pl.smem <= kSkinnySmemMax, "w4a4_gemm: K = {} is too long for the skinny tiles", p.K);
   return pl;
 }
-template <int NT, bool GROUPED, int CL, bool RES>
+template <int NT, bool GROUPED, int CL, bool RES, int WARPS = kSkinnyWarps>
 void launch_skinny_k(const Params& p, const SkinnyPlan& pl, dim3 grid, cudaStream_t s) {
-  constexpr auto kern = w4a4_skinny_kernel<NT, GROUPED, CL, RES>;
+  constexpr auto kern = w4a4_skinny_kernel<NT, GROUPED, CL, RES, WARPS>;
   prepare_mma_kernel<kern>(kSkinnySmemMax);
   grid.z = CL;
-  launch_pdl_cluster(kern, grid, 32 * kSkinnyWarps, static_cast<size_t>(pl.smem), s, dim3(1, 1, CL), p, pl.ks,
+  launch_pdl_cluster(kern, grid, 32 * WARPS, static_cast<size_t>(pl.smem), s, dim3(1, 1, CL), p, pl.ks,
                      pl.cper, pl.rblock);
 }
 template <int NT, bool GROUPED, bool RES>
 void launch_skinny_nt(const Params& p, const SkinnyPlan& pl, dim3 grid, cudaStream_t s) {
   if constexpr (GROUPED) {
+    if constexpr (NT == 2) {
+      if (pl.warps == 16) return launch_skinny_k<NT, true, 1, RES, 16>(p, pl, grid, s);
+    }
     launch_skinny_k<NT, true, 1, RES>(p, pl, grid, s);
   } else {
     switch (pl.cl) {
@@ -581,7 +600,7 @@ template <bool GROUPED, bool RES = false>
 void launch_skinny(const Params& p, int64_t rows, int64_t active, int splits, int kcluster, cudaStream_t s,
                    int row_block = 0, int64_t grid_active = -1) {
   const SkinnyPlan pl = skinny_plan(p, GROUPED, rows, active, splits, kcluster, row_block, RES);
-  const int64_t rows_per_cta = 16LL * (kSkinnyWarps / pl.ks);
+  const int64_t rows_per_cta = 16LL * (pl.warps / pl.ks);
   const int64_t gy = grid_active >= 0 ? grid_active : active;
   QUADS_CHECK(gy <= 65535, "w4a4_gemm: {} groups are too many for the skinny tiles", gy);
   const dim3 grid(static_cast<unsigned>((p.N + rows_per_cta - 1) / rows_per_cta),

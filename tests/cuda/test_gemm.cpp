@@ -629,7 +629,12 @@ TEST(CudaGemm, W4A4RacFoldMatchesDequantizedCpuGemm) {
                                            {2, 2, 8, 128, 128, {64}},
                                            {4, 8, 64, 1536, 2048, {768}},
                                            {16, 8, 16, 2048, 768, {}},
-                                           {64, 8, 64, 256, 512, {128}}}) {
+                                           {64, 8, 64, 256, 512, {128}},
+                                           // 16 rows a chunk in CTAs of 16 warps (skinny_plan), one warp a row tile
+                                           {64, 8, 64, 512, 2048, {256}},
+                                           // the same with one stage of K and K split over 4 warps: the
+                                           // warps' sums take more shared memory than X's fragments
+                                           {64, 8, 8, 128, 128, {64}}}) {
     const int nops = static_cast<int>(c.splits.size()) + 1;
     ASSERT_TRUE(w4a4_rac_fold_supported(c.T, c.K, true));
     const int64_t R = c.T * c.k;
