@@ -505,13 +505,13 @@ SkinnyPlan skinny_plan(const Params& p, bool grouped, int64_t rows, int64_t acti
   SkinnyPlan pl;
   const int mult = res ? 2 : 1;
   if (res && !grouped && rows > 16 && row_block == 0) row_block = 16;
-  // res: a CTA's weight rows (16 * kSkinnyWarps / ks) must not straddle a residual operand's split
+  // res: a CTA's weight rows (16 * warps / ks) must not straddle a residual operand's split
+  auto fits = [&](int ks, int warps) {
+    const int64_t rpc = 16LL * (warps / ks);
+    return (p.rsplit0 == INT64_MAX || p.rsplit0 % rpc == 0) && (p.rsplit1 == INT64_MAX || p.rsplit1 % rpc == 0);
+  };
   auto align_ks = [&] {
-    auto fits = [&](int ks) {
-      const int64_t rpc = 16LL * (pl.warps / ks);
-      return (p.rsplit0 == INT64_MAX || p.rsplit0 % rpc == 0) && (p.rsplit1 == INT64_MAX || p.rsplit1 % rpc == 0);
-    };
-    while (res && pl.ks < pl.warps && !fits(pl.ks)) pl.ks *= 2;
+    while (res && pl.ks < kSkinnyWarps && !fits(pl.ks, pl.warps)) pl.ks *= 2;
   };
   const int nst = static_cast<int>((p.K + 127) / 128);
   const int64_t row_tiles = (p.N + 15) / 16;
@@ -524,7 +524,8 @@ SkinnyPlan skinny_plan(const Params& p, bool grouped, int64_t rows, int64_t acti
     // SM: nvfp4+rac decode at batch 64 27856 / 27801 -> 29704 / 29880 tok/s (H200, ncu: gate/up
     // 85.9 us at 12.5% occupancy before). Plain nvfp4 with 16-warp CTAs: 41484 / 41774 against
     // 42031 / 42543 with 8 (two CTAs an SM either way), so it keeps 8.
-    if (grouped && pl.nt == 2 && skinny_g16() >= (res ? 1 : 2)) pl.warps = 16;  // (the sums need 16 KB an n-tile)
+    // (16 warps need splits at multiples of 32 rows: K split over at most 8 warps; the sums take 16 KB an n-tile)
+    if (grouped && pl.nt == 2 && skinny_g16() >= (res ? 1 : 2) && (!res || fits(kSkinnyWarps, 16))) pl.warps = 16;
     pl.ks = splits > 0 ? splits : skinny_ks(row_tiles * active, p.K);
     align_ks();
     pl.cl = kcluster > 0 ? kcluster : 1;

@@ -634,7 +634,9 @@ TEST(CudaGemm, W4A4RacFoldMatchesDequantizedCpuGemm) {
                                            {64, 8, 64, 512, 2048, {256}},
                                            // the same with one stage of K and K split over 4 warps: the
                                            // warps' sums take more shared memory than X's fragments
-                                           {64, 8, 8, 128, 128, {64}}}) {
+                                           {64, 8, 8, 128, 128, {64}},
+                                           // a split at an odd multiple of 16 rows: 8 warps a CTA
+                                           {64, 8, 8, 96, 128, {48}}}) {
     const int nops = static_cast<int>(c.splits.size()) + 1;
     ASSERT_TRUE(w4a4_rac_fold_supported(c.T, c.K, true));
     const int64_t R = c.T * c.k;
