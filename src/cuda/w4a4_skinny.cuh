@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > kSkinnyWarps ? 1 : (RES ? 
       // alternate stages, so all 8 warps work instead of 4.
       // (RES: staged rows 8 NT .. 8 NT + 8 ntu are the residual's; 8 ntu .. 8 NT are skipped)
       const int wi = lane & 15, qt = wi >> 2, hw = wi & 3, hwi = warp * 2 + (lane >> 4);
-      const bool two = ntu == 1 && !RES && WARPS == 8;
+      const bool two = ntu == 1 && !RES && WARPS == kSkinnyWarps;
       const int s0 = two ? hwi >> 3 : 0, sstep = two ? 2 : 1;
       for (int r = two ? hwi & 7 : hwi; r < (RES ? 8 * NT : 0) + 8 * ntu; r += 2 * WARPS) {
         if (RES && r >= 8 * ntu && r < 8 * NT) continue;
