@@ -98,6 +98,26 @@ __device__ __forceinline__ bool tile_ctx(const Params& p, TileCtx& c) {
   return true;
 }
 
+// ROWS rows (from row0; rows at or past rend, and K past K, read as zeros) of one operand's
+// stage at k0: codes [ROWS][64 B] and scales [ROWS][8 B], by NT threads.
+template <int ROWS, int NT>
+__device__ __forceinline__ void load_stage_rows(uint8_t* codes, uint8_t* scales, const uint8_t* q, const uint8_t* s,
+                                                int64_t row0, int64_t rend, int64_t qrow, int64_t srow, int64_t k0,
+                                                int64_t K, int tid) {
+  for (int i = tid; i < ROWS * 4; i += NT) {
+    const int r = i >> 2, part = i & 3;
+    const int64_t gr = row0 + r, kc = k0 + part * 32;
+    const bool ok = gr < rend && kc < K;
+    cp_async16(codes + r * 64 + part * 16, q + (ok ? gr * qrow + kc / 2 : 0), ok ? 16 : 0);
+  }
+  for (int i = tid; i < ROWS * 2; i += NT) {
+    const int r = i >> 1, h = i & 1;
+    const int64_t gr = row0 + r, kc = k0 + h * 64;
+    const bool ok = gr < rend && kc < K;
+    cp_async4(scales + r * 8 + h * 4, s + (ok ? gr * srow + kc / 16 : 0), ok ? 4 : 0);
+  }
+}
+
 // Stage kb's codes and scales (cp.async; rows past the end and K past K read as zeros) by NT
 // threads into `stage` (the Smem layout).
 template <int BM, int BN, int NT, bool GATHER>
@@ -108,32 +128,10 @@ __device__ __forceinline__ void load_stage(const Params& p, const TileCtx& c, ui
   uint8_t* sas = sb + SM::B;
   uint8_t* sbs = sas + SM::AS;
   const int64_t k0 = kb * kBK;
-  const int64_t xrow = p.K / 2, xsrow = p.K / 16, wrow = p.Kw / 2, wsrow = p.Kw / 16, kblocks = p.K / 16;
-  for (int i = tid; i < BM * 4; i += NT) {
-    const int r = i >> 2, part = i & 3;
-    const int64_t gr = c.m0 + r, kc = k0 + part * 32;
-    const bool ok = gr < c.mend && kc < p.K;
-    cp_async16(sa + r * 64 + part * 16, p.xq + (ok ? gr * xrow + kc / 2 : 0), ok ? 16 : 0);
-  }
-  for (int i = tid; i < BM * 2; i += NT) {
-    const int r = i >> 1, h = i & 1;
-    const int64_t gr = c.m0 + r, kc = k0 + h * 64;
-    const bool ok = gr < c.mend && kc < p.K;
-    cp_async4(sas + r * 8 + h * 4, p.xs + (ok ? gr * xsrow + kc / 16 : 0), ok ? 4 : 0);
-  }
+  const int64_t wrow = p.Kw / 2, wsrow = p.Kw / 16, kblocks = p.K / 16;
+  load_stage_rows<BM, NT>(sa, sas, p.xq, p.xs, c.m0, c.mend, p.K / 2, p.K / 16, k0, p.K, tid);
   if constexpr (!GATHER) {
-    for (int i = tid; i < BN * 4; i += NT) {
-      const int r = i >> 2, part = i & 3;
-      const int64_t gn = c.n0 + r, kc = k0 + part * 32;
-      const bool ok = gn < p.N && kc < p.K;
-      cp_async16(sb + r * 64 + part * 16, c.wq + (ok ? gn * wrow + kc / 2 : 0), ok ? 16 : 0);
-    }
-    for (int i = tid; i < BN * 2; i += NT) {
-      const int r = i >> 1, h = i & 1;
-      const int64_t gn = c.n0 + r, kc = k0 + h * 64;
-      const bool ok = gn < p.N && kc < p.K;
-      cp_async4(sbs + r * 8 + h * 4, c.ws + (ok ? gn * wsrow + kc / 16 : 0), ok ? 4 : 0);
-    }
+    load_stage_rows<BN, NT>(sb, sbs, c.wq, c.ws, c.n0, p.N, wrow, wsrow, k0, p.K, tid);
   } else {
     for (int i = tid; i < BN * 8; i += NT) {
       const int r = i >> 3, b = i & 7;
