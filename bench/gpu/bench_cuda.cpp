@@ -215,18 +215,42 @@ DeviceQTensor decode_rows(int64_t M, int64_t K, uint64_t seed) {
 
 // The dense skinny tiles' split of K (bench_cuda --dense-sweep): warps a row tile (ks) times CTAs
 // a cluster (cl) at the peer model's dense shapes, for 16 / 32 / 64 rows of X, against Auto's
-// choice (ks 1, cl chosen). Weights rotate over copies worth more than 150 MB (read from HBM) and
-// stream before the previous call ends (weights_ready, as in decode).
+// choice (ks 1, cl chosen) and against the bf16 preset's cuBLAS BF16 GEMM of the same shape (its
+// "% of copy" counts its own, 3.6x larger, weight bytes). Weights rotate over copies worth more
+// than 150 MB (read from HBM) and stream before the previous call ends (weights_ready, as in
+// decode; cuBLAS's kernels have no programmatic dependent launch).
 void dense_sweep(double copy_gbs) {
   const double kRotateBytes = 150e6;
+  Blas blas;
   std::printf("\n| dense skinny | weight N x K | M | ks x cl | CTAs | us | %% of copy |\n|---|---|---|---|---|---|---|\n");
   for (const PeerShape& d : kPeerDense) {
     const double wbytes = d.n * d.k * (0.5 + 1.0 / 16);
     const std::vector<DeviceQTensor> wq = weight_copies(d.n, d.k, num::QConfig::nvfp4_weight(true), 11, wbytes, kRotateBytes);
     const int copies = static_cast<int>(wq.size());
+    const double bbytes = 2.0 * d.n * d.k;
+    std::vector<DeviceArray<uint16_t>> wb(static_cast<size_t>(kRotateBytes / bbytes) + 1);
+    {
+      const std::vector<float> hw = randn(d.n * d.k, 13, 0.02f);
+      std::vector<uint16_t> bw(hw.size());
+      for (size_t i = 0; i < hw.size(); ++i) bw[i] = bf16(hw[i]);
+      for (auto& c : wb) c.upload(bw);
+    }
     for (int64_t M : {16, 32, 64}) {
       DeviceArray<float> y(M * d.n);
       const DeviceQTensor xq = decode_rows(M, d.k, 12);
+      {
+        const std::vector<float> hx = randn(M * d.k, 14);
+        std::vector<uint16_t> bx(hx.size());
+        for (size_t i = 0; i < hx.size(); ++i) bx[i] = bf16(hx[i]);
+        DeviceArray<uint16_t> xb(M * d.k);
+        xb.upload(bx);
+        int i = 0;
+        const double us = time_us([&] {
+          gemm_bf16(blas, xb.data(), wb[i++ % wb.size()].data(), y.data(), M, d.n, d.k);
+        });
+        std::printf("| %s | %lldx%lld | %lld | bf16 cuBLAS | | %.1f | %.0f |\n", d.name, static_cast<long long>(d.n),
+                    static_cast<long long>(d.k), static_cast<long long>(M), us, 100.0 * bbytes / us / 1e3 / copy_gbs);
+      }
       auto run = [&](int ks, int cl) {
         W4A4Options o;
         o.weights_ready = true;
@@ -252,7 +276,7 @@ void dense_sweep(double copy_gbs) {
         }
       };
       run(0, 0);
-      for (int ks : {1, 2, 4})
+      for (int ks : {1, 2, 4, 8})
         for (int cl : {1, 2, 4, 8}) run(ks, cl);
     }
   }

@@ -58,6 +58,19 @@ void prepare_mma_kernel(int64_t smem_max) {
 // after X's dequantization, the last warp's end of the K loop, after the sums, at the end; its SM).
 // Without the flag the stamps compile to nothing.
 constexpr int kSkinnyTraceSlots = 12;
+// Timing experiments (bench builds only; wrong results): the dense tiles skip X's copy and
+// dequantization (QUADS_EXPERIMENT_NOX) or the sums across warps and CTAs (QUADS_EXPERIMENT_NOSUM;
+// =2: both).
+#if defined(QUADS_EXPERIMENT_NOX) || QUADS_EXPERIMENT_NOSUM + 0 == 2
+constexpr bool kExpNoX = true;
+#else
+constexpr bool kExpNoX = false;
+#endif
+#ifdef QUADS_EXPERIMENT_NOSUM
+constexpr bool kExpNoSum = true;
+#else
+constexpr bool kExpNoSum = false;
+#endif
 #ifdef QUADS_SKINNY_TRACE
 __device__ unsigned long long* g_skinny_trace = nullptr;
 __device__ __forceinline__ unsigned long long* skinny_trace_cta() {
@@ -214,7 +227,7 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > kSkinnyWarps ? 1 : (RES ? 
     // CTA at routed batch 16 under load, eoff's lookup included: bench_cuda --skinny-trace.)
     const int nrow = static_cast<int>(min(static_cast<int64_t>(8 * ntu), rows - c0));
     const int rowb = static_cast<int>(kc / 2), rows_s = static_cast<int>(kc / 16);
-    {
+    if (!(kExpNoX && !GROUPED)) {
       const int cpr = rowb / 16;
       for (int i = threadIdx.x; i < nrow * cpr; i += blockDim.x) {
         const int r = i / cpr;
@@ -237,6 +250,8 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > kSkinnyWarps ? 1 : (RES ? 
         }
       }
       cp_async_commit();
+    }
+    {
       if (!early || c0 > 0) {
 #pragma unroll
         for (int j = 0; j < kSkinnyPF; ++j) load(s_beg + j, j, j, std::false_type{});
@@ -249,7 +264,7 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > kSkinnyWarps ? 1 : (RES ? 
     // cs_beg) holds word hw (elements 8 hw .. 8 hw + 7 of blocks 2t, 2t + 1 of stage s) of row
     // nt * 8 + g, times the block scale, as the B fragments of the word's two k-steps. A half-warp
     // takes a row (its 16 words a stage: 64 consecutive bytes of codes), stage after stage.
-    {
+    if (!(kExpNoX && !GROUPED)) {
       // With 8 rows (one n-tile: the routed decode batches), two half-warps share a row, taking
       // alternate stages, so all 8 warps work instead of 4.
       // (RES: staged rows 8 NT .. 8 NT + 8 ntu are the residual's; 8 ntu .. 8 NT are skipped)
@@ -370,8 +385,9 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > kSkinnyWarps ? 1 : (RES ? 
         acc[nt][3] += v.w;
       }
     };
-    if (ks > 1 || CL > 1) __syncthreads();  // X's fragments are read: the space takes the sums
-    if (ks > 1) {  // the tile's other warps hand their sums to its first, added in warp order
+    const bool sums = !(kExpNoSum && !GROUPED);
+    if (sums && (ks > 1 || CL > 1)) __syncthreads();  // X's fragments are read: the space takes the sums
+    if (sums && ks > 1) {  // the tile's other warps hand their sums to its first, added in warp order
       if (kidx > 0) publish();
       __syncthreads();
       if (kidx == 0)
@@ -379,6 +395,7 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > kSkinnyWarps ? 1 : (RES ? 
     }
     if constexpr (CL > 1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      if (sums) {
       // ranks 1 .. CL - 1 publish their tile sums, rank 0 adds them in rank order
       namespace cg = cooperative_groups;
       cg::cluster_group cluster = cg::this_cluster();
@@ -388,6 +405,7 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > kSkinnyWarps ? 1 : (RES ? 
       if (kidx == 0 && cz == 0)
         for (int r = 1; r < CL; ++r) add_sums(cluster.map_shared_rank(red, r), warp);
       cluster.sync();  // rank 0 has read every rank's sums
+      }
 #else
       __trap();
 #endif
