@@ -215,6 +215,11 @@ struct GpuModel::Impl {
   // of the next layer's q/k/v or of this layer's experts (through the routing map), no quantize().
   DeviceArray<uint8_t> nq_codes, nq_scales;
   DeviceArray<float> nq_amax;
+  // The input norm's rows (q/k/v) and o_proj's quantized input also as the skinny W4A4 tiles' FP16
+  // operand (Nvfp4View::frag: decode batches of 9-16 rows, qkv_frag / oproj_frag), so those tiles
+  // copy X instead of staging it. QUADS_GPU_XFRAG=0: codes only.
+  DeviceArray<uint8_t> nq_frag;
+  bool xfrag_on = true;
 
   // MoE on the device (default): routing by kern::moe_route, one grouped GEMM per projection per
   // layer, no host sync in a step. QUADS_GPU_MOE=legacy keeps the old path (expert ids to the
@@ -363,6 +368,7 @@ struct GpuModel::Impl {
     fused_on = !env_is("QUADS_GPU_FUSED", "0");
     attn_fused_on = !env_is("QUADS_GPU_ATTN_FUSED", "0");
     norm_quant_on = !env_is("QUADS_GPU_NORM_QUANT", "0");
+    xfrag_on = !env_is("QUADS_GPU_XFRAG", "0");
     device_sampling = !env_is("QUADS_GPU_SAMPLE", "host");
     router_norm_on = !env_is("QUADS_GPU_ROUTER_NORM", "0");
     early_on = !env_is("QUADS_GPU_EARLY", "0");
@@ -643,6 +649,20 @@ struct GpuModel::Impl {
            w4a4_grouped_mapped_supported(T, cfg.hidden_size);
   }
   kern::RowNvfp4 nq_out() { return {nq_codes.data(), nq_scales.data(), nq_amax.data()}; }
+  // q/k/v's X of T rows as FP16 fragments too: the skinny tiles' 16-row calls (9-16 rows), K a
+  // multiple of 128. H200 (docs/cuda.md Part 27): the q/k/v call at 16 rows 8.2 -> ~6 us.
+  bool qkv_frag(int64_t T) const { return xfrag_on && T > 8 && T <= 16 && cfg.hidden_size % 128 == 0; }
+  bool oproj_frag(const DevLinear& L, int64_t T) const {
+    const num::QConfig& c = L.act_cfg();
+    return xfrag_on && T > 8 && T <= 16 && L.in % 128 == 0 && L.mode == GpuLinearMode::W4A4 && L.rac_nsel == 0 &&
+           c.scheme == num::Scheme::NVFP4 && c.element == num::Format::E2M1 && c.block == num::Block::B1x16 &&
+           !kern::legacy_decode_kernels();
+  }
+  kern::RowNvfp4 nq_out_qkv(int64_t T) {
+    kern::RowNvfp4 q = nq_out();
+    if (qkv_frag(T)) q.frag = nq_frag.data();
+    return q;
+  }
   Nvfp4View nq_view(int64_t rows, int64_t k) const {
     Nvfp4View v;
     v.codes = nq_codes.data();
@@ -1606,6 +1626,7 @@ struct GpuModel::Impl {
     grow(nq_codes, size_t(T * std::max(H, qd) / 2 + 1));
     grow(nq_scales, size_t(T * std::max(H, qd) / 16 + 1));
     grow(nq_amax, size_t(T + 1));
+    grow(nq_frag, size_t(x_frag_bytes(std::max(H, qd))));
 
     const float* M = master.data();
     const float scale = static_cast<float>(1.0 / std::sqrt(double(hd)));
@@ -1657,7 +1678,7 @@ struct GpuModel::Impl {
     kern::embedding(M + lay.embed, d_tok, T, H, xp, stream);
     if (fuse && cfg.num_hidden_layers > 0)
       kern::rmsnorm_bf16(xp, M + lay.layers[0].input_norm, T, H, eps, xnp, bf_in(0), stream,
-                         qkv_norm_quant(0, T) ? nq_out() : kern::RowNvfp4{});
+                         qkv_norm_quant(0, T) ? nq_out_qkv(T) : kern::RowNvfp4{});
     // The MoE output or dense MLP output ye enters the residual stream; with fused kernels the next
     // norm (next layer's input norm, or the final norm) runs in the same kernel.
     auto finish_layer = [&](int l, const float* ye, bool moe) {
@@ -1668,7 +1689,7 @@ struct GpuModel::Impl {
       if (fuse && l + 1 < cfg.num_hidden_layers) {
         wn = M + lay.layers[l + 1].input_norm;
         yb = bf_in(l + 1);
-        if (qkv_norm_quant(l + 1, T)) yq = nq_out();
+        if (qkv_norm_quant(l + 1, T)) yq = nq_out_qkv(T);
       } else if (final_in_layers && l + 1 == cfg.num_hidden_layers) {
         wn = M + lay.final_norm;
         y = xfp;
@@ -1697,7 +1718,9 @@ struct GpuModel::Impl {
         } else if (fuse && qkv_norm_quant(l, T)) {  // the input norm wrote the codes
           W4A4Options o;
           o.weights_ready = true;  // no kernel of a step writes weights (requantize() runs between steps)
-          w4a4_gemm_emulated(nq_view(T, H), qkv[l].v, qkvp, false, stream, o);
+          Nvfp4View xv = nq_view(T, H);
+          if (qkv_frag(T)) xv.frag = nq_frag.data();
+          w4a4_gemm_emulated(xv, qkv[l].v, qkvp, false, stream, o);
         } else if (fused_gemv(Lq, T)) {
           w4a4_gemv_fused(fused_act(xnp, H, T, Lq, true), qkv[l].v, qkvp, false, stream);
         } else {
@@ -1764,6 +1787,14 @@ struct GpuModel::Impl {
           gemm_rac_fold({&Lo}, Lo.wv, ap, qd, T, xp, true);
         } else if (fused_gemv(Lo, T)) {
           w4a4_gemv_fused(fused_act(ap, qd, T, Lo, true), Lo.wv, xp, true, stream);
+        } else if (oproj_frag(Lo, T)) {  // its quantizer writes X's FP16 fragments too
+          shape_xq(Lo, T, Lo.in);
+          quantize(ap, xq, stream, nq_frag.data());
+          Nvfp4View xv = nvfp4_view(xq, Lo.name.c_str());
+          xv.frag = nq_frag.data();
+          W4A4Options o;
+          o.weights_ready = true;
+          w4a4_gemm_emulated(xv, Lo.wv, xp, true, stream, o);
         } else {
           const Operand oo = prepare(Lo, ap, T);
           W4A4Options o;

@@ -754,6 +754,7 @@ __device__ __forceinline__ void rmsnorm_quant_row(uint32_t m, const float* ys, i
     const uint2 c = dev::nv_quant_block16(v, bm, g, sf);
     reinterpret_cast<uint2*>(yq.codes)[b] = c;
     yq.scales[b] = static_cast<uint8_t>(sf);
+    if (yq.frag && yq.frag_row < 16) x_frag_store(reinterpret_cast<uint4*>(yq.frag), yq.frag_row, b, c, sf);
   }
   if (threadIdx.x == 0) *yq.amax = amax;
 }
@@ -802,7 +803,7 @@ __device__ __forceinline__ void rmsnorm_reg_row(const float (&xv)[PER], const fl
 // yq's pointers at row r
 __device__ __forceinline__ RowNvfp4 row_nvfp4_at(const RowNvfp4& q, int64_t r, int64_t D) {
   if (!q.codes) return q;
-  return {q.codes + r * (D / 2), q.scales + r * (D / 16), q.amax + r};
+  return {q.codes + r * (D / 2), q.scales + r * (D / 16), q.amax + r, q.frag, static_cast<int>(r < 16 ? r : 16)};
 }
 
 // Router logits of row r for experts 8 * blockIdx.y + warp from the row's BF16 bits in shared

@@ -14,6 +14,7 @@
 #include "cuda/codecs.cuh"
 #include "cuda/device.h"  // sm_count
 #include "cuda/kernel_util.cuh"  // kern::swiglu1, kern::warp_max
+#include "cuda/mma_util.cuh"  // x_frag_store
 #include "cuda/pdl.cuh"
 #include "cuda/quant.h"
 #include "cuda/quant_row.cuh"
@@ -84,6 +85,8 @@ struct RowArgs {
   // MoE group range in eoff); nullptr: all
   const int32_t* row_lo;
   const int32_t* row_hi;
+  // quantize(..., frag): rows 0..15 also as the skinny W4A4 tiles' FP16 operand (NVFP4 E2M1 1x16)
+  uint4* frag;
 };
 
 __device__ __forceinline__ uint32_t encode4(Kind k, float v) {
@@ -241,6 +244,8 @@ __global__ void __launch_bounds__(32 * kRowWarps) row_block_kernel(const RowArgs
         uint8_t* dst = a.codes + row * a.cols / 2 + b * (BLK / 2);
         if constexpr (BLK == 16) *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
         else *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        if constexpr (K == kNvE2M1)
+          if (a.frag && row < 16) x_frag_store(a.frag, static_cast<int>(row), b, make_uint2(packed[0], packed[1]), sf);
         a.scales[a.kt > 0 ? swizzle_offset(row, b, a.kt) : row * nblk + b] = static_cast<uint8_t>(sf);
       }
     }
@@ -521,7 +526,7 @@ void launch_tile16(const RowArgs<T>& a, cudaStream_t s) {
 // NVFP4 / MXFP4 quantize or fake-quantize of a [rows, cols] T tensor.
 template <typename T, bool FAKE>
 void run_4bit(const T* x, int64_t rows, int64_t cols, const QConfig& cfg, uint8_t* codes, uint8_t* scales,
-              int64_t kt, T* out, float* amax, cudaStream_t s) {
+              int64_t kt, T* out, float* amax, cudaStream_t s, uint8_t* frag = nullptr) {
   // the kernels move 16-byte vectors
   QUADS_CHECK(reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0,
               "cuda quantizer ({}): input and output must be 16-byte aligned device pointers", cfg.describe());
@@ -538,6 +543,7 @@ void run_4bit(const T* x, int64_t rows, int64_t cols, const QConfig& cfg, uint8_
   a.mx_te_ceil = cfg.mx_rule == num::MxRule::TeCeil;
   a.sr = cfg.stochastic;
   a.seed = cfg.seed;
+  a.frag = reinterpret_cast<uint4*>(frag);
   if (cfg.scheme == Scheme::NVFP4) {
     if (cfg.global == Global::PerTensor) {
       launch_absmax(x, rows * cols, amax, s);
@@ -583,8 +589,13 @@ void run_fp8(const T* x, int64_t rows, int64_t cols, const QConfig& cfg, uint8_t
 void check_shape(const DeviceQTensor& q, const char* what) { num::check_config(q.cfg, q.rows, q.cols, what); }
 
 template <typename T>
-void quantize_any(const T* x, DeviceQTensor& q, cudaStream_t s) {
+void quantize_any(const T* x, DeviceQTensor& q, cudaStream_t s, uint8_t* frag = nullptr) {
   check_shape(q, "cuda::quantize");
+  QUADS_CHECK(!frag || (q.cfg.scheme == Scheme::NVFP4 && q.cfg.element == Format::E2M1 &&
+                        q.cfg.block == Block::B1x16 && q.rows <= 16 && q.layout == ScaleLayout::RowMajor &&
+                        reinterpret_cast<uintptr_t>(frag) % 16 == 0),
+              "cuda::quantize: FP16 fragments are written for NVFP4 E2M1 1x16 with row-major scales, at most 16 "
+              "rows and a 16-byte aligned buffer (got {}, {} rows)", q.cfg.describe(), q.rows);
   if (q.rows == 0 || q.cols == 0) return;
   if (q.cfg.scheme == Scheme::FP8) {
     run_fp8<T, false>(x, q.rows, q.cols, q.cfg, q.codes.data(), q.fscales.data(), nullptr, s);
@@ -596,7 +607,7 @@ void quantize_any(const T* x, DeviceQTensor& q, cudaStream_t s) {
     // the padding rows/blocks of the swizzled layout are zeros
     QUADS_CUDA_CHECK(cudaMemsetAsync(q.scales.data(), 0, q.scales.bytes(), s));
   }
-  run_4bit<T, false>(x, q.rows, q.cols, q.cfg, q.codes.data(), q.scales.data(), kt, nullptr, q.amax.data(), s);
+  run_4bit<T, false>(x, q.rows, q.cols, q.cfg, q.codes.data(), q.scales.data(), kt, nullptr, q.amax.data(), s, frag);
 }
 
 template <typename T>
@@ -676,7 +687,7 @@ DeviceQTensor make_qtensor(int64_t rows, int64_t cols, const QConfig& cfg, Scale
   return q;
 }
 
-void quantize(const float* x, DeviceQTensor& q, cudaStream_t s) { quantize_any(x, q, s); }
+void quantize(const float* x, DeviceQTensor& q, cudaStream_t s, uint8_t* frag) { quantize_any(x, q, s, frag); }
 
 namespace {
 

@@ -41,7 +41,9 @@ DeviceQTensor make_qtensor(int64_t rows, int64_t cols, const num::QConfig& cfg,
                            ScaleLayout layout = ScaleLayout::RowMajor);
 
 // x: [q.rows, q.cols] row-major on the device; q from make_qtensor (its cfg, shape and layout).
-void quantize(const float* x, DeviceQTensor& q, cudaStream_t stream = nullptr);
+// frag (optional; NVFP4 E2M1 1x16, at most 16 rows): the rows also as the skinny W4A4 tiles' FP16
+// operand (gemm.h's Nvfp4View::frag, x_frag_bytes(cols) bytes).
+void quantize(const float* x, DeviceQTensor& q, cudaStream_t stream = nullptr, uint8_t* frag = nullptr);
 void quantize_bf16(const uint16_t* x, DeviceQTensor& q, cudaStream_t stream = nullptr);
 // quantize() of the SwiGLU of two float32 sources in one kernel: row r of the input is
 // kern::swiglu1(g[r * ld + c], u[r * ld + c]) for c < q.cols (the expert MLP's gate and up halves,

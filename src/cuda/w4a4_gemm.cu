@@ -494,8 +494,33 @@ void w4a4_gemm_emulated(const Nvfp4View& x, const Nvfp4View& w, float* y, bool a
   if (x.rows == 0 || w.rows == 0) return;
   Params p = make_params(x, w, y, accumulate);
   p.early_w = opt.weights_ready;
+  if (x.frag && x.rows <= 16 && x.k % 128 == 0) {
+    QUADS_CHECK(reinterpret_cast<uintptr_t>(x.frag) % 16 == 0, "w4a4_gemm: X's fragments must be 16-byte aligned");
+    p.xfrag = reinterpret_cast<const uint4*>(x.frag);
+  }
   set_ldy(p, opt, "w4a4_gemm");
   dispatch<false>(p, opt, s);
+}
+
+namespace {
+__global__ void x_frag_kernel(const uint8_t* codes, const uint8_t* scales, int rows, int64_t nb, uint4* frag) {
+  pdl_begin();
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * nb) return;
+  const int r = static_cast<int>(i / nb);
+  const int64_t b = i - r * nb;
+  x_frag_store(frag, r, b, reinterpret_cast<const uint2*>(codes)[i], scales[i]);
+}
+}  // namespace
+
+void w4a4_x_frag(const Nvfp4View& x, uint8_t* frag, cudaStream_t s) {
+  QUADS_CHECK(x.rows >= 0 && x.rows <= 16, "w4a4_x_frag: {} rows (at most 16)", x.rows);
+  QUADS_CHECK(x.k % 16 == 0, "w4a4_x_frag: K = {} must be a multiple of 16", x.k);
+  QUADS_CHECK(reinterpret_cast<uintptr_t>(frag) % 16 == 0, "w4a4_x_frag: the fragments must be 16-byte aligned");
+  const int64_t n = x.rows * (x.k / 16);
+  if (n == 0) return;
+  launch_pdl(x_frag_kernel, static_cast<unsigned>((n + 255) / 256), 256, 0, s, x.codes, x.scales,
+             static_cast<int>(x.rows), x.k / 16, reinterpret_cast<uint4*>(frag));
 }
 
 void w4a4_gemm_gather(const Nvfp4View& xr, const Nvfp4View& w, const int32_t* blocks, float* y, bool accumulate,

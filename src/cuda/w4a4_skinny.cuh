@@ -217,6 +217,8 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > kSkinnyWarps ? 1 : (RES ? 
   }
 
   const float kInv = 1.f / 2688.f;
+  // X as FP16 fragments from its producer (Nvfp4View::frag; skinny_plan: 16 rows, one chunk)
+  const bool xf = !GROUPED && !RES && NT == 2 && p.xfrag != nullptr;
   for (int64_t c0 = 0; c0 < rows; c0 += 8 * NT) {
     const int ntu = static_cast<int>(min(static_cast<int64_t>(NT), (rows - c0 + 7) / 8));  // n-tiles with rows
     if (c0 > 0) __syncthreads();  // the last chunk's readers are done
@@ -227,7 +229,11 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > kSkinnyWarps ? 1 : (RES ? 
     // CTA at routed batch 16 under load, eoff's lookup included: bench_cuda --skinny-trace.)
     const int nrow = static_cast<int>(min(static_cast<int64_t>(8 * ntu), rows - c0));
     const int rowb = static_cast<int>(kc / 2), rows_s = static_cast<int>(kc / 16);
-    if (!(kExpNoX && !GROUPED)) {
+    if (xf) {  // this CTA's stages of the fragments, as they are to sit in shared memory
+      const uint4* src = p.xfrag + static_cast<int64_t>(cs_beg) * 4 * NA * 32;
+      for (int i = threadIdx.x; i < ncs * 4 * NA * 32; i += blockDim.x) cp_async16(sx + i, src + i, 16);
+      cp_async_commit();
+    } else if (!(kExpNoX && !GROUPED)) {
       const int cpr = rowb / 16;
       for (int i = threadIdx.x; i < nrow * cpr; i += blockDim.x) {
         const int r = i / cpr;
@@ -264,7 +270,7 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > kSkinnyWarps ? 1 : (RES ? 
     // cs_beg) holds word hw (elements 8 hw .. 8 hw + 7 of blocks 2t, 2t + 1 of stage s) of row
     // nt * 8 + g, times the block scale, as the B fragments of the word's two k-steps. A half-warp
     // takes a row (its 16 words a stage: 64 consecutive bytes of codes), stage after stage.
-    if (!(kExpNoX && !GROUPED)) {
+    if (!xf && !(kExpNoX && !GROUPED)) {
       // With 8 rows (one n-tile: the routed decode batches), two half-warps share a row, taking
       // alternate stages, so all 8 warps work instead of 4.
       // (RES: staged rows 8 NT .. 8 NT + 8 ntu are the residual's; 8 ntu .. 8 NT are skipped)
@@ -575,6 +581,15 @@ SkinnyPlan skinny_plan(const Params& p, bool grouped, int64_t rows, int64_t acti
       while (pl.cl < 4 && ctas * pl.cl < want && (nst + 2 * pl.cl - 1) / (2 * pl.cl) >= 2) pl.cl *= 2;
     }
   }
+  // X as FP16 fragments (Nvfp4View::frag): nothing to stage, so K splits over the CTA's warps where
+  // it would split over a cluster of CTAs, which exists to stage a share of X per CTA (the same
+  // stage ranges, added in the same order: the same bits). H200, bench_cuda --dense-sweep without
+  // X's staging (docs/cuda.md Part 27): q/k/v at 16 rows 6.8 us (1 x 4) -> 5.2 (4 x 1).
+  if (p.xfrag && !grouped && !res && pl.nt == 2 && pl.rsplit == 1 && splits <= 0 && kcluster <= 0 && pl.ks == 1 &&
+      pl.cl > 1 && skinny_smem_stages(2, nst, pl.warps) <= kSkinnySmemMax) {
+    pl.ks = pl.cl;
+    pl.cl = 1;
+  }
   QUADS_CHECK(pl.ks == 1 || pl.ks == 2 || pl.ks == 4 || pl.ks == 8,
               "w4a4_gemm: the skinny tiles split K over 1, 2, 4 or 8 warps, not {}", pl.ks);
   QUADS_CHECK(pl.cl == 1 || pl.cl == 2 || pl.cl == 4 || pl.cl == 8,
@@ -616,9 +631,11 @@ void launch_skinny_nt(const Params& p, const SkinnyPlan& pl, dim3 grid, cudaStre
 // grid_active (grouped, >= 0): the grid's rows of CTAs where the plan is made for `active` groups
 // (a window of a larger call).
 template <bool GROUPED, bool RES = false>
-void launch_skinny(const Params& p, int64_t rows, int64_t active, int splits, int kcluster, cudaStream_t s,
+void launch_skinny(const Params& p0, int64_t rows, int64_t active, int splits, int kcluster, cudaStream_t s,
                    int row_block = 0, int64_t grid_active = -1) {
-  const SkinnyPlan pl = skinny_plan(p, GROUPED, rows, active, splits, kcluster, row_block, RES);
+  const SkinnyPlan pl = skinny_plan(p0, GROUPED, rows, active, splits, kcluster, row_block, RES);
+  Params p = p0;
+  if (GROUPED || RES || pl.nt != 2 || pl.rsplit != 1 || rows > 16) p.xfrag = nullptr;  // the codes are staged
   const int64_t rows_per_cta = 16LL * (pl.warps / pl.ks);
   const int64_t gy = grid_active >= 0 ? grid_active : active;
   QUADS_CHECK(gy <= 65535, "w4a4_gemm: {} groups are too many for the skinny tiles", gy);

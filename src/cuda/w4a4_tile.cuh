@@ -16,34 +16,7 @@ namespace quads::cuda {
 
 namespace {
 
-__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-// The high bytes of E2M1 codes as FP16 * 2^-14: sign at bit 7, the three magnitude bits (e1 e0 m)
-// at bits 1..3 (bit 9 is the top mantissa bit, bits 10..11 the low exponent bits: FP16's subnormals
-// are E2M1's). hb_lo: the low nibble of each byte of w, hb_hi: the high nibble.
-__device__ __forceinline__ uint32_t hb_lo(uint32_t w) { return ((w << 1) & 0x0E0E0E0Eu) | ((w << 4) & 0x80808080u); }
-__device__ __forceinline__ uint32_t hb_hi(uint32_t w) { return ((w >> 3) & 0x0E0E0E0Eu) | (w & 0x80808080u); }
-// Two E4M3 scales (low byte: block 2t) as FP16 * 2^7.
-__device__ __forceinline__ uint32_t scales_f16x2(uint32_t two_bytes) {
-  return hmul2(e4m3x2_f16x2(two_bytes), 0x58005800u);  // * 128
-}
-__device__ __forceinline__ uint32_t lo2(uint32_t v) { return __byte_perm(v, 0, 0x1010); }
-__device__ __forceinline__ uint32_t hi2(uint32_t v) { return __byte_perm(v, 0, 0x3232); }
-
-// Dequantized pair from word w: nibbles S / 4 and S / 4 + 4 (S = 0, 4, 8, 12), as FP16 in the low
-// and high halves, times the scale pair. A word's four pairs share its two hb words (7 integer
-// instructions), then a byte permute each places two codes' bytes over zero low bytes: 15
-// instructions a word with the four scale multiplies, where shifting each pair into place and
-// moving its sign bits took 20 (the same bits: every 32-bit word checked). H200, nvfp4 decode
-// tok/s at batch 16 / 64 14190 / 36032 -> 14633 / 36745, prefill 93.5k -> 98.3k tok/s.
-template <int S>
-__device__ __forceinline__ uint32_t deq(uint32_t w, uint32_t sc) {
-  const uint32_t hb = (S & 4) ? hb_hi(w) : hb_lo(w);
-  return hmul2(__byte_perm(hb, 0u, (S & 8) ? 0x3414u : 0x2404u), sc);
-}
+// The E2M1 -> FP16 dequantization (hmul2, hb_lo / hb_hi, scales_f16x2, deq) is in mma_util.cuh.
 
 constexpr int kBK = 128;  // K elements a stage: 8 scale blocks, 64 bytes of codes a row
 

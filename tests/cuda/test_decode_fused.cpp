@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cuda/check.h"
+#include "cuda/gemm.h"
 #include "cuda/model_kernels.h"
 #include "cuda/quant.h"
 #include "cuda_test_util.h"
@@ -452,7 +453,14 @@ TEST(CudaDecodeFused, NormNvfp4OutputIsQuantize) {
         cuda::DeviceQTensor want = cuda::make_qtensor(c.T, D, qc), got = cuda::make_qtensor(c.T, D, qc);
         got.codes.fill_bytes(0xAB);
         got.scales.fill_bytes(0xAB);
-        const cuda::kern::RowNvfp4 yq{got.codes.data(), got.scales.data(), got.amax.data()};
+        // up to 16 rows: the FP16 fragments of the skinny tiles too (RowNvfp4::frag), which must be
+        // w4a4_x_frag's of quantize()'s codes where written (the rest keeps its fill)
+        const bool with_frag = c.T <= 16;
+        DeviceArray<uint8_t> frag(cuda::x_frag_bytes(D)), frag_want(cuda::x_frag_bytes(D));
+        frag.fill_bytes(0x5A);
+        frag_want.fill_bytes(0x5A);
+        cuda::kern::RowNvfp4 yq{got.codes.data(), got.scales.data(), got.amax.data()};
+        if (with_frag) yq.frag = frag.data();
         if (kind == 0) {
           cuda::kern::rmsnorm_bf16(x0.data(), dwn.data(), c.T, D, 1e-6f, y0.data(), b0.data(), nullptr);
           cuda::kern::rmsnorm_bf16(x1.data(), dwn.data(), c.T, D, 1e-6f, y1.data(), b1.data(), nullptr, yq);
@@ -473,6 +481,10 @@ TEST(CudaDecodeFused, NormNvfp4OutputIsQuantize) {
         EXPECT_EQ(first_mismatch(got.codes.download(), want.codes.download()), -1) << k << ": codes";
         EXPECT_EQ(first_mismatch(got.scales.download(), want.scales.download()), -1) << k << ": scales";
         EXPECT_EQ(first_float_mismatch(got.amax.download(), want.amax.download()), -1) << k << ": amax";
+        if (with_frag) {
+          cuda::w4a4_x_frag(cuda::nvfp4_view(want), frag_want.data());
+          EXPECT_EQ(first_mismatch(frag.download(), frag_want.download()), -1) << k << ": fragments";
+        }
       }
     }
   }

@@ -303,6 +303,89 @@ TEST(CudaGemm, SkinnyMatchesDequantizedCpuGemm) {
     }
 }
 
+// X as FP16 fragments (Nvfp4View::frag, from w4a4_x_frag): the dense skinny tiles copy them
+// instead of staging the codes, and Auto splits K over a CTA's warps where it split it over a
+// cluster: the same bits as the codes path, for Auto and for explicit splits and clusters, plain
+// and accumulating; rows 1-8 (another tile shape) and K % 128 != 0 ignore the fragments.
+TEST(CudaGemm, SkinnyXFragSameBits) {
+  QUADS_REQUIRE_GPU();
+  uint64_t seed = 910;
+  for (int64_t K : {128, 512, 2048, 4096, 192})
+    for (int64_t M : {4, 9, 13, 16}) {
+      DecodeCase d(M, K >= 2048 ? 520 : 2048, K, M % 2 == 1, false, seed);
+      const int64_t N = d.N;
+      DeviceArray<uint8_t> frag(x_frag_bytes(K));
+      frag.fill_bytes(0xFF);  // NaN in every slot the fragments leave (rows past M)
+      w4a4_x_frag(nvfp4_view(d.dxq), frag.data());
+      Nvfp4View xv = nvfp4_view(d.dxq), xf = xv;
+      xf.frag = frag.data();
+      std::vector<std::pair<int, int>> plans = {{0, 0}, {1, 1}, {2, 1}, {4, 1}};
+      if (M > 8) plans.insert(plans.end(), {{1, 2}, {1, 4}, {2, 2}});
+      for (const auto& [ks, cl] : plans)
+        for (bool acc : {false, true}) {
+          W4A4Options opt;
+          opt.tile = W4A4Tile::Skinny;
+          opt.splits = ks;
+          opt.kcluster = cl;
+          opt.weights_ready = true;
+          DeviceArray<float> y(M * N);
+          auto run = [&](const Nvfp4View& x) {
+            if (acc) y.upload(d.y0);
+            else y.fill_bytes(0xFF);
+            w4a4_gemm_emulated(x, nvfp4_view(d.dwq), y.data(), acc, nullptr, opt);
+            return y.download();
+          };
+          const std::vector<float> want = run(xv), got = run(xf);
+          const std::string what = d.what + " ks=" + std::to_string(ks) + " cl=" + std::to_string(cl) +
+                                   (acc ? " accumulate" : "");
+          EXPECT_EQ(first_float_mismatch(want, got), -1) << what;
+          if (!acc) expect_close(got, d.ref, d.absref, 1e-5, 1e-4, what + " with fragments");
+        }
+      DeviceArray<float> y(M * N);
+      y.fill_bytes(0xFF);
+      w4a4_gemm_emulated(xv, nvfp4_view(d.dwq), y.data(), false, nullptr, {});
+      const std::vector<float> auto_codes = y.download();
+      y.fill_bytes(0xFF);
+      w4a4_gemm_emulated(xf, nvfp4_view(d.dwq), y.data(), false, nullptr, {});
+      EXPECT_EQ(first_float_mismatch(auto_codes, y.download()), -1) << d.what << ": Auto with fragments";
+    }
+}
+
+// quantize() with a fragment buffer: the same codes, scales and amax as without, and the
+// fragments w4a4_x_frag makes of those codes (per-row and per-tensor amax, K not a multiple of 128);
+// other configs and more than 16 rows are refused.
+TEST(CudaGemm, QuantizeWritesXFrag) {
+  QUADS_REQUIRE_GPU();
+  uint64_t seed = 930;
+  for (int64_t K : {64, 2048, 4096, 2064})
+    for (int64_t M : {1, 9, 16})
+      for (bool per_row : {true, false}) {
+        QConfig xc = QConfig::nvfp4_act();
+        xc.global = per_row ? Global::PerRow : Global::PerTensor;
+        const std::vector<float> x = random_matrix(M, K, seed++);
+        DeviceArray<float> dx(M * K);
+        dx.upload(x);
+        DeviceQTensor a = make_qtensor(M, K, xc), b = make_qtensor(M, K, xc);
+        DeviceArray<uint8_t> frag(x_frag_bytes(K)), want(x_frag_bytes(K));
+        frag.fill_bytes(0x5A);
+        want.fill_bytes(0x5A);
+        quantize(dx.data(), a);
+        quantize(dx.data(), b, nullptr, frag.data());
+        w4a4_x_frag(nvfp4_view(a), want.data());
+        const std::string what = "M=" + std::to_string(M) + " K=" + std::to_string(K) + (per_row ? " per-row" : "");
+        EXPECT_EQ(first_mismatch(a.codes.download(), b.codes.download()), -1) << what;
+        EXPECT_EQ(first_mismatch(a.scales.download(), b.scales.download()), -1) << what;
+        EXPECT_EQ(first_float_mismatch(a.amax.download(), b.amax.download()), -1) << what;
+        EXPECT_EQ(first_mismatch(frag.download(), want.download()), -1) << what << ": fragments";
+      }
+  DeviceArray<float> dx(17 * 128);
+  DeviceArray<uint8_t> frag(x_frag_bytes(128));
+  DeviceQTensor big = make_qtensor(17, 128, QConfig::nvfp4_act());
+  EXPECT_THROW(quantize(dx.data(), big, nullptr, frag.data()), Error);
+  DeviceQTensor mx = make_qtensor(4, 128, QConfig::mxfp4());
+  EXPECT_THROW(quantize(dx.data(), mx, nullptr, frag.data()), Error);
+}
+
 TEST(CudaGemm, W4A4AccumulatesAndIsDeterministic) {
   QUADS_REQUIRE_GPU();
   const int64_t M = 40, N = 264, K = 1536;

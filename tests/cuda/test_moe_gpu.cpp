@@ -491,6 +491,48 @@ TEST(CudaModelGpu, EarlyLoadsSameBits) {
   EXPECT_EQ(early.stats().graph_steps, 11) << "batch 1";
 }
 
+// q/k/v's X as FP16 fragments written by the input norms (QUADS_GPU_XFRAG, decode batches of
+// 9-16 rows): the same logits as the codes path, eagerly and as graphs, at batches 9, 12 and 16
+// (hidden 512: the skinny tiles split K over a cluster without the fragments, over a CTA's warps
+// with them), and batch 5 (no fragments) unchanged.
+TEST(CudaModelGpu, XFragSameBits) {
+  QUADS_REQUIRE_GPU();
+  model::ModelConfig cfg = small_moe_config();
+  cfg.hidden_size = 512;
+  const model::Weights w = model::Weights::random(cfg, 43, 0.05f);
+  const auto prec = model::PrecisionConfig::preset("nvfp4");
+  auto batch = [](cuda::GpuModel& g, int n) {  // n slots: a 3-token prompt each, then 6 steps
+    g.reset_cache(n, 64);
+    std::vector<model::StepItem> items(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      items[size_t(i)].slot = i;
+      items[size_t(i)].tokens = {i + 1, (2 * i + 3) % 50, 7};
+    }
+    std::vector<float> out = g.step(items);
+    for (int s = 0; s < 6; ++s) {
+      for (int i = 0; i < n; ++i) items[size_t(i)].tokens = {(3 * s + 5 * i + 1) % 50};
+      const std::vector<float> lg = g.step(items);
+      out.insert(out.end(), lg.begin(), lg.end());
+    }
+    return out;
+  };
+  const auto off_m = model_with_env("QUADS_GPU_XFRAG", "0", w, prec);
+  cuda::GpuModel on(w, prec);
+  ASSERT_EQ(on.linear_mode("model.layers.0.self_attn.q_proj"), cuda::GpuLinearMode::W4A4);
+  const auto eager_m = [&] {
+    setenv("QUADS_GPU_GRAPHS", "0", 1);
+    struct Unset {
+      ~Unset() { unsetenv("QUADS_GPU_GRAPHS"); }
+    } unset;
+    return std::make_unique<cuda::GpuModel>(w, prec);
+  }();
+  for (int n : {9, 12, 16, 5}) {
+    const auto want = batch(*off_m, n);
+    EXPECT_EQ(first_float_mismatch(batch(on, n), want), -1) << "batch " << n << ", graphs";
+    EXPECT_EQ(first_float_mismatch(batch(*eager_m, n), want), -1) << "batch " << n << ", eager";
+  }
+}
+
 // The experts' MLP in chains on their own streams (a window of the 8 experts a chain: W4A4 gate/up,
 // quantize_swiglu and down, or BF16 gate/up, swiglu_bf16 and down) gives the one-chain step's bits,
 // eagerly and as graphs: 2, 3 and 4 chains forced (QUADS_GPU_MOE_CHAINS) at batches 2 and 5, with
