@@ -357,6 +357,24 @@ std::unique_ptr<cuda::GpuModel> model_with_env(const char* var, const char* valu
   return std::make_unique<cuda::GpuModel>(w, p);
 }
 
+// Decode logits of n slots (stats reset first): a 3-token prompt each, then 6 steps of one token.
+std::vector<float> decode_batch(cuda::GpuModel& g, int n) {
+  g.reset_cache(n, 64);
+  g.reset_stats();
+  std::vector<model::StepItem> items(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    items[size_t(i)].slot = i;
+    items[size_t(i)].tokens = {i + 1, (2 * i + 3) % 50, 7};
+  }
+  std::vector<float> out = g.step(items);
+  for (int s = 0; s < 6; ++s) {
+    for (int i = 0; i < n; ++i) items[size_t(i)].tokens = {(3 * s + 5 * i + 1) % 50};
+    const std::vector<float> lg = g.step(items);
+    out.insert(out.end(), lg.begin(), lg.end());
+  }
+  return out;
+}
+
 }  // namespace
 
 // Graph replay gives the eager step's bits; the device MoE path agrees with the host-routed one.
@@ -501,21 +519,7 @@ TEST(CudaModelGpu, XFragSameBits) {
   cfg.hidden_size = 512;
   const model::Weights w = model::Weights::random(cfg, 43, 0.05f);
   const auto prec = model::PrecisionConfig::preset("nvfp4");
-  auto batch = [](cuda::GpuModel& g, int n) {  // n slots: a 3-token prompt each, then 6 steps
-    g.reset_cache(n, 64);
-    std::vector<model::StepItem> items(static_cast<size_t>(n));
-    for (int i = 0; i < n; ++i) {
-      items[size_t(i)].slot = i;
-      items[size_t(i)].tokens = {i + 1, (2 * i + 3) % 50, 7};
-    }
-    std::vector<float> out = g.step(items);
-    for (int s = 0; s < 6; ++s) {
-      for (int i = 0; i < n; ++i) items[size_t(i)].tokens = {(3 * s + 5 * i + 1) % 50};
-      const std::vector<float> lg = g.step(items);
-      out.insert(out.end(), lg.begin(), lg.end());
-    }
-    return out;
-  };
+  const auto batch = decode_batch;
   const auto off_m = model_with_env("QUADS_GPU_XFRAG", "0", w, prec);
   cuda::GpuModel on(w, prec);
   ASSERT_EQ(on.linear_mode("model.layers.0.self_attn.q_proj"), cuda::GpuLinearMode::W4A4);
@@ -540,22 +544,7 @@ TEST(CudaModelGpu, XFragSameBits) {
 TEST(CudaModelGpu, MoeChainsSameBits) {
   QUADS_REQUIRE_GPU();
   const model::Weights w = model::Weights::random(small_moe_config(), 41, 0.05f);
-  auto batch = [](cuda::GpuModel& g, int n) {  // n slots: a 3-token prompt each, then 6 steps
-    g.reset_cache(n, 64);
-    g.reset_stats();
-    std::vector<model::StepItem> items(static_cast<size_t>(n));
-    for (int i = 0; i < n; ++i) {
-      items[size_t(i)].slot = i;
-      items[size_t(i)].tokens = {i + 1, (2 * i + 3) % 50, 7};
-    }
-    std::vector<float> out = g.step(items);
-    for (int s = 0; s < 6; ++s) {
-      for (int i = 0; i < n; ++i) items[size_t(i)].tokens = {(3 * s + 5 * i + 1) % 50};
-      const std::vector<float> lg = g.step(items);
-      out.insert(out.end(), lg.begin(), lg.end());
-    }
-    return out;
-  };
+  const auto batch = decode_batch;
   const int64_t layers = w.cfg.num_hidden_layers;
   for (const std::string preset : {"nvfp4", "bf16"}) {
     const auto prec = model::PrecisionConfig::preset(preset);
