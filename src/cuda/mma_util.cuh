@@ -129,7 +129,6 @@ __device__ __forceinline__ uint32_t deq(uint32_t w, uint32_t sc) {
   return hmul2(__byte_perm(hb, 0u, (S & 8) ? 0x3414u : 0x2404u), sc);
 }
 
-
 // X's rows as the skinny W4A4 tiles' FP16 operand (w4a4_skinny.cuh), for a chunk of 16 rows: uint4
 // entry ((s * 4 + hw) * 2 + nt) * 32 + g * 4 + qt holds word hw (elements 8 hw .. 8 hw + 7 of the
 // 32 that blocks 2 qt, 2 qt + 1 of the 128-wide K stage s cover) of row 8 nt + g, dequantized and

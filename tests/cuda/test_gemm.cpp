@@ -348,6 +348,16 @@ TEST(CudaGemm, SkinnyXFragSameBits) {
       y.fill_bytes(0xFF);
       w4a4_gemm_emulated(xf, nvfp4_view(d.dwq), y.data(), false, nullptr, {});
       EXPECT_EQ(first_float_mismatch(auto_codes, y.download()), -1) << d.what << ": Auto with fragments";
+      // the fragments are what the tiles read where they apply: NaN fragments give NaN outputs
+      DeviceArray<uint8_t> poison(x_frag_bytes(K));
+      poison.fill_bytes(0xFF);
+      Nvfp4View xp = xv;
+      xp.frag = poison.data();
+      y.fill_bytes(0);
+      w4a4_gemm_emulated(xp, nvfp4_view(d.dwq), y.data(), false, nullptr, {});
+      const std::vector<float> got = y.download();
+      const bool read = M > 8 && K % 128 == 0;
+      EXPECT_EQ(std::isnan(got[0]), read) << d.what << ": " << (read ? "fragments not read" : "fragments read");
     }
 }
 
