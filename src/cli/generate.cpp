@@ -36,6 +36,7 @@ struct Options {
   int batch = 1;
   int max_batch = 64;
   bool no_share = false;
+  int decode_ahead = quads::rollout::EngineOptions{}.decode_ahead;
   std::string device = "cpu";
 };
 
@@ -53,6 +54,7 @@ int run(const Options& o) {
   rollout::EngineOptions eo;
   eo.max_batch = o.max_batch;
   eo.share_prefill = !o.no_share;
+  eo.decode_ahead = o.decode_ahead;
   rollout::RolloutEngine eng(std::move(w), prec, eo);
 #ifdef QUADS_HAVE_CUDA
   if (o.device == "cuda") eng.set_backend(cuda::make_gpu_backend(eng.model().weights(), prec));
@@ -77,9 +79,13 @@ int run(const Options& o) {
 
   const std::vector<rollout::Result> out = eng.generate(reqs);
   const rollout::EngineStats& st = eng.stats();
-  std::fprintf(stderr, "%lld tokens generated in %.3f s (%lld steps, %lld prompt tokens prefilled, %lld shared)\n",
+  std::fprintf(stderr,
+               "%lld tokens generated in %.3f s (%lld steps, %lld of them in %lld decode runs; %lld prompt tokens "
+               "prefilled, %lld shared; %lld draws dropped after a stop)\n",
                static_cast<long long>(st.generated), st.seconds, static_cast<long long>(st.steps),
-               static_cast<long long>(st.prefill_tokens), static_cast<long long>(st.shared_prompts));
+               static_cast<long long>(st.run_steps), static_cast<long long>(st.decode_runs),
+               static_cast<long long>(st.prefill_tokens), static_cast<long long>(st.shared_prompts),
+               static_cast<long long>(st.dropped));
   for (int i = o.batch - 1; i >= 0; --i) {
     const rollout::Result& r = out[i];
     std::fprintf(stderr, "sequence %d (seed %llu): %zu new tokens, finished by %s\n", i,
@@ -113,6 +119,9 @@ std::function<int()> setup(CLI::App& app) {
       ->delimiter(',');
   app.add_option("--max-batch", o->max_batch, "sequences decoded at once (KV-cache slots)")->capture_default_str();
   app.add_option("--device", o->device, "cpu, or cuda (the GPU rollout engine, cuda/model_gpu.h)")->capture_default_str();
+  app.add_option("--decode-ahead", o->decode_ahead,
+                 "with --device cuda: decode steps queued in one call while every sequence decodes (1 = a call a step)")
+      ->capture_default_str();
   app.add_flag("--no-share-prefill", o->no_share, "prefill every copy of the prompt instead of copying the KV cache");
   return [o] { return run(*o); };
 }

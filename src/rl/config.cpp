@@ -52,6 +52,7 @@ std::vector<Field> fields(RunConfig& c) {
       {"rl.clip_eps_high", &c.rl.clip_eps_high},
       {"rl.kl_coef", &c.rl.kl_coef},
       {"rl.max_new_tokens", &c.rl.max_new_tokens},
+      {"rl.decode_ahead", &c.rl.decode_ahead},
       {"rl.temperature", &c.rl.temperature},
       {"rl.eval_temperature", &c.rl.eval_temperature},
       {"rl.eval_every", &c.rl.eval_every},
@@ -386,6 +387,7 @@ void validate(const RunConfig& c, const std::string& origin) {
   nonneg(r.clip_eps_high, "rl.clip_eps_high");
   nonneg(r.kl_coef, "rl.kl_coef");
   pos(r.max_new_tokens, "rl.max_new_tokens");
+  pos(r.decode_ahead, "rl.decode_ahead");
   pos(r.temperature, "rl.temperature");
   nonneg(r.eval_temperature, "rl.eval_temperature");
   pos(r.eval_every, "rl.eval_every");

@@ -72,6 +72,7 @@ struct RlSection {
   bool routing_replay = false;   // trainer routes each token to the experts the rollout chose
   bool diagnostics = true;       // routing mismatch and per-layer activation error (extra forward)
   std::string device = "cpu";    // cpu | cuda: where the rollout engine runs
+  int64_t decode_ahead = 8;      // decode steps a GPU rollout backend call (rollout::EngineOptions)
   std::string train_device = "auto";  // auto (= device) | cpu | cuda: where the trainer's forward and
                                       // backward run (the optimizer and the diagnostics: the CPU)
   std::string trainer_device() const { return train_device == "auto" ? device : train_device; }

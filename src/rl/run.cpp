@@ -239,6 +239,7 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
   // Rollout side, with its own copy of the weights; fp32 engine for the reference evaluation.
   rollout::EngineOptions eo;
   eo.max_batch = std::max(N, 1);
+  eo.decode_ahead = static_cast<int>(std::min<int64_t>(cfg.rl.decode_ahead, 1 << 20));
   rollout::RolloutEngine engine(base_w, rollout_precision(spec), eo);
   rollout::RolloutEngine engine32(base_w, model::PrecisionConfig::preset("fp32"), eo);
   model::RacConfig rac;

@@ -89,6 +89,7 @@ std::vector<Result> RolloutEngine::generate(const std::vector<Request>& requests
   const int n = static_cast<int>(requests.size());
   QUADS_CHECK(options.max_batch >= 1, "rollout: max_batch must be >= 1 (got {})", options.max_batch);
   QUADS_CHECK(options.prefill_chunk >= 1, "rollout: prefill_chunk must be >= 1 (got {})", options.prefill_chunk);
+  QUADS_CHECK(options.decode_ahead >= 1, "rollout: decode_ahead must be >= 1 (got {})", options.decode_ahead);
   stats_ = {};
 
   std::vector<Result> results(n);
@@ -227,14 +228,30 @@ std::vector<Result> RolloutEngine::generate(const std::vector<Request>& requests
       }
       add_job(s.req, static_cast<int64_t>(j), item_seq[j], -1);
     }
-    if (backend_) {
+    // Every sequence decodes: a run of steps in one backend call, as long as no sequence can end
+    // by length inside it.
+    int run = 1;
+    if (backend_ && !any_prefill && options.decode_ahead > 1) {
+      run = options.decode_ahead;
+      for (const Seq& s : live)
+        run = std::min(run, requests[s.req].max_new_tokens - static_cast<int>(results[s.req].tokens.size()));
+      run = std::max(run, 1);
+    }
+    if (run > 1) {
+      draws = backend_->decode_run(items, sjobs, run);
+      stats_.steps += run;
+      stats_.decode_tokens += static_cast<int64_t>(items.size()) * (run - 1);
+      ++stats_.decode_runs;
+      stats_.run_steps += run;
+    } else if (backend_) {
       draws = backend_->step_sample(items, sjobs);
+      ++stats_.steps;
     } else {
       cpu_model_current();
       const std::vector<float> logits = model_->step(cache, items);
       draws = sample_jobs(logits.data(), V, sjobs);
+      ++stats_.steps;
     }
-    ++stats_.steps;
 
     // The prompts that completed: their peers copy the prefill and join.
     joined.clear();
@@ -254,23 +271,29 @@ std::vector<Result> RolloutEngine::generate(const std::vector<Request>& requests
     }
 
     const int njobs = static_cast<int>(jobs.size());
-    for (int j = 0; j < njobs; ++j) {
-      const Request& r = requests[sjobs[j].request];
-      Result& res = results[sjobs[j].request];
-      Seq& s = jobs[j].live >= 0 ? live[jobs[j].live] : joined[jobs[j].joined];
-      res.tokens.push_back(draws[j].token);
-      res.logprobs.push_back(draws[j].logprob);
-      ++stats_.generated;
-      const bool stop = std::find(r.stop_ids.begin(), r.stop_ids.end(), draws[j].token) != r.stop_ids.end();
-      if (stop || static_cast<int>(res.tokens.size()) >= r.max_new_tokens) {
-        res.finish = stop ? Finish::Stop : Finish::Length;
-        clear_slot(s.slot);
-        free_slots.push_back(s.slot);
-        s.req = -1;  // finished
-      } else {
-        s.next = draws[j].token;
+    for (int k = 0; k < run; ++k)
+      for (int j = 0; j < njobs; ++j) {
+        const Request& r = requests[sjobs[j].request];
+        Result& res = results[sjobs[j].request];
+        Seq& s = jobs[j].live >= 0 ? live[jobs[j].live] : joined[jobs[j].joined];
+        const Draw& d = draws[static_cast<size_t>(k) * njobs + j];
+        if (s.req < 0) {  // ended earlier in this run
+          ++stats_.dropped;
+          continue;
+        }
+        res.tokens.push_back(d.token);
+        res.logprobs.push_back(d.logprob);
+        ++stats_.generated;
+        const bool stop = std::find(r.stop_ids.begin(), r.stop_ids.end(), d.token) != r.stop_ids.end();
+        if (stop || static_cast<int>(res.tokens.size()) >= r.max_new_tokens) {
+          res.finish = stop ? Finish::Stop : Finish::Length;
+          clear_slot(s.slot);
+          free_slots.push_back(s.slot);
+          s.req = -1;  // finished
+        } else {
+          s.next = d.token;
+        }
       }
-    }
     live.erase(std::remove_if(live.begin(), live.end(), [](const Seq& s) { return s.req < 0; }), live.end());
     for (Seq& p : joined)
       if (p.req >= 0) live.push_back(std::move(p));
@@ -284,6 +307,45 @@ std::vector<Draw> StepBackend::step_sample(const std::vector<model::StepItem>& i
   const std::vector<float> logits = step(items);
   const int64_t V = items.empty() ? 0 : static_cast<int64_t>(logits.size() / items.size());
   return sample_jobs(logits.data(), V, jobs);
+}
+
+std::vector<Draw> StepBackend::decode_run(std::vector<model::StepItem> items, std::vector<SampleJob> jobs, int n) {
+  check_decode_run(items, jobs, n, name());
+  return decode_stepwise(std::move(items), std::move(jobs), n,
+                         [&](const std::vector<model::StepItem>& it, const std::vector<SampleJob>& jb) {
+                           return step_sample(it, jb);
+                         });
+}
+
+std::vector<Draw> decode_stepwise(
+    std::vector<model::StepItem> items, std::vector<SampleJob> jobs, int n,
+    const std::function<std::vector<Draw>(const std::vector<model::StepItem>&, const std::vector<SampleJob>&)>& step) {
+  std::vector<Draw> all;
+  all.reserve(static_cast<size_t>(n) * items.size());
+  for (int k = 0; k < n; ++k) {
+    if (k > 0)
+      for (size_t i = 0; i < items.size(); ++i) {
+        items[i].tokens[0] = all[all.size() - items.size() + i].token;
+        ++jobs[i].pos;
+      }
+    const std::vector<Draw> d = step(items, jobs);
+    all.insert(all.end(), d.begin(), d.end());
+  }
+  return all;
+}
+
+void check_decode_run(const std::vector<model::StepItem>& items, const std::vector<SampleJob>& jobs, int n,
+                      const std::string& who) {
+  QUADS_CHECK(n >= 1, "{}: decode_run of {} steps", who, n);
+  QUADS_CHECK(jobs.size() == items.size(), "{}: decode_run with {} items and {} jobs (one each)", who, items.size(),
+              jobs.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    QUADS_CHECK(items[i].tokens.size() == 1 && !items[i].all_logits,
+                "{}: decode_run item {} (slot {}) has {} tokens (one, last logits only)", who, i, items[i].slot,
+                items[i].tokens.size());
+    QUADS_CHECK(jobs[i].row == static_cast<int64_t>(i), "{}: decode_run job {} reads row {} (must be its item's)", who,
+                i, jobs[i].row);
+  }
 }
 
 void StepBackend::set_rac(const model::Model&) { fail("step backend {} does not run RAC", name()); }

@@ -25,6 +25,7 @@
 // The model makes each token's logits independent of the batch; the sampler (rollout/sampler.h)
 // draws from a counter-based RNG keyed by (seed, position).
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -59,6 +60,13 @@ struct EngineOptions {
   int64_t prefill_chunk = 512;     // at most this many prompt tokens of one sequence per step
   int64_t max_step_tokens = 2048;  // prompt tokens per step over all sequences (one chunk always fits)
   bool share_prefill = true;       // identical prompts prefill once and copy the KV cache
+  // With a step backend, while every sequence decodes: up to this many steps in one
+  // StepBackend::decode_run call (at most the fewest tokens any sequence has left), which a GPU
+  // backend runs back to back with the drawn tokens fed back on the device, so that no step waits
+  // for the host. The cost: a sequence that stops inside a run keeps its slot (and draws tokens
+  // that are dropped) until the run ends, and a waiting request is admitted after it. With a
+  // batch-invariant model the results are the same for any value; 1: a call a step.
+  int decode_ahead = 8;
 };
 
 // Counters of the last generate() call (timings are wall-clock seconds, for reports only).
@@ -68,6 +76,9 @@ struct EngineStats {
   int64_t shared_prompts = 0;   // sequences that copied another's prefill instead
   int64_t decode_tokens = 0;    // sampled tokens fed back
   int64_t generated = 0;        // tokens sampled
+  int64_t dropped = 0;          // tokens drawn in a decode run after their sequence had ended
+  int64_t decode_runs = 0;      // StepBackend::decode_run calls
+  int64_t run_steps = 0;        // the steps they ran (counted in `steps` too)
   double seconds = 0;
 };
 
@@ -84,6 +95,11 @@ class StepBackend {
   // A step and the draws of `jobs` from its logits (rows: one per item). Default: step(), then
   // sample_jobs() on the host; a backend may draw on its device instead and move only the draws.
   virtual std::vector<Draw> step_sample(const std::vector<model::StepItem>& items, const std::vector<SampleJob>& jobs);
+  // n (>= 1) decode steps in one call: `items` hold one token each and job i draws from row i; at
+  // every later step item i is fed the token drawn for it at the step before and its job's pos
+  // grows by one. Returns the draws of step 0, then step 1, ... (n * items.size()). Default:
+  // step_sample n times, the host feeding the tokens back.
+  virtual std::vector<Draw> decode_run(std::vector<model::StepItem> items, std::vector<SampleJob> jobs, int n);
   virtual void copy(int src, int dst) = 0;                        // KVCache::copy
   virtual void clear(int slot) = 0;                               // KVCache::clear
   // Static RAC channels from a calibrated CPU model of the same weights (model/rac.h); a backend
@@ -94,6 +110,15 @@ class StepBackend {
   virtual void set_kv_transform(const model::KvTransform& t);
   virtual bool has_kv_transform() const { return false; }
 };
+
+// decode_run's preconditions (one token an item, last logits only, job i on row i, n >= 1);
+// quads::Error naming `who` otherwise.
+void check_decode_run(const std::vector<model::StepItem>& items, const std::vector<SampleJob>& jobs, int n,
+                      const std::string& who);
+// decode_run a step at a time through `step` (a step_sample), feeding each draw back on the host.
+std::vector<Draw> decode_stepwise(
+    std::vector<model::StepItem> items, std::vector<SampleJob> jobs, int n,
+    const std::function<std::vector<Draw>(const std::vector<model::StepItem>&, const std::vector<SampleJob>&)>& step);
 
 class RolloutEngine {
  public:

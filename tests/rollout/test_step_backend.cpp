@@ -3,9 +3,11 @@
 // engine must drive the backend's cache (reset, prefill copies, slot reuse) as it drives its own.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <memory>
 #include <string>
 
+#include "common/error.h"
 #include "common/fixtures.h"
 #include "model/model.h"
 #include "rollout/engine.h"
@@ -110,6 +112,98 @@ TEST(RolloutStepBackend, CpuModelBehindTheInterfaceIsBitwiseTheEngine) {
     EXPECT_EQ(calls.steps, eng.stats().steps);
     EXPECT_EQ(eng.stats().shared_prompts, plain.stats().shared_prompts);
   }
+}
+
+// Decode runs (EngineOptions::decode_ahead, the default StepBackend::decode_run feeding the draws
+// back on the host): the model is batch-invariant, so the results are the engine's own for any run
+// length, with sequences that stop inside a run (their later draws dropped, their slots cleared
+// and given to waiting requests after the run) and runs cut short by the fewest tokens left.
+TEST(RolloutStepBackend, DecodeRunsGiveTheEngineResults) {
+  const auto prec = model::PrecisionConfig::preset("nvfp4");
+  std::vector<Request> reqs = requests();
+  for (int i = 0; i < 3; ++i) {  // more requests than slots, longer generations
+    Request r = reqs[i];
+    r.seed += 50;
+    r.max_new_tokens = 14 + 3 * i;
+    reqs.push_back(r);
+  }
+  EngineOptions o;
+  o.max_batch = 3;
+  RolloutEngine plain(weights(), prec, o);
+  // stop ids: tokens the plain run draws mid-generation, so that sequences stop inside runs
+  for (size_t i = 0; i < reqs.size(); i += 2) {
+    const std::vector<Result> first = plain.generate({reqs[i]});
+    reqs[i].stop_ids = {first[0].tokens[first[0].tokens.size() / 2]};
+  }
+  const std::vector<Result> want = plain.generate(reqs);
+  int stopped = 0;
+  for (const Result& r : want) stopped += r.finish == Finish::Stop && r.tokens.size() > 1;
+  ASSERT_GE(stopped, 3) << "the test needs sequences that stop before their length";
+  int64_t dropped = 0;
+  for (const int ahead : {1, 2, 4, 8, 64}) {
+    o.decode_ahead = ahead;
+    Calls calls;
+    RolloutEngine eng(weights(), prec, o);
+    eng.set_backend(std::make_unique<CpuBackend>(weights(), prec, &calls));
+    const std::vector<Result> got = eng.generate(reqs);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].tokens, want[i].tokens) << "decode_ahead " << ahead << " request " << i;
+      EXPECT_EQ(got[i].logprobs, want[i].logprobs) << "decode_ahead " << ahead << " request " << i;
+      EXPECT_EQ(got[i].finish, want[i].finish) << "decode_ahead " << ahead << " request " << i;
+    }
+    const EngineStats& st = eng.stats();
+    EXPECT_EQ(calls.steps, st.steps) << ahead;
+    EXPECT_LE(calls.max_seen, calls.max_len) << ahead;
+    EXPECT_EQ(calls.clears, static_cast<int>(reqs.size())) << ahead;
+    EXPECT_EQ(st.generated, plain.stats().generated) << ahead;
+    if (ahead == 1) {
+      EXPECT_EQ(st.decode_runs, 0);
+      EXPECT_EQ(st.dropped, 0);
+      EXPECT_EQ(st.steps, plain.stats().steps);
+    } else {
+      EXPECT_GT(st.decode_runs, 0) << ahead;
+      EXPECT_LT(st.steps, plain.stats().steps + st.dropped) << ahead;
+      dropped += st.dropped;
+    }
+    std::printf("decode_ahead %d: %lld steps, %lld decode runs, %lld draws dropped\n", ahead,
+                static_cast<long long>(st.steps), static_cast<long long>(st.decode_runs),
+                static_cast<long long>(st.dropped));
+  }
+  EXPECT_GT(dropped, 0) << "no sequence stopped inside a decode run";
+  o.decode_ahead = 0;
+  Calls calls;
+  RolloutEngine bad(weights(), prec, o);
+  bad.set_backend(std::make_unique<CpuBackend>(weights(), prec, &calls));
+  EXPECT_THROW(bad.generate(reqs), quads::Error);
+}
+
+// decode_run refuses what it cannot run: items of several tokens, jobs on other rows.
+TEST(RolloutStepBackend, DecodeRunChecksItsArguments) {
+  const auto prec = model::PrecisionConfig::preset("fp32");
+  Calls calls;
+  CpuBackend b(weights(), prec, &calls);
+  b.reset(2, 16);
+  std::vector<model::StepItem> items(2);
+  std::vector<SampleJob> jobs(2);
+  for (int i = 0; i < 2; ++i) {
+    items[i].slot = i;
+    items[i].tokens = {5 + i};
+    jobs[i].row = i;
+    jobs[i].params.greedy = true;
+  }
+  const std::vector<Draw> d = b.decode_run(items, jobs, 3);
+  ASSERT_EQ(d.size(), 6u);
+  EXPECT_EQ(calls.steps, 3);
+  auto two = items;
+  two[1].tokens = {1, 2};
+  EXPECT_THROW(b.decode_run(two, jobs, 2), quads::Error);
+  auto swapped = jobs;
+  std::swap(swapped[0].row, swapped[1].row);
+  EXPECT_THROW(b.decode_run(items, swapped, 2), quads::Error);
+  EXPECT_THROW(b.decode_run(items, jobs, 0), quads::Error);
+  jobs.pop_back();
+  EXPECT_THROW(b.decode_run(items, jobs, 2), quads::Error);
 }
 
 // With a backend, the engine's CPU model re-quantizes the synced weights when it is next used
