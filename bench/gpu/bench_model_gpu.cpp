@@ -1,12 +1,15 @@
 // The rollout engine's GPU forward on the issue's peer model (Qwen3-MoE, random weights: vocab
 // 32000, hidden 2048, 8 layers, 64 experts top-8, moe_intermediate 768, 32 q / 4 kv heads,
 // head_dim 128, untied; 2.70B parameters): greedy decode tokens/s at batch 1 / 16 / 64 (128-token
-// prompts, 128 new tokens) and prefill tokens/s (16 x 1024), per precision, beside the weight-read
+// prompts, 128 new tokens; decode steps run as the rollout engine runs them, --ahead N = its
+// decode_ahead, default 8 steps a GpuModel::decode_run call, and a call a step beside it) and
+// prefill tokens/s (16 x 1024), per precision, beside the weight-read
 // bound (GEMM weight bytes read per decode step, counted by the model, over the measured copy
 // bandwidth) and the transformers 5.17 numbers of issue 6 (same H200 model, bf16); then a row of
 // sampled decode (temperature 1 through GpuModel::step_sample, the rollout engine's call, 64 new
 // tokens) with the draws on the device and on the host.
-//   bench_model_gpu [--quick] [--precisions bf16,nvfp4,nvfp4+rac] [--batches 4,8,32] [--train-only | --rollout-only]
+//   bench_model_gpu [--quick] [--precisions bf16,nvfp4,nvfp4+rac] [--batches 4,8,32] [--ahead N]
+//                   [--train-only | --rollout-only]
 //   bench_model_gpu --ncu P | --ncu-decode P | --ncu-train P   (regions for ncu, see below)
 //   bench_model_gpu --step-trace P [--step-trace P2 ...]        (scripts/gpu/step_trace.sh, see below)
 // Training rows (cuda::GpuTrainer, cuda/train_gpu.h): tokens/s of one optimizer step on 8 x 1024
@@ -103,18 +106,25 @@ struct DecodeResult {
   double gpu_us_per_step = 0, wall_us_per_step = 0;  // decode steps: device time vs wall time
 };
 
+// Decode steps a call when every sequence decodes (--ahead N; the rollout engine's decode_ahead):
+// N > 1 runs GpuModel::decode_run (the draws fed back on the device, one wait a call), 1 a call a
+// step (step_greedy / step_sample, the host feeding the tokens back). QUADS_BENCH_AHEAD=N as --ahead.
+int g_ahead = rollout::EngineOptions{}.decode_ahead;
+
 // Greedy generation of new_tokens per sequence, stopping early after max_seconds of decoding
 // (keeps the script's run bounded whatever the speed).
-// sampled: draws at temperature 1 through step_sample (the rollout engine's call) instead of
-// step_greedy; where the draws are made is the model's setting (GpuModel::set_device_sampling).
+// sampled: draws at temperature 1 (the rollout engine's jobs) instead of greedy ones; where the
+// draws are made is the model's setting (GpuModel::set_device_sampling). ahead: as g_ahead (greedy
+// steps a call at a time use step_greedy, the arg-max alone; runs draw greedy jobs with log-probs).
 DecodeResult run_decode(cuda::GpuModel& g, int B, int64_t prompt_len, int new_tokens, double max_seconds = 1e9,
-                        bool sampled = false) {
+                        bool sampled = false, int ahead = 1) {
   const int V = g.config().vocab_size;
   std::vector<rollout::SampleJob> jobs(B);
   for (int b = 0; b < B; ++b) {
     jobs[b].row = b;
     jobs[b].request = b;
     jobs[b].seed = 5000 + b;
+    jobs[b].params.greedy = !sampled;
   }
   int64_t pos = prompt_len;
   auto step = [&](const std::vector<model::StepItem>& items) {
@@ -135,12 +145,23 @@ DecodeResult run_decode(cuda::GpuModel& g, int B, int64_t prompt_len, int new_to
   QUADS_CUDA_CHECK(cudaDeviceSynchronize());
   const double t0 = now();
   std::vector<int32_t> next = step(items);
+  pos = prompt_len;
   const double t1 = now();
   g.reset_stats();
   int done = 1;
-  for (; done < new_tokens && now() - t1 < max_seconds; ++done) {
+  while (done < new_tokens && now() - t1 < max_seconds) {
     for (int b = 0; b < B; ++b) items[b].tokens.assign(1, next[b]);
-    next = step(items);
+    if (ahead <= 1) {
+      next = step(items);
+      ++done;
+      continue;
+    }
+    const int n = std::min(ahead, new_tokens - done);
+    for (auto& j : jobs) j.pos = static_cast<uint64_t>(pos);
+    pos += n;
+    const std::vector<rollout::Draw> d = g.decode_run(items, jobs, n);
+    for (int b = 0; b < B; ++b) next[b] = d[size_t(n - 1) * B + b].token;
+    done += n;
   }
   QUADS_CUDA_CHECK(cudaDeviceSynchronize());
   const double t2 = now();
@@ -372,11 +393,12 @@ bool bench_precision(const model::ModelConfig& cfg, const std::string& p, double
     run_decode(g, 2, 8, 4);  // warm-up
     for (int i = 0; i < 3; ++i) {
       const int B = batches[i];
-      const DecodeResult r = run_decode(g, B, prompt, new_tokens, 15.0);
+      const DecodeResult r = run_decode(g, B, prompt, new_tokens, 15.0, false, g_ahead);
+      const DecodeResult r1 = run_decode(g, B, prompt, new_tokens, 15.0);
       const double bound = B * bw * 1e9 / r.bytes_per_step;
-      std::printf("| %s | %d%s | %.0f | %.0f | %.2f | %.0f | %.1f | %.0f | %.1f |\n", p.c_str(), B,
+      std::printf("| %s | %d%s | %.0f | %.0f | %.0f | %.2f | %.0f | %.1f | %.0f | %.1f |\n", p.c_str(), B,
                   r.new_tokens < new_tokens ? fmt::format(" ({} new: time budget)", r.new_tokens).c_str() : "", r.e2e_tps,
-                  r.decode_tps, r.bytes_per_step / 1e9, bound, 100.0 * r.decode_tps / bound, peer[i],
+                  r.decode_tps, r1.decode_tps, r.bytes_per_step / 1e9, bound, 100.0 * r.decode_tps / bound, peer[i],
                   r.e2e_tps / peer[i]);
       std::fflush(stdout);
       std::fprintf(stderr,
@@ -386,10 +408,11 @@ bool bench_precision(const model::ModelConfig& cfg, const std::string& p, double
                    static_cast<long long>(r.graph_kernels), r.gpu_us_per_step, r.wall_us_per_step);
     }
     for (const int B : g_extra_batches) {
-      const DecodeResult r = run_decode(g, B, prompt, new_tokens, 15.0);
+      const DecodeResult r = run_decode(g, B, prompt, new_tokens, 15.0, false, g_ahead);
+      const DecodeResult r1 = run_decode(g, B, prompt, new_tokens, 15.0);
       const double bound = B * bw * 1e9 / r.bytes_per_step;
-      std::printf("| %s | %d | %.0f | %.0f | %.2f | %.0f | %.1f | | |\n", p.c_str(), B, r.e2e_tps, r.decode_tps,
-                  r.bytes_per_step / 1e9, bound, 100.0 * r.decode_tps / bound);
+      std::printf("| %s | %d | %.0f | %.0f | %.0f | %.2f | %.0f | %.1f | | |\n", p.c_str(), B, r.e2e_tps, r.decode_tps,
+                  r1.decode_tps, r.bytes_per_step / 1e9, bound, 100.0 * r.decode_tps / bound);
       std::fflush(stdout);
     }
     // The rollout engine's call (draws at temperature 1, returned per row) with the draws on the
@@ -399,18 +422,18 @@ bool bench_precision(const model::ModelConfig& cfg, const std::string& p, double
       for (int i = 0; i < 3; ++i)
         for (const bool on_dev : {true, false}) {
           g.set_device_sampling(on_dev);
-          const DecodeResult r = run_decode(g, batches[i], prompt, quick ? 8 : 64, 10.0, true);
+          const DecodeResult r = run_decode(g, batches[i], prompt, quick ? 8 : 64, 10.0, true, g_ahead);
           (on_dev ? dev_s : host_s) += fmt::format("{}{:.0f}", i ? " / " : "", r.decode_tps);
         }
       g.set_device_sampling(true);
       std::printf("| %s | sampled (T = 1), batch 1 / 16 / 64 | decode tok/s, draws on the device: %s | on the host: %s "
-                  "| | | | | |\n",
+                  "| | | | | | |\n",
                   p.c_str(), dev_s.c_str(), host_s.c_str());
       std::fflush(stdout);
     }
     const int pb = quick ? 4 : 16;
     const double tps = run_prefill(g, pb, 1024);
-    std::printf("| %s | prefill %dx1024 | %.0f prompt tok/s | | | | | 184000 | %.2f |\n", p.c_str(), pb, tps,
+    std::printf("| %s | prefill %dx1024 | %.0f prompt tok/s | | | | | | 184000 | %.2f |\n", p.c_str(), pb, tps,
                 tps / 184000.0);
     std::fflush(stdout);
     return true;
@@ -550,6 +573,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     bool quick = false, train_only = false, rollout_only = false;
+    if (const char* e = std::getenv("QUADS_BENCH_AHEAD")) g_ahead = std::max(1, std::atoi(e));  // A/B runs (ab.sh)
     std::vector<std::string> precisions{"bf16", "nvfp4", "nvfp4+eager", "nvfp4+rac", "nvfp4+attnl1", "nvfp4+attn"};
     for (int i = 1; i < argc; ++i) {
       if (!std::strcmp(argv[i], "--quick")) quick = true;
@@ -568,6 +592,10 @@ int main(int argc, char** argv) {
       else if (!std::strcmp(argv[i], "--step-trace") && i + 1 < argc) {
         step_trace(peer_config(), argv[++i]);
         if (i + 1 == argc) return 0;
+      }
+      else if (!std::strcmp(argv[i], "--ahead") && i + 1 < argc) {
+        g_ahead = std::atoi(argv[++i]);
+        if (g_ahead < 1) throw std::runtime_error("--ahead: decode steps a call must be >= 1");
       }
       else if (!std::strcmp(argv[i], "--batches") && i + 1 < argc) {
         std::stringstream ss(argv[++i]);
@@ -589,8 +617,10 @@ int main(int argc, char** argv) {
                 cuda::device_name(0).c_str(), bw);
     int failures = 0;
     if (!train_only) {
-      std::printf("| precision | batch | new tok/s (prefill+decode) | decode tok/s | weight GB read/step | bound tok/s | "
-                  "%% of bound | transformers bf16 tok/s | x peer |\n|---|---|---|---|---|---|---|---|---|\n");
+      std::printf("| precision | batch | new tok/s (prefill+decode) | decode tok/s (%d steps a call) | decode tok/s (a "
+                  "call a step) | weight GB read/step | bound tok/s | %% of bound | transformers bf16 tok/s | x peer "
+                  "|\n|---|---|---|---|---|---|---|---|---|---|\n",
+                  g_ahead);
       for (const std::string& p : precisions) failures += !bench_precision(cfg, p, bw, quick);
     }
     if (!rollout_only) bench_training(cfg, bw, quick);

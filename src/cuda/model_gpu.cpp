@@ -315,9 +315,18 @@ struct GpuModel::Impl {
   DeviceArray<int32_t> ecount, eoff_d, bad_d;
   DeviceArray<uint32_t> route_ticket;  // kern::router_route's last-CTA ticket (left at zero by every call)
   int32_t* bad_host = nullptr;  // pinned copy of bad_d, queued at the end of every step
-  uint8_t* in_host = nullptr;   // pinned staging of a step's inputs (tokens, slots, positions, rows, RoPE)
-  size_t in_host_bytes = 0;
-  DeviceArray<uint8_t> inbuf;   // their device copy
+  // Pinned staging of a step's inputs (tokens, slots, positions, rows, RoPE), two buffers used in
+  // turn: a decode run writes the next step's while the copy of this one's may still wait in the
+  // stream; ev_in[b] marks buffer b's last copy.
+  uint8_t* in_host[2] = {nullptr, nullptr};
+  size_t in_host_bytes[2] = {0, 0};
+  cudaEvent_t ev_in[2] = {nullptr, nullptr};
+  int in_turn = 0;
+  DeviceArray<uint8_t> inbuf;   // their device copy; the tokens come first (offset 0)
+  // A decode run's steps after its first: the tokens are already in inbuf (the previous step's
+  // draws, kern::sample_rows' feed), and the step's device time started at the run's first step.
+  bool fed_tokens = false;
+  bool in_run = false;  // a decode run's step: the router's error flag is copied once, after the run
   DeviceArray<unsigned long long> active_d;  // per layer: experts with rows, summed over steps
   // the same for the steps whose experts ran with RAC folded (their RAC blocks are not read again)
   DeviceArray<unsigned long long> active_fold_d;
@@ -351,6 +360,7 @@ struct GpuModel::Impl {
     keep_pool_memory();
     QUADS_CUDA_CHECK(cudaEventCreate(&ev_begin));
     QUADS_CUDA_CHECK(cudaEventCreate(&ev_end));
+    for (cudaEvent_t& e : ev_in) QUADS_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     legacy_moe = env_is("QUADS_GPU_MOE", "legacy");
     graphs_on = !env_is("QUADS_GPU_GRAPHS", "0");
     rac_grouped_on = !env_is("QUADS_GPU_RAC_GROUPED", "0");
@@ -419,7 +429,10 @@ struct GpuModel::Impl {
     if (ev_begin) cudaEventDestroy(ev_begin);
     if (ev_end) cudaEventDestroy(ev_end);
     if (bad_host) cudaFreeHost(bad_host);
-    if (in_host) cudaFreeHost(in_host);
+    for (int b = 0; b < 2; ++b) {
+      if (ev_in[b]) cudaEventDestroy(ev_in[b]);
+      if (in_host[b]) cudaFreeHost(in_host[b]);
+    }
   }
 
   void clear_graphs() {
@@ -1544,8 +1557,7 @@ struct GpuModel::Impl {
 
     std::vector<float> hcos(T * hd / 2), hsin(T * hd / 2);
     cpu::rope_tables(pos64.data(), T, hd, cfg.rope_theta, hcos.data(), hsin.data());
-    // The step's inputs in one pinned staging buffer and one asynchronous copy (the previous
-    // step's copy is done: every step ends with a synchronizing copy of its results).
+    // The step's inputs in one pinned staging buffer and one asynchronous copy.
     size_t in_bytes = 0;
     auto place = [&](size_t bytes) {
       const size_t at = in_bytes;
@@ -1555,23 +1567,32 @@ struct GpuModel::Impl {
     const size_t o_tok = place(4 * htok.size()), o_slot = place(4 * hslot.size()), o_pos = place(4 * hpos.size()),
                  o_sel = place(4 * hsel.size()), o_cos = place(4 * hcos.size()), o_sin = place(4 * hsin.size()),
                  o_blk = place(4 * hblk.size());
-    if (in_host_bytes < in_bytes) {
-      QUADS_CUDA_CHECK(cudaStreamSynchronize(stream));
-      if (in_host) cudaFreeHost(in_host);
-      in_host = nullptr;
-      in_host_bytes = in_bytes + in_bytes / 4 + 4096;
-      QUADS_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&in_host), in_host_bytes, cudaHostAllocDefault));
+    const int b = in_turn;
+    in_turn ^= 1;
+    QUADS_CUDA_CHECK(cudaEventSynchronize(ev_in[b]));  // its previous copy has read it
+    if (in_host_bytes[b] < in_bytes) {
+      if (in_host[b]) cudaFreeHost(in_host[b]);
+      in_host[b] = nullptr;
+      in_host_bytes[b] = in_bytes + in_bytes / 4 + 4096;
+      QUADS_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&in_host[b]), in_host_bytes[b], cudaHostAllocDefault));
     }
-    std::memcpy(in_host + o_tok, htok.data(), 4 * htok.size());
-    std::memcpy(in_host + o_slot, hslot.data(), 4 * hslot.size());
-    std::memcpy(in_host + o_pos, hpos.data(), 4 * hpos.size());
-    std::memcpy(in_host + o_sel, hsel.data(), 4 * hsel.size());
-    std::memcpy(in_host + o_cos, hcos.data(), 4 * hcos.size());
-    std::memcpy(in_host + o_sin, hsin.data(), 4 * hsin.size());
-    if (!hblk.empty()) std::memcpy(in_host + o_blk, hblk.data(), 4 * hblk.size());
+    uint8_t* const ih = in_host[b];
+    std::memcpy(ih + o_tok, htok.data(), 4 * htok.size());
+    std::memcpy(ih + o_slot, hslot.data(), 4 * hslot.size());
+    std::memcpy(ih + o_pos, hpos.data(), 4 * hpos.size());
+    std::memcpy(ih + o_sel, hsel.data(), 4 * hsel.size());
+    std::memcpy(ih + o_cos, hcos.data(), 4 * hcos.size());
+    std::memcpy(ih + o_sin, hsin.data(), 4 * hsin.size());
+    if (!hblk.empty()) std::memcpy(ih + o_blk, hblk.data(), 4 * hblk.size());
+    // Fed tokens sit at offset 0 of inbuf, where the previous step of the run put them: the buffer
+    // must not move (the run's first step, of the same shape, sized it).
+    QUADS_CHECK(!fed_tokens || (o_tok == 0 && inbuf.size() >= in_bytes),
+                "GpuModel: a decode run's step needs {} input bytes, its first step had {}", in_bytes, inbuf.size());
     uint8_t* in_dev = grow(inbuf, in_bytes);
-    QUADS_CUDA_CHECK(cudaEventRecord(ev_begin, stream));
-    QUADS_CUDA_CHECK(cudaMemcpyAsync(in_dev, in_host, in_bytes, cudaMemcpyHostToDevice, stream));
+    if (!fed_tokens) QUADS_CUDA_CHECK(cudaEventRecord(ev_begin, stream));
+    const size_t skip = fed_tokens ? o_slot : 0;
+    QUADS_CUDA_CHECK(cudaMemcpyAsync(in_dev + skip, ih + skip, in_bytes - skip, cudaMemcpyHostToDevice, stream));
+    QUADS_CUDA_CHECK(cudaEventRecord(ev_in[b], stream));
     const int32_t* d_tok = reinterpret_cast<const int32_t*>(in_dev + o_tok);
     const int32_t* d_slot = reinterpret_cast<const int32_t*>(in_dev + o_slot);
     const int32_t* d_pos = reinterpret_cast<const int32_t*>(in_dev + o_pos);
@@ -1894,7 +1915,7 @@ struct GpuModel::Impl {
 
     if (!graphable) {
       body();
-      queue_route_flag();
+      if (!in_run) queue_route_flag();
       return nout;
     }
     const auto key = std::make_tuple(T, nout, max_ctx);
@@ -1909,7 +1930,7 @@ struct GpuModel::Impl {
       ++stats.graph_steps;
       stats.weight_bytes += it->second.weight_bytes;
       stats.expert_gemms += it->second.expert_gemms;
-      queue_route_flag();
+      if (!in_run) queue_route_flag();
       return nout;
     }
     if (!seen.count(key)) {  // the first step of a shape runs eagerly (and sizes every buffer)
@@ -1918,7 +1939,7 @@ struct GpuModel::Impl {
     } else {
       capture(body, key);
     }
-    queue_route_flag();
+    if (!in_run) queue_route_flag();
     return nout;
   }
 
@@ -2207,6 +2228,64 @@ std::vector<rollout::Draw> GpuModel::step_sample(const std::vector<model::StepIt
   return draws;
 }
 
+std::vector<rollout::Draw> GpuModel::decode_run(std::vector<model::StepItem> items, std::vector<rollout::SampleJob> jobs,
+                                                int n) {
+  Impl& m = *impl_;
+  rollout::check_decode_run(items, jobs, n, "GpuModel");
+  const int64_t V = m.cfg.vocab_size;
+  bool on_device = m.device_sampling;
+  for (const rollout::SampleJob& j : jobs) on_device = on_device && rollout::device_samplable(j.params, V);
+  if (!on_device || items.empty())  // the host draws: a step at a time
+    return rollout::decode_stepwise(std::move(items), std::move(jobs), n,
+                                    [&](const std::vector<model::StepItem>& it, const std::vector<rollout::SampleJob>& jb) {
+                                      return step_sample(it, jb);
+                                    });
+  const int J = static_cast<int>(jobs.size());
+  std::vector<kern::SampleJobDev> dj(size_t(n) * J);
+  for (int k = 0; k < n; ++k)
+    for (int i = 0; i < J; ++i) {
+      const rollout::SampleJob& j = jobs[i];
+      dj[size_t(k) * J + i] = {j.row, j.params.temperature, j.seed, j.pos + k, j.params.is_greedy() ? 1 : 0};
+    }
+  grow(m.sample_jobs, dj.size());
+  grow(m.sample_out, dj.size());
+  QUADS_CUDA_CHECK(cudaMemcpyAsync(m.sample_jobs.data(), dj.data(), sizeof(kern::SampleJobDev) * dj.size(),
+                                   cudaMemcpyHostToDevice, m.stream));
+  // Every step is queued before any draw comes back: step k + 1's inputs (positions, RoPE) are
+  // known on the host, its tokens are step k's draws, written by sample_rows where step k + 1's
+  // copy of its inputs leaves them (offset 0 of inbuf).
+  struct RunFlags {  // also reset when a step throws
+    Impl& m;
+    ~RunFlags() { m.fed_tokens = m.in_run = false; }
+  } flags{m};
+  m.in_run = true;
+  for (int k = 0; k < n; ++k) {
+    m.fed_tokens = k > 0;
+    const int64_t nout = m.run(items);
+    QUADS_CHECK(nout == J, "GpuModel::decode_run: a step gave {} rows for {} items", nout, J);
+    int32_t* feed = k + 1 < n ? reinterpret_cast<int32_t*>(m.inbuf.data()) : nullptr;
+    kern::sample_rows(m.logits.data(), V, m.sample_jobs.data() + size_t(k) * J, J, m.sample_out.data() + size_t(k) * J,
+                      m.stream, feed);
+  }
+  m.fed_tokens = m.in_run = false;
+  m.queue_route_flag();
+  m.mark_end();
+  std::vector<kern::SampleDrawDev> got(dj.size());
+  QUADS_CUDA_CHECK(cudaMemcpy(got.data(), m.sample_out.data(), sizeof(kern::SampleDrawDev) * got.size(),
+                              cudaMemcpyDeviceToHost));
+  m.check_route(true);
+  m.add_gpu_time(true);
+  std::vector<rollout::Draw> draws(got.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    const rollout::SampleJob& j = jobs[i % J];
+    QUADS_CHECK(got[i].ok, "rollout: request {}: sample: the logits at position {} are not finite (max {}, sum of "
+                "exponentials {})", j.request, j.pos + i / J, got[i].fmax, got[i].sum);
+    draws[i].token = got[i].token;
+    draws[i].logprob = got[i].logprob;
+  }
+  return draws;
+}
+
 void GpuModel::set_device_sampling(bool on) { impl_->device_sampling = on; }
 
 GpuLinearMode GpuModel::linear_mode(const std::string& module) const {
@@ -2249,6 +2328,10 @@ class GpuBackend : public rollout::StepBackend {
   std::vector<rollout::Draw> step_sample(const std::vector<model::StepItem>& items,
                                          const std::vector<rollout::SampleJob>& jobs) override {
     return m_.step_sample(items, jobs);
+  }
+  std::vector<rollout::Draw> decode_run(std::vector<model::StepItem> items, std::vector<rollout::SampleJob> jobs,
+                                        int n) override {
+    return m_.decode_run(std::move(items), std::move(jobs), n);
   }
   void copy(int src, int dst) override { m_.copy(src, dst); }
   void clear(int slot) override { m_.clear(slot); }

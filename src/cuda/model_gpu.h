@@ -115,6 +115,10 @@ class GpuModel {
   // QUADS_GPU_SAMPLE=host sends every job there.
   std::vector<rollout::Draw> step_sample(const std::vector<model::StepItem>& items,
                                          const std::vector<rollout::SampleJob>& jobs);
+  // rollout::StepBackend::decode_run: n decode steps queued back to back, each step's tokens the
+  // draws of the step before, fed on the device (one wait for the host, at the end). Jobs the
+  // device cannot draw (top-k / top-p, or set_device_sampling(false)) go a step at a time.
+  std::vector<rollout::Draw> decode_run(std::vector<model::StepItem> items, std::vector<rollout::SampleJob> jobs, int n);
   void set_device_sampling(bool on);  // false: as QUADS_GPU_SAMPLE=host (benchmarks, tests)
 
   GpuLinearMode linear_mode(const std::string& module) const;  // throws for an unknown name

@@ -248,7 +248,9 @@ struct SampleDrawDev {
   int32_t ok;
   double sum;
 };
-void sample_rows(const float* logits, int64_t V, const SampleJobDev* jobs, int n, SampleDrawDev* out, cudaStream_t s);
+// feed (optional): also each draw's token alone, feed[i] for job i (a decode run's next tokens).
+void sample_rows(const float* logits, int64_t V, const SampleJobDev* jobs, int n, SampleDrawDev* out, cudaStream_t s,
+                 int32_t* feed = nullptr);
 
 // Pseudo-random N(mean, stddev) values, a pure function of (seed, index) (benchmarks' random weights).
 void fill_normal(float* x, int64_t n, uint64_t seed, float mean, float stddev, cudaStream_t s);

@@ -32,7 +32,7 @@ __device__ __forceinline__ double z_of(float l, double T) { return T == 1.0 ? do
 // One CTA a job; thread t owns the contiguous columns [t * C, (t + 1) * C).
 __global__ void __launch_bounds__(kSampleThreads)
     sample_kernel(const float* __restrict__ logits, int64_t V, const SampleJobDev* __restrict__ jobs,
-                  SampleDrawDev* __restrict__ out) {
+                  SampleDrawDev* __restrict__ out, int32_t* __restrict__ feed) {
   pdl_begin();
   __shared__ float s_v[kSampleThreads / 32];
   __shared__ int64_t s_i[kSampleThreads / 32];
@@ -132,14 +132,16 @@ __global__ void __launch_bounds__(kSampleThreads)
   d.fmax = fm;
   d.sum = total;
   out[blockIdx.x] = d;
+  if (feed) feed[blockIdx.x] = d.token;
 }
 
 }  // namespace
 
-void sample_rows(const float* logits, int64_t V, const SampleJobDev* jobs, int n, SampleDrawDev* out, cudaStream_t s) {
+void sample_rows(const float* logits, int64_t V, const SampleJobDev* jobs, int n, SampleDrawDev* out, cudaStream_t s,
+                 int32_t* feed) {
   if (n == 0) return;
   QUADS_CHECK(V > 0 && V < (int64_t(1) << 31), "cuda sample_rows: a vocabulary of {}", V);
-  launch_pdl(sample_kernel, static_cast<unsigned>(n), kSampleThreads, 0, s, logits, V, jobs, out);
+  launch_pdl(sample_kernel, static_cast<unsigned>(n), kSampleThreads, 0, s, logits, V, jobs, out, feed);
 }
 
 }  // namespace quads::cuda::kern

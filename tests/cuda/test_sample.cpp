@@ -5,6 +5,7 @@
 // through the GPU backend drawing on the device or on the host. Skips without a GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -144,4 +145,125 @@ TEST(CudaSample, RolloutDrawsOnDeviceAsOnHost) {
             << "request " << i << " token " << t;
     }
   }
+}
+
+// GpuModel::decode_run (steps queued back to back, each step's tokens the draws of the step
+// before, fed on the device) against step_sample a step at a time with the host feeding the
+// tokens back: the same draws, bit for bit, for greedy and temperature jobs, with the graphs (the
+// run's first steps capture a graph while earlier steps are still queued, and the context crosses
+// a graph's bucket at 32) and without; a top-k job sends the run to the host, a step at a time.
+TEST(CudaSample, DecodeRunIsStepSampleStepByStep) {
+  QUADS_REQUIRE_GPU();
+  const std::vector<int> prompt_lens = {5, 17, 28};
+  const int B = static_cast<int>(prompt_lens.size()), n = 12;
+  for (const std::string preset : {"nvfp4", "bf16"})
+    for (const bool graphs : {true, false})
+      for (const bool topk : {false, true}) {
+        const std::string what = preset + (graphs ? "" : ", eager") + (topk ? ", a top-k job" : "");
+        if (!graphs) setenv("QUADS_GPU_GRAPHS", "0", 1);
+        cuda::GpuModel a(fixture_weights(), model::PrecisionConfig::preset(preset));
+        cuda::GpuModel b(fixture_weights(), model::PrecisionConfig::preset(preset));
+        unsetenv("QUADS_GPU_GRAPHS");
+        std::vector<model::StepItem> items(B);
+        std::vector<rollout::SampleJob> jobs(B);
+        for (int i = 0; i < B; ++i) {
+          items[i].slot = i;
+          for (int t = 0; t < prompt_lens[i]; ++t) items[i].tokens.push_back((37 * t + 11 * i + 3) % 200);
+          jobs[i].row = i;
+          jobs[i].request = i;
+          jobs[i].seed = 900 + i;
+          jobs[i].params.temperature = 0.8 + 0.3 * i;
+        }
+        jobs[0].params.greedy = true;
+        if (topk) jobs[2].params.top_k = 4;
+        for (cuda::GpuModel* g : {&a, &b}) g->reset_cache(B, 64);
+        auto set_pos = [&] {
+          for (int i = 0; i < B; ++i) jobs[i].pos = static_cast<uint64_t>(a.length(i));
+        };
+        set_pos();
+        const std::vector<rollout::Draw> pa = a.step_sample(items, jobs), pb = b.step_sample(items, jobs);
+        std::vector<model::StepItem> dec(B);
+        for (int i = 0; i < B; ++i) {
+          ASSERT_EQ(pa[i].token, pb[i].token) << what;
+          dec[i].slot = i;
+          dec[i].tokens = {pa[i].token};
+        }
+        set_pos();
+        a.reset_stats();
+        const std::vector<rollout::Draw> run = a.decode_run(dec, jobs, n);
+        ASSERT_EQ(run.size(), size_t(n) * B) << what;
+        EXPECT_EQ(a.stats().steps, n) << what;
+        for (int k = 0; k < n; ++k) {
+          const std::vector<rollout::Draw> one = b.step_sample(dec, jobs);
+          for (int i = 0; i < B; ++i) {
+            const rollout::Draw& r = run[size_t(k) * B + i];
+            EXPECT_EQ(r.token, one[i].token) << what << ": step " << k << " row " << i;
+            EXPECT_TRUE(same_float(r.logprob, one[i].logprob)) << what << ": step " << k << " row " << i;
+            dec[i].tokens = {one[i].token};
+            ++jobs[i].pos;
+          }
+        }
+        for (int i = 0; i < B; ++i) {
+          EXPECT_EQ(a.length(i), prompt_lens[i] + n) << what;
+          EXPECT_EQ(a.length(i), b.length(i)) << what;
+        }
+        // the caches hold the same entries: one more step from each agrees
+        set_pos();
+        const std::vector<rollout::Draw> na = a.step_sample(dec, jobs), nb = b.step_sample(dec, jobs);
+        for (int i = 0; i < B; ++i) EXPECT_TRUE(na[i].token == nb[i].token && same_float(na[i].logprob, nb[i].logprob));
+      }
+}
+
+// The rollout engine on the GPU backend with decode runs of 8 against a call a step: with every
+// sequence of the same length and no stop ids the steps see the same batches either way, so the
+// results are the same bits. Stops: four copies of one request (the same draws, so every copy
+// stops at the same step and the batches stay the same) with a stop id drawn inside a run: the
+// output ends at it, the run's later draws are dropped.
+TEST(CudaSample, RolloutDecodeRunsAsStepByStep) {
+  QUADS_REQUIRE_GPU();
+  const auto prec = model::PrecisionConfig::preset("nvfp4");
+  std::vector<rollout::Request> reqs;
+  for (int i = 0; i < 4; ++i) {
+    rollout::Request r;
+    r.prompt = {3 + i, 40, 9 + 2 * i, 7};
+    r.max_new_tokens = 21;
+    r.seed = 31 + i;
+    r.sampling.temperature = i == 0 ? 0.0 : 1.1;
+    reqs.push_back(r);
+  }
+  auto run = [&](int ahead, const std::vector<rollout::Request>& rs, rollout::EngineStats* st = nullptr) {
+    rollout::EngineOptions o;
+    o.decode_ahead = ahead;
+    rollout::RolloutEngine eng(fixture_weights(), prec, o);
+    eng.set_backend(cuda::make_gpu_backend(fixture_weights(), prec));
+    auto out = eng.generate(rs);
+    if (st) *st = eng.stats();
+    return out;
+  };
+  rollout::EngineStats st;
+  const auto one = run(1, reqs), eight = run(8, reqs, &st);
+  EXPECT_GT(st.decode_runs, 0);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    EXPECT_EQ(eight[i].tokens, one[i].tokens) << "request " << i;
+    EXPECT_EQ(eight[i].logprobs, one[i].logprobs) << "request " << i;
+  }
+
+  std::vector<rollout::Request> same(4, reqs[1]);
+  const std::vector<int32_t> free_run = run(1, same)[0].tokens;
+  size_t stop_at = 0;  // the first occurrence of the stop token: not the last draw of a run of 8
+  for (size_t j = 2; j < free_run.size() && !stop_at; ++j) {
+    const size_t e = std::find(free_run.begin(), free_run.end(), free_run[j]) - free_run.begin();
+    if (e >= 2 && e % 8 != 0 && e + 1 < free_run.size()) stop_at = e;
+  }
+  ASSERT_GT(stop_at, 0u);
+  for (auto& r : same) r.stop_ids = {free_run[stop_at]};
+  const auto a = run(1, same), b = run(8, same, &st);
+  const std::vector<int32_t> want(free_run.begin(), free_run.begin() + stop_at + 1);
+  for (size_t i = 0; i < same.size(); ++i) {
+    EXPECT_EQ(a[i].tokens, want) << "request " << i;
+    EXPECT_EQ(b[i].tokens, want) << "request " << i;
+    EXPECT_EQ(b[i].logprobs, a[i].logprobs) << "request " << i;
+    EXPECT_EQ(b[i].finish, rollout::Finish::Stop) << "request " << i;
+  }
+  EXPECT_GT(st.dropped, 0);
 }
