@@ -7,14 +7,18 @@
 // m = the max z, lse = m + log(sum exp(z - m)), u = uniform_draw(seed, pos) (the same Philox bits),
 // the token is the first one, in vocabulary order, whose running sum of exp(z - m) passes u * sum,
 // log-prob = z_token - lse. What differs is the order of the float64 sum (each thread sums a
-// contiguous chunk, then a fixed tree of the chunks) and the device's exp: a log-prob may differ
+// contiguous chunk, then a fixed tree of the chunks, over a cluster of CTAs for large vocabularies)
+// and the device's exp: a log-prob may differ
 // from the host's in the last bits of a double before its rounding to float, and a draw whose
 // u * sum falls within that rounding of a token boundary may pick the neighbour. Every run of the
 // same logits gives the same draws.
 #include <cuda_runtime.h>
 
+#include <cooperative_groups.h>
+
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 
 #include "cuda/check.h"
 #include "cuda/model_kernels.h"
@@ -29,21 +33,45 @@ constexpr int kSampleThreads = 512;
 
 __device__ __forceinline__ double z_of(float l, double T) { return T == 1.0 ? double(l) : double(l) / T; }
 
-// One CTA a job; thread t owns the contiguous columns [t * C, (t + 1) * C).
+// A job's row over S CTAs (a thread-block cluster of S; S = 1: one CTA, no cluster): thread t of
+// rank c owns the contiguous columns [g * C, (g + 1) * C), g = c * kSampleThreads + t. The CTAs
+// exchange their max, sums and finds through distributed shared memory, each combined in rank
+// order, so every rank holds the same values and the result depends on the row, the job and S
+// alone (S is chosen by the vocabulary: the draws do not depend on the batch).
+template <int S>
 __global__ void __launch_bounds__(kSampleThreads)
     sample_kernel(const float* __restrict__ logits, int64_t V, const SampleJobDev* __restrict__ jobs,
                   SampleDrawDev* __restrict__ out, int32_t* __restrict__ feed) {
   pdl_begin();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  if constexpr (S > 1) __trap();  // clusters need sm_90 (the host launches S = 1 elsewhere)
+#endif
   __shared__ float s_v[kSampleThreads / 32];
   __shared__ int64_t s_i[kSampleThreads / 32];
   __shared__ double s_d[kSampleThreads / 32];
-  const SampleJobDev jb = jobs[blockIdx.x];
+  __shared__ float c_v;  // this rank's max, its index, sum, last positive column, find (for the others)
+  __shared__ int64_t c_i, c_l, c_f;
+  __shared__ double c_d;
+  const int rank = S > 1 ? static_cast<int>(blockIdx.x % S) : 0;
+  const SampleJobDev jb = jobs[blockIdx.x / S];
   const double T = jb.greedy ? 1.0 : jb.temperature;
   const float* x = logits + jb.row * V;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr int NW = kSampleThreads / 32;
-  const int64_t C = (V + kSampleThreads - 1) / kSampleThreads;
-  const int64_t v0 = min(V, tid * C), v1 = min(V, v0 + C);
+  const int64_t C = (V + int64_t(S) * kSampleThreads - 1) / (int64_t(S) * kSampleThreads);
+  const int64_t v0 = min(V, (int64_t(rank) * kSampleThreads + tid) * C), v1 = min(V, v0 + C);
+  // rank r's copy of a shared variable (r = rank: this CTA's own)
+  auto remote = [&](auto* p, int r) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if constexpr (S > 1) return cooperative_groups::this_cluster().map_shared_rank(p, r);
+#endif
+    return p;
+  };
+  auto cluster_sync = [] {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if constexpr (S > 1) cooperative_groups::this_cluster().sync();
+#endif
+  };
 
   // max logit, first index (the host's strict > scan: NaN never wins)
   float fm = -INFINITY;
@@ -66,6 +94,17 @@ __global__ void __launch_bounds__(kSampleThreads)
   am = -1;
   for (int w = 0; w < NW; ++w)
     if (better(s_v[w], s_i[w], fm, am)) fm = s_v[w], am = s_i[w];
+  if constexpr (S > 1) {
+    if (tid == 0) c_v = fm, c_i = am;
+    cluster_sync();
+    fm = -INFINITY;
+    am = -1;
+    for (int r = 0; r < S; ++r) {
+      const float rv = *remote(&c_v, r);
+      const int64_t ri = *remote(&c_i, r);
+      if (better(rv, ri, fm, am)) fm = rv, am = ri;
+    }
+  }
   const double m = z_of(fm, T);
 
   // the chunk's sum of exp(z - m) in column order, and its last column with a positive term
@@ -76,7 +115,7 @@ __global__ void __launch_bounds__(kSampleThreads)
     part += e;
     if (e > 0) last = v;
   }
-  // exclusive prefix of the chunks' sums (a fixed tree: warp scan, then the warps' totals)
+  // exclusive prefix of the chunks' sums (a fixed tree: warp scan, the warps' totals, the ranks')
   double incl = part;
   for (int o = 1; o < 32; o <<= 1) {
     const double y = __shfl_up_sync(0xffffffffu, incl, o);
@@ -93,6 +132,17 @@ __global__ void __launch_bounds__(kSampleThreads)
     if (w < warp) before += s_d[w];
     total += s_d[w];
     lmax = max(lmax, s_i[w]);
+  }
+  if constexpr (S > 1) {
+    if (tid == 0) c_d = total, c_l = lmax;
+    cluster_sync();
+    total = 0;
+    for (int r = 0; r < S; ++r) {
+      const double t = *remote(&c_d, r);
+      if (r < rank) before += t;
+      total += t;
+      lmax = max(lmax, *remote(&c_l, r));
+    }
   }
   const double prefix = before + incl - part;
   const double lse = m + log(total);
@@ -122,17 +172,42 @@ __global__ void __launch_bounds__(kSampleThreads)
     if (lane == 0) s_i[warp] = found;
     __syncthreads();
     for (int w = 0; w < NW; ++w) found = min(found, s_i[w]);
+    if constexpr (S > 1) {
+      if (tid == 0) c_f = found;
+      cluster_sync();
+      for (int r = 0; r < S; ++r) found = min(found, *remote(&c_f, r));
+    }
     pick = found != INT64_MAX ? found : lmax;
   }
-  if (tid != 0) return;
+  cluster_sync();  // no rank leaves while another may still read its shared memory
+  if (tid != 0 || rank != 0) return;
   SampleDrawDev d{};
   d.ok = ok && pick >= 0;
   d.token = static_cast<int32_t>(pick < 0 ? 0 : pick);
   d.logprob = d.ok ? static_cast<float>(z_of(x[pick], T) - lse) : 0.f;
   d.fmax = fm;
   d.sum = total;
-  out[blockIdx.x] = d;
-  if (feed) feed[blockIdx.x] = d.token;
+  out[blockIdx.x / S] = d;
+  if (feed) feed[blockIdx.x / S] = d.token;
+}
+
+// CTAs a job: a cluster of 8 where the row gives each of its 4096 threads at least 2 columns
+// (a 32k vocabulary: 8 columns a thread instead of 63, so a decode step's draws take ~1/8 of the
+// time at small batches), on sm_90 and later; QUADS_GPU_SAMPLE_CTAS = 1 / 2 / 4 / 8 sets it.
+int sample_ctas(int64_t V) {
+  static const int forced = [] {
+    const char* e = std::getenv("QUADS_GPU_SAMPLE_CTAS");
+    const int f = e ? std::atoi(e) : 0;
+    return f == 1 || f == 2 || f == 4 || f == 8 ? f : 0;
+  }();
+  static const bool clusters = [] {
+    int dev = 0, major = 0;
+    return cudaGetDevice(&dev) == cudaSuccess &&
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9;
+  }();
+  if (!clusters) return 1;
+  if (forced) return forced;
+  return V >= int64_t(8) * kSampleThreads * 2 ? 8 : 1;
 }
 
 }  // namespace
@@ -141,7 +216,13 @@ void sample_rows(const float* logits, int64_t V, const SampleJobDev* jobs, int n
                  int32_t* feed) {
   if (n == 0) return;
   QUADS_CHECK(V > 0 && V < (int64_t(1) << 31), "cuda sample_rows: a vocabulary of {}", V);
-  launch_pdl(sample_kernel, static_cast<unsigned>(n), kSampleThreads, 0, s, logits, V, jobs, out, feed);
+  const unsigned grid = static_cast<unsigned>(n);
+  switch (sample_ctas(V)) {
+    case 8: launch_pdl_cluster(sample_kernel<8>, grid * 8, kSampleThreads, 0, s, dim3(8, 1, 1), logits, V, jobs, out, feed); break;
+    case 4: launch_pdl_cluster(sample_kernel<4>, grid * 4, kSampleThreads, 0, s, dim3(4, 1, 1), logits, V, jobs, out, feed); break;
+    case 2: launch_pdl_cluster(sample_kernel<2>, grid * 2, kSampleThreads, 0, s, dim3(2, 1, 1), logits, V, jobs, out, feed); break;
+    default: launch_pdl(sample_kernel<1>, grid, kSampleThreads, 0, s, logits, V, jobs, out, feed);
+  }
 }
 
 }  // namespace quads::cuda::kern
