@@ -306,12 +306,14 @@ TEST(CudaGemm, SkinnyMatchesDequantizedCpuGemm) {
 // X as FP16 fragments (Nvfp4View::frag, from w4a4_x_frag): the dense skinny tiles copy them
 // instead of staging the codes, and Auto splits K over a CTA's warps where it split it over a
 // cluster: the same bits as the codes path, for Auto and for explicit splits and clusters, plain
-// and accumulating; rows 1-8 (another tile shape) and K % 128 != 0 ignore the fragments.
+// and accumulating, in the tiles of 16 rows and in those of 8 (at most 8 rows: they copy the first
+// n-tile of the 16-row layout); Auto's GEMV (at most kGemvAutoMaxRows rows) and K % 128 != 0
+// ignore the fragments.
 TEST(CudaGemm, SkinnyXFragSameBits) {
   QUADS_REQUIRE_GPU();
   uint64_t seed = 910;
   for (int64_t K : {128, 512, 2048, 4096, 192})
-    for (int64_t M : {4, 9, 13, 16}) {
+    for (int64_t M : {2, 4, 7, 8, 9, 13, 16}) {
       DecodeCase d(M, K >= 2048 ? 520 : 2048, K, M % 2 == 1, false, seed);
       const int64_t N = d.N;
       DeviceArray<uint8_t> frag(x_frag_bytes(K));
@@ -356,7 +358,7 @@ TEST(CudaGemm, SkinnyXFragSameBits) {
       y.fill_bytes(0);
       w4a4_gemm_emulated(xp, nvfp4_view(d.dwq), y.data(), false, nullptr, {});
       const std::vector<float> got = y.download();
-      const bool read = M > 8 && K % 128 == 0;
+      const bool read = M > kGemvAutoMaxRows && K % 128 == 0;
       EXPECT_EQ(std::isnan(got[0]), read) << d.what << ": " << (read ? "fragments not read" : "fragments read");
     }
 }
