@@ -59,7 +59,8 @@ Nvfp4View nvfp4_view(const DeviceQTensor& q, const char* what = "operand");
 // block terms are summed in FP32 per lane in K order, then over the lanes by a fixed shuffle tree.
 // So the GEMV differs from the tile kernels only in the FP32 summation order, and an output's
 // bits do not depend on M, on how many rows a CTA takes at once, or on a grouped call's grouping.
-// It ignores `splits`. Auto picks the GEMV for M <= kGemvAutoMaxRows, Skinny up to
+// It ignores `splits`. Auto picks the GEMV for M <= kGemvAutoMaxRows (kGemvAutoMaxRowsXFrag where X
+// has fragments), Skinny up to
 // kSkinnyDenseMaxRows (64), else M128 (with QUADS_W4A4_SKINNY=N for N < 64: M16W4 up to 32 rows,
 // M16W4S3 where K <= 1024, M64 up to 64).
 // M16 variants (same sums in the same order, so the same bits; they differ in warps per CTA and
@@ -185,6 +186,11 @@ void w4a4_gemm_grouped_gather(const Nvfp4View& xr, const Nvfp4Weight* w_table, b
 // (gemv_auto_grouped), the skinny tiles for bounds up to kSkinnyAutoMaxRows (routed batch 4 / 16 /
 // 64 gate/up 25 / 44 / 60 us against the GEMV's 42 / 98 and the tiles' 43 / 71 / 79).
 constexpr int64_t kGemvAutoMaxRows = 3;
+// With X as FP16 fragments (Nvfp4View::frag) the skinny tiles win from 3 rows: nvfp4 decode at
+// batch 3 +2.6%, batch 2 even (H200, docs/cuda.md Part 28).
+constexpr int64_t kGemvAutoMaxRowsXFrag = 2;
+// The dense GEMV's bound as Auto applies it (QUADS_GEMV_AUTO_ROWS overrides both, for A/B runs).
+int64_t gemv_auto_max_rows(bool xfrag);
 constexpr int64_t kSkinnyAutoMaxRows = 64, kSkinnyDenseMaxRows = 64;
 bool gemv_auto_grouped(int64_t max_rows, int64_t k);
 // The GEMV's grid: one CTA per tile of weight rows (Off), or about one wave of CTAs that loop

@@ -216,7 +216,7 @@ struct GpuModel::Impl {
   DeviceArray<uint8_t> nq_codes, nq_scales;
   DeviceArray<float> nq_amax;
   // The input norm's rows (q/k/v) and o_proj's quantized input also as the skinny W4A4 tiles' FP16
-  // operand (Nvfp4View::frag: decode batches of 4-16 rows, qkv_frag / oproj_frag), so those tiles
+  // operand (Nvfp4View::frag: decode batches of 3-16 rows, qkv_frag / oproj_frag), so those tiles
   // copy X instead of staging it. QUADS_GPU_XFRAG=0: codes only.
   DeviceArray<uint8_t> nq_frag;
   bool xfrag_on = true;
@@ -662,9 +662,9 @@ struct GpuModel::Impl {
            w4a4_grouped_mapped_supported(T, cfg.hidden_size);
   }
   kern::RowNvfp4 nq_out() { return {nq_codes.data(), nq_scales.data(), nq_amax.data()}; }
-  // q/k/v's X of T rows as FP16 fragments too: the skinny tiles' calls of 4-16 rows (fewer: the
+  // q/k/v's X of T rows as FP16 fragments too: the skinny tiles' calls of 3-16 rows (fewer: the
   // GEMV), K a multiple of 128. H200 (docs/cuda.md Parts 27, 28): the q/k/v call at 16 rows 8.2 -> ~6 us.
-  static bool frag_rows(int64_t T) { return T > kGemvAutoMaxRows && T <= 16; }
+  static bool frag_rows(int64_t T) { return T > gemv_auto_max_rows(true) && T <= 16; }
   bool qkv_frag(int64_t T) const { return xfrag_on && frag_rows(T) && cfg.hidden_size % 128 == 0; }
   bool oproj_frag(const DevLinear& L, int64_t T) const {
     const num::QConfig& c = L.act_cfg();

@@ -358,10 +358,21 @@ TileKernel wgmma_tile(W4A4Tile tile, bool grouped) {
   return k;
 }
 
+}  // namespace
+
+int64_t gemv_auto_max_rows(bool xfrag) {
+  static const int64_t forced = [] {
+    const char* e = std::getenv("QUADS_GEMV_AUTO_ROWS");
+    return e != nullptr ? static_cast<int64_t>(std::atoll(e)) : int64_t(-1);
+  }();
+  return forced >= 0 ? forced : xfrag ? kGemvAutoMaxRowsXFrag : kGemvAutoMaxRows;
+}
+
+namespace {
 template <bool GATHER>
 void dispatch(const Params& p, const W4A4Options& opt, cudaStream_t s) {
   W4A4Tile tile = opt.tile;
-  if (tile == W4A4Tile::Auto && p.M <= kGemvAutoMaxRows && gemv_plan(p.K, p.M, p.N).R > 0) tile = W4A4Tile::Gemv;
+  if (tile == W4A4Tile::Auto && p.M <= gemv_auto_max_rows(p.xfrag != nullptr) && gemv_plan(p.K, p.M, p.N).R > 0) tile = W4A4Tile::Gemv;
   if (tile == W4A4Tile::Auto && !GATHER && opt.splits <= 0 && p.M <= skinny_dense_max_rows() &&
       skinny_smem(1, p.K) <= kSkinnySmemMax)
     tile = W4A4Tile::Skinny;

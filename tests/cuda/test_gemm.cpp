@@ -307,13 +307,13 @@ TEST(CudaGemm, SkinnyMatchesDequantizedCpuGemm) {
 // instead of staging the codes, and Auto splits K over a CTA's warps where it split it over a
 // cluster: the same bits as the codes path, for Auto and for explicit splits and clusters, plain
 // and accumulating, in the tiles of 16 rows and in those of 8 (at most 8 rows: they copy the first
-// n-tile of the 16-row layout); Auto's GEMV (at most kGemvAutoMaxRows rows) and K % 128 != 0
-// ignore the fragments.
+// n-tile of the 16-row layout); Auto's GEMV (at most kGemvAutoMaxRowsXFrag rows with fragments)
+// and K % 128 != 0 ignore the fragments.
 TEST(CudaGemm, SkinnyXFragSameBits) {
   QUADS_REQUIRE_GPU();
   uint64_t seed = 910;
   for (int64_t K : {128, 512, 2048, 4096, 192})
-    for (int64_t M : {2, 4, 7, 8, 9, 13, 16}) {
+    for (int64_t M : {2, 3, 4, 7, 8, 9, 13, 16}) {
       DecodeCase d(M, K >= 2048 ? 520 : 2048, K, M % 2 == 1, false, seed);
       const int64_t N = d.N;
       DeviceArray<uint8_t> frag(x_frag_bytes(K));
@@ -343,9 +343,13 @@ TEST(CudaGemm, SkinnyXFragSameBits) {
           EXPECT_EQ(first_float_mismatch(want, got), -1) << what;
           if (!acc) expect_close(got, d.ref, d.absref, 1e-5, 1e-4, what + " with fragments");
         }
+      // Auto with fragments: the skinny tiles' bits from kGemvAutoMaxRowsXFrag + 1 rows (the codes
+      // path takes the GEMV up to kGemvAutoMaxRows)
       DeviceArray<float> y(M * N);
       y.fill_bytes(0xFF);
-      w4a4_gemm_emulated(xv, nvfp4_view(d.dwq), y.data(), false, nullptr, {});
+      W4A4Options codes_opt;
+      if (M > kGemvAutoMaxRowsXFrag && M <= kGemvAutoMaxRows) codes_opt.tile = W4A4Tile::Skinny;
+      w4a4_gemm_emulated(xv, nvfp4_view(d.dwq), y.data(), false, nullptr, codes_opt);
       const std::vector<float> auto_codes = y.download();
       y.fill_bytes(0xFF);
       w4a4_gemm_emulated(xf, nvfp4_view(d.dwq), y.data(), false, nullptr, {});
@@ -358,7 +362,7 @@ TEST(CudaGemm, SkinnyXFragSameBits) {
       y.fill_bytes(0);
       w4a4_gemm_emulated(xp, nvfp4_view(d.dwq), y.data(), false, nullptr, {});
       const std::vector<float> got = y.download();
-      const bool read = M > kGemvAutoMaxRows && K % 128 == 0;
+      const bool read = M > kGemvAutoMaxRowsXFrag && K % 128 == 0;
       EXPECT_EQ(std::isnan(got[0]), read) << d.what << ": " << (read ? "fragments not read" : "fragments read");
     }
 }
