@@ -66,6 +66,14 @@ constexpr bool kExpNoX = true;
 #else
 constexpr bool kExpNoX = false;
 #endif
+// QUADS_EXPERIMENT_NOXG: the grouped tiles skip X's copy and dequantization, their X zeros (an
+// upper bound on what X's fragments from its producer could save there; the experts' outputs are
+// zero, the routing still follows the attention's output).
+#ifdef QUADS_EXPERIMENT_NOXG
+constexpr bool kExpNoXG = true;
+#else
+constexpr bool kExpNoXG = false;
+#endif
 #ifdef QUADS_EXPERIMENT_NOSUM
 constexpr bool kExpNoSum = true;
 #else
@@ -239,7 +247,7 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > kSkinnyWarps ? 1 : (RES ? 
         for (int i = threadIdx.x; i < ncs * 4 * 32; i += blockDim.x) cp_async16(sx + i, src_nt + (i >> 5) * 64 + (i & 31), 16);
       }
       cp_async_commit();
-    } else if (!(kExpNoX && !GROUPED)) {
+    } else if (!(kExpNoX && !GROUPED) && !(kExpNoXG && GROUPED)) {
       const int cpr = rowb / 16;
       for (int i = threadIdx.x; i < nrow * cpr; i += blockDim.x) {
         const int r = i / cpr;
@@ -288,7 +296,7 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > kSkinnyWarps ? 1 : (RES ? 
         uint4* dst = sx + (hw * NA + (r >> 3)) * 32 + (r & 7) * 4 + qt;
         const uint8_t* src = raw + r * rowb + wi * 4;
         const uint8_t* ssrc = raw_s + r * rows_s + 2 * qt + (hw >> 1);
-        const bool live = (RES && r >= 8 * NT ? r - 8 * NT : r) < nrow;
+        const bool live = (RES && r >= 8 * NT ? r - 8 * NT : r) < nrow && !(kExpNoXG && GROUPED);
         // kXU stages at a time, their shared-memory reads issued before any store (one stage at
         // a time, each waited for its read: 8.2k -> 5.6k cycles at 64 dense rows, 3.8k -> 3.3k
         // in a grouped gate/up CTA at routed batch 16; bench_cuda --skinny-trace, H200)
