@@ -61,7 +61,7 @@ struct Params {
   const float* ramax;
   int nres;
   int64_t rrows, rsplit0, rsplit1;
-  const uint4* xfrag;  // dense skinny tiles of 16 rows: X as FP16 fragments (Nvfp4View::frag)
+  const uint4* xfrag;  // dense skinny tiles of at most 16 rows: X as FP16 fragments (Nvfp4View::frag)
 };
 
 namespace {
