@@ -36,17 +36,18 @@ struct Nvfp4View {
   const float* amax = nullptr;  // 1 value, or one per row when amax_per_row
   bool amax_per_row = false;
   int64_t rows = 0, k = 0;
-  // X of a dense call with at most 16 rows, optional: the same rows as the skinny tiles' FP16
-  // operand (x_frag_bytes(k) bytes, 16-byte aligned; mma_util.cuh's x_frag_store layout), written
-  // with the codes by their producer (a norm's RowNvfp4::frag, or w4a4_x_frag). The skinny tiles
-  // then copy X instead of staging and dequantizing it, and split K over the warps of a CTA where
-  // they would split it over a cluster of CTAs (the same K ranges added in the same order: the
-  // same bits). Ignored by every other kernel and where K % 128 != 0.
+  // X of a dense call with at most kXFragMaxRows rows, optional: the same rows as the skinny
+  // tiles' FP16 operand (x_frag_bytes(k, rows) bytes, 16-byte aligned; mma_util.cuh's
+  // x_frag_store layout), written with the codes by their producer (a norm's RowNvfp4::frag,
+  // quantize(), or w4a4_x_frag). The skinny tiles then copy X instead of staging and dequantizing
+  // it, and at 9-16 rows split K over the warps of a CTA where they would split it over a cluster
+  // of CTAs (the same K ranges added in the same order: the same bits). Ignored by every other
+  // kernel and where K % 128 != 0.
   const uint8_t* frag = nullptr;
 };
-// Bytes of Nvfp4View::frag for K columns: 4 KB a 128-wide stage (16 rows).
-constexpr int64_t x_frag_bytes(int64_t k) { return (k + 127) / 128 * 4096; }
-// x.frag from x's codes (rows <= 16, K % 16 == 0): what a producer that writes both stores.
+// Bytes of Nvfp4View::frag for K columns and `rows` rows: 4 KB a 128-wide stage a chunk of 16 rows.
+constexpr int64_t x_frag_bytes(int64_t k, int64_t rows = 16) { return (rows + 15) / 16 * ((k + 127) / 128) * 4096; }
+// x.frag from x's codes (rows <= kXFragMaxRows, K % 16 == 0): what a producer that writes both stores.
 void w4a4_x_frag(const Nvfp4View& x, uint8_t* frag, cudaStream_t stream = nullptr);
 // Checks that q is NVFP4 with E2M1 elements and row-major scales (throws naming `what`).
 Nvfp4View nvfp4_view(const DeviceQTensor& q, const char* what = "operand");

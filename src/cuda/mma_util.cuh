@@ -129,7 +129,8 @@ __device__ __forceinline__ uint32_t deq(uint32_t w, uint32_t sc) {
   return hmul2(__byte_perm(hb, 0u, (S & 8) ? 0x3414u : 0x2404u), sc);
 }
 
-// X's rows as the skinny W4A4 tiles' FP16 operand (w4a4_skinny.cuh), for a chunk of 16 rows: uint4
+// X's rows as the skinny W4A4 tiles' FP16 operand (w4a4_skinny.cuh), in chunks of 16 rows (chunk
+// after chunk, ceil(K / 128) * 256 entries each); in a chunk, uint4
 // entry ((s * 4 + hw) * 2 + nt) * 32 + g * 4 + qt holds word hw (elements 8 hw .. 8 hw + 7 of the
 // 32 that blocks 2 qt, 2 qt + 1 of the 128-wide K stage s cover) of row 8 nt + g, dequantized and
 // times its block scale in the MMA's k-slot order (deq<0, 4, 8, 12>): the values the tiles stage
@@ -140,9 +141,10 @@ __device__ __forceinline__ uint4 x_frag_word(uint32_t w, uint32_t scale_byte) {
   const uint32_t f = lo2(scales_f16x2(scale_byte));
   return make_uint4(deq<0>(w, f), deq<4>(w, f), deq<8>(w, f), deq<12>(w, f));
 }
-// Block b (16 elements: codes c, E4M3 scale byte sf) of row r (0..15) of a chunk.
-__device__ __forceinline__ void x_frag_store(uint4* frag, int r, int64_t b, uint2 c, uint32_t sf) {
-  const int j = static_cast<int>(b & 7), qt = j >> 1, hw = 2 * (j & 1), nt = r >> 3, g = r & 7;
+// Block b (16 elements: codes c, E4M3 scale byte sf) of row r of X, whose rows have nb blocks.
+__device__ __forceinline__ void x_frag_store(uint4* frag, int r, int64_t b, uint2 c, uint32_t sf, int64_t nb) {
+  frag += static_cast<int64_t>(r >> 4) * ((nb + 7) / 8) * 256;
+  const int j = static_cast<int>(b & 7), qt = j >> 1, hw = 2 * (j & 1), nt = (r >> 3) & 1, g = r & 7;
   uint4* d = frag + (((b >> 3) * 4 + hw) * 2 + nt) * 32 + g * 4 + qt;
   d[0] = x_frag_word(c.x, sf);
   d[2 * 32] = x_frag_word(c.y, sf);  // word hw + 1

@@ -216,10 +216,11 @@ struct GpuModel::Impl {
   DeviceArray<uint8_t> nq_codes, nq_scales;
   DeviceArray<float> nq_amax;
   // The input norm's rows (q/k/v) and o_proj's quantized input also as the skinny W4A4 tiles' FP16
-  // operand (Nvfp4View::frag: decode batches of 3-16 rows, qkv_frag / oproj_frag), so those tiles
+  // operand (Nvfp4View::frag: decode batches of 3-64 rows, qkv_frag / oproj_frag), so those tiles
   // copy X instead of staging it. QUADS_GPU_XFRAG=0: codes only.
   DeviceArray<uint8_t> nq_frag;
   bool xfrag_on = true;
+  int64_t xfrag_max_rows = kXFragMaxRows;  // QUADS_GPU_XFRAG_MAX_ROWS (A/B runs)
 
   // MoE on the device (default): routing by kern::moe_route, one grouped GEMM per projection per
   // layer, no host sync in a step. QUADS_GPU_MOE=legacy keeps the old path (expert ids to the
@@ -379,6 +380,8 @@ struct GpuModel::Impl {
     attn_fused_on = !env_is("QUADS_GPU_ATTN_FUSED", "0");
     norm_quant_on = !env_is("QUADS_GPU_NORM_QUANT", "0");
     xfrag_on = !env_is("QUADS_GPU_XFRAG", "0");
+    if (const char* e = std::getenv("QUADS_GPU_XFRAG_MAX_ROWS"))
+      xfrag_max_rows = std::clamp<int64_t>(std::atoll(e), 0, kXFragMaxRows);
     device_sampling = !env_is("QUADS_GPU_SAMPLE", "host");
     router_norm_on = !env_is("QUADS_GPU_ROUTER_NORM", "0");
     early_on = !env_is("QUADS_GPU_EARLY", "0");
@@ -662,9 +665,9 @@ struct GpuModel::Impl {
            w4a4_grouped_mapped_supported(T, cfg.hidden_size);
   }
   kern::RowNvfp4 nq_out() { return {nq_codes.data(), nq_scales.data(), nq_amax.data()}; }
-  // q/k/v's X of T rows as FP16 fragments too: the skinny tiles' calls of 3-16 rows (fewer: the
+  // q/k/v's X of T rows as FP16 fragments too: the skinny tiles' calls of 3-64 rows (fewer: the
   // GEMV), K a multiple of 128. H200 (docs/cuda.md Parts 27, 28): the q/k/v call at 16 rows 8.2 -> ~6 us.
-  static bool frag_rows(int64_t T) { return T > gemv_auto_max_rows(true) && T <= 16; }
+  bool frag_rows(int64_t T) const { return T > gemv_auto_max_rows(true) && T <= xfrag_max_rows; }
   bool qkv_frag(int64_t T) const { return xfrag_on && frag_rows(T) && cfg.hidden_size % 128 == 0; }
   bool oproj_frag(const DevLinear& L, int64_t T) const {
     const num::QConfig& c = L.act_cfg();
@@ -1648,7 +1651,7 @@ struct GpuModel::Impl {
     grow(nq_codes, size_t(T * std::max(H, qd) / 2 + 1));
     grow(nq_scales, size_t(T * std::max(H, qd) / 16 + 1));
     grow(nq_amax, size_t(T + 1));
-    grow(nq_frag, size_t(x_frag_bytes(std::max(H, qd))));
+    grow(nq_frag, size_t(x_frag_bytes(std::max(H, qd), kXFragMaxRows)));  // one size: no regrow under a graph
 
     const float* M = master.data();
     const float scale = static_cast<float>(1.0 / std::sqrt(double(hd)));

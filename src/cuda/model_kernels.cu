@@ -17,6 +17,7 @@
 #include "cuda/mma_util.cuh"  // cp_async_commit / cp_async_wait
 #include "cuda/model_kernels.h"
 #include "cuda/pdl.cuh"
+#include "cuda/quant.h"  // kXFragMaxRows
 #include "cuda/quant_row.cuh"
 #include "cuda/train_kernels.h"
 
@@ -754,7 +755,7 @@ __device__ __forceinline__ void rmsnorm_quant_row(uint32_t m, const float* ys, i
     const uint2 c = dev::nv_quant_block16(v, bm, g, sf);
     reinterpret_cast<uint2*>(yq.codes)[b] = c;
     yq.scales[b] = static_cast<uint8_t>(sf);
-    if (yq.frag && yq.frag_row < 16) x_frag_store(reinterpret_cast<uint4*>(yq.frag), yq.frag_row, b, c, sf);
+    if (yq.frag && yq.frag_row < kXFragMaxRows) x_frag_store(reinterpret_cast<uint4*>(yq.frag), yq.frag_row, b, c, sf, D / 16);
   }
   if (threadIdx.x == 0) *yq.amax = amax;
 }
@@ -803,7 +804,8 @@ __device__ __forceinline__ void rmsnorm_reg_row(const float (&xv)[PER], const fl
 // yq's pointers at row r
 __device__ __forceinline__ RowNvfp4 row_nvfp4_at(const RowNvfp4& q, int64_t r, int64_t D) {
   if (!q.codes) return q;
-  return {q.codes + r * (D / 2), q.scales + r * (D / 16), q.amax + r, q.frag, static_cast<int>(r < 16 ? r : 16)};
+  return {q.codes + r * (D / 2), q.scales + r * (D / 16), q.amax + r, q.frag,
+          static_cast<int>(r < kXFragMaxRows ? r : kXFragMaxRows)};
 }
 
 // Router logits of row r for experts 8 * blockIdx.y + warp from the row's BF16 bits in shared

@@ -38,9 +38,9 @@ struct RowNvfp4 {
   uint8_t* codes = nullptr;
   uint8_t* scales = nullptr;
   float* amax = nullptr;
-  // Optional (at most 16 rows): y's rows also as the skinny W4A4 tiles' FP16 operand
-  // (Nvfp4View::frag, x_frag_bytes(D) bytes, 16-byte aligned), from the same codes. frag_row: the
-  // row's index in it (the kernels set it; rows from 16 on write none).
+  // Optional (at most kXFragMaxRows rows): y's rows also as the skinny W4A4 tiles' FP16 operand
+  // (Nvfp4View::frag, x_frag_bytes(D, rows) bytes, 16-byte aligned), from the same codes. frag_row:
+  // the row's index in it (the kernels set it; rows from kXFragMaxRows on write none).
   uint8_t* frag = nullptr;
   int frag_row = 0;
 };

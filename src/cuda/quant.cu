@@ -85,7 +85,7 @@ struct RowArgs {
   // MoE group range in eoff); nullptr: all
   const int32_t* row_lo;
   const int32_t* row_hi;
-  // quantize(..., frag): rows 0..15 also as the skinny W4A4 tiles' FP16 operand (NVFP4 E2M1 1x16)
+  // quantize(..., frag): the rows also as the skinny W4A4 tiles' FP16 operand (NVFP4 E2M1 1x16)
   uint4* frag;
 };
 
@@ -245,7 +245,7 @@ __global__ void __launch_bounds__(32 * kRowWarps) row_block_kernel(const RowArgs
         if constexpr (BLK == 16) *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
         else *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
         if constexpr (K == kNvE2M1)
-          if (a.frag && row < 16) x_frag_store(a.frag, static_cast<int>(row), b, make_uint2(packed[0], packed[1]), sf);
+          if (a.frag) x_frag_store(a.frag, static_cast<int>(row), b, make_uint2(packed[0], packed[1]), sf, nblk);
         a.scales[a.kt > 0 ? swizzle_offset(row, b, a.kt) : row * nblk + b] = static_cast<uint8_t>(sf);
       }
     }
@@ -592,10 +592,10 @@ template <typename T>
 void quantize_any(const T* x, DeviceQTensor& q, cudaStream_t s, uint8_t* frag = nullptr) {
   check_shape(q, "cuda::quantize");
   QUADS_CHECK(!frag || (q.cfg.scheme == Scheme::NVFP4 && q.cfg.element == Format::E2M1 &&
-                        q.cfg.block == Block::B1x16 && q.rows <= 16 && q.layout == ScaleLayout::RowMajor &&
+                        q.cfg.block == Block::B1x16 && q.rows <= kXFragMaxRows && q.layout == ScaleLayout::RowMajor &&
                         reinterpret_cast<uintptr_t>(frag) % 16 == 0),
-              "cuda::quantize: FP16 fragments are written for NVFP4 E2M1 1x16 with row-major scales, at most 16 "
-              "rows and a 16-byte aligned buffer (got {}, {} rows)", q.cfg.describe(), q.rows);
+              "cuda::quantize: FP16 fragments are written for NVFP4 E2M1 1x16 with row-major scales, at most {} "
+              "rows and a 16-byte aligned buffer (got {}, {} rows)", kXFragMaxRows, q.cfg.describe(), q.rows);
   if (q.rows == 0 || q.cols == 0) return;
   if (q.cfg.scheme == Scheme::FP8) {
     run_fp8<T, false>(x, q.rows, q.cols, q.cfg, q.codes.data(), q.fscales.data(), nullptr, s);

@@ -40,9 +40,11 @@ struct DeviceQTensor {
 DeviceQTensor make_qtensor(int64_t rows, int64_t cols, const num::QConfig& cfg,
                            ScaleLayout layout = ScaleLayout::RowMajor);
 
+// The most rows of X as the skinny W4A4 tiles' FP16 operand (gemm.h's Nvfp4View::frag): a decode batch.
+constexpr int64_t kXFragMaxRows = 64;
 // x: [q.rows, q.cols] row-major on the device; q from make_qtensor (its cfg, shape and layout).
-// frag (optional; NVFP4 E2M1 1x16, at most 16 rows): the rows also as the skinny W4A4 tiles' FP16
-// operand (gemm.h's Nvfp4View::frag, x_frag_bytes(cols) bytes).
+// frag (optional; NVFP4 E2M1 1x16, at most kXFragMaxRows rows): the rows also as the skinny W4A4
+// tiles' FP16 operand (gemm.h's Nvfp4View::frag, x_frag_bytes(cols, rows) bytes).
 void quantize(const float* x, DeviceQTensor& q, cudaStream_t stream = nullptr, uint8_t* frag = nullptr);
 void quantize_bf16(const uint16_t* x, DeviceQTensor& q, cudaStream_t stream = nullptr);
 // quantize() of the SwiGLU of two float32 sources in one kernel: row r of the input is

@@ -505,7 +505,7 @@ void w4a4_gemm_emulated(const Nvfp4View& x, const Nvfp4View& w, float* y, bool a
   if (x.rows == 0 || w.rows == 0) return;
   Params p = make_params(x, w, y, accumulate);
   p.early_w = opt.weights_ready;
-  if (x.frag && x.rows <= 16 && x.k % 128 == 0) {
+  if (x.frag && x.rows <= kXFragMaxRows && x.k % 128 == 0) {
     QUADS_CHECK(reinterpret_cast<uintptr_t>(x.frag) % 16 == 0, "w4a4_gemm: X's fragments must be 16-byte aligned");
     p.xfrag = reinterpret_cast<const uint4*>(x.frag);
   }
@@ -520,12 +520,12 @@ __global__ void x_frag_kernel(const uint8_t* codes, const uint8_t* scales, int r
   if (i >= rows * nb) return;
   const int r = static_cast<int>(i / nb);
   const int64_t b = i - r * nb;
-  x_frag_store(frag, r, b, reinterpret_cast<const uint2*>(codes)[i], scales[i]);
+  x_frag_store(frag, r, b, reinterpret_cast<const uint2*>(codes)[i], scales[i], nb);
 }
 }  // namespace
 
 void w4a4_x_frag(const Nvfp4View& x, uint8_t* frag, cudaStream_t s) {
-  QUADS_CHECK(x.rows >= 0 && x.rows <= 16, "w4a4_x_frag: {} rows (at most 16)", x.rows);
+  QUADS_CHECK(x.rows >= 0 && x.rows <= kXFragMaxRows, "w4a4_x_frag: {} rows (at most {})", x.rows, kXFragMaxRows);
   QUADS_CHECK(x.k % 16 == 0, "w4a4_x_frag: K = {} must be a multiple of 16", x.k);
   QUADS_CHECK(reinterpret_cast<uintptr_t>(frag) % 16 == 0, "w4a4_x_frag: the fragments must be 16-byte aligned");
   const int64_t n = x.rows * (x.k / 16);

@@ -225,9 +225,8 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > kSkinnyWarps ? 1 : (RES ? 
   }
 
   const float kInv = 1.f / 2688.f;
-  // X as FP16 fragments from its producer (Nvfp4View::frag, 16 rows in its layout; the tiles of 8
-  // rows copy the chunk's n-tile of it)
-  const bool xf = !GROUPED && !RES && NT <= 2 && p.xfrag != nullptr;
+  // X as FP16 fragments from its producer (Nvfp4View::frag: chunks of 16 rows, two n-tiles each)
+  const bool xf = !GROUPED && !RES && p.xfrag != nullptr;
   for (int64_t c0 = 0; c0 < rows; c0 += 8 * NT) {
     const int ntu = static_cast<int>(min(static_cast<int64_t>(NT), (rows - c0 + 7) / 8));  // n-tiles with rows
     if (c0 > 0) __syncthreads();  // the last chunk's readers are done
@@ -238,13 +237,15 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > kSkinnyWarps ? 1 : (RES ? 
     // CTA at routed batch 16 under load, eoff's lookup included: bench_cuda --skinny-trace.)
     const int nrow = static_cast<int>(min(static_cast<int64_t>(8 * ntu), rows - c0));
     const int rowb = static_cast<int>(kc / 2), rows_s = static_cast<int>(kc / 16);
-    if (xf) {  // this CTA's stages of the fragments, as they are to sit in shared memory
+    if (xf) {  // this CTA's stages of its n-tiles with rows, as they are to sit in shared memory:
+      // entry ((s * 4 + hw) * NA + nt) * 32 + l is entry ((s * 4 + hw) * 2 + gt % 2) * 32 + l of the
+      // producer's chunk gt / 2, gt = (row0 + c0) / 8 + nt the n-tile's 8 rows of X
+      const int64_t gt0 = (row0 + c0) >> 3, cstride = static_cast<int64_t>(nst) * 256;
       const uint4* src = p.xfrag + static_cast<int64_t>(cs_beg) * 4 * 2 * 32;
-      if constexpr (NT == 2) {
-        for (int i = threadIdx.x; i < ncs * 4 * 2 * 32; i += blockDim.x) cp_async16(sx + i, src + i, 16);
-      } else {  // entry (s * 4 + hw) * 32 + l of n-tile c0 / 8 is ((s * 4 + hw) * 2 + c0 / 8) * 32 + l there
-        const uint4* src_nt = src + (c0 >> 3) * 32;
-        for (int i = threadIdx.x; i < ncs * 4 * 32; i += blockDim.x) cp_async16(sx + i, src_nt + (i >> 5) * 64 + (i & 31), 16);
+      for (int i = threadIdx.x; i < ncs * 4 * NT * 32; i += blockDim.x) {
+        const int l = i & 31, nt = (i >> 5) % NT, sh = (i >> 5) / NT;
+        const int64_t gt = gt0 + nt;
+        if (nt < ntu) cp_async16(sx + i, src + (gt >> 1) * cstride + (sh * 2 + (gt & 1)) * 32 + l, 16);
       }
       cp_async_commit();
     } else if (!(kExpNoX && !GROUPED) && !(kExpNoXG && GROUPED)) {
@@ -649,7 +650,7 @@ void launch_skinny(const Params& p0, int64_t rows, int64_t active, int splits, i
                    int row_block = 0, int64_t grid_active = -1) {
   const SkinnyPlan pl = skinny_plan(p0, GROUPED, rows, active, splits, kcluster, row_block, RES);
   Params p = p0;
-  if (GROUPED || RES || pl.nt > 2 || pl.rsplit != 1 || rows > 16) p.xfrag = nullptr;  // the codes are staged
+  if (GROUPED || RES || rows > kXFragMaxRows) p.xfrag = nullptr;  // the codes are staged
   const int64_t rows_per_cta = 16LL * (pl.warps / pl.ks);
   const int64_t gy = grid_active >= 0 ? grid_active : active;
   QUADS_CHECK(gy <= 65535, "w4a4_gemm: {} groups are too many for the skinny tiles", gy);

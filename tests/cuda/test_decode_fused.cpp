@@ -453,10 +453,10 @@ TEST(CudaDecodeFused, NormNvfp4OutputIsQuantize) {
         cuda::DeviceQTensor want = cuda::make_qtensor(c.T, D, qc), got = cuda::make_qtensor(c.T, D, qc);
         got.codes.fill_bytes(0xAB);
         got.scales.fill_bytes(0xAB);
-        // up to 16 rows: the FP16 fragments of the skinny tiles too (RowNvfp4::frag), which must be
-        // w4a4_x_frag's of quantize()'s codes where written (the rest keeps its fill)
-        const bool with_frag = c.T <= 16;
-        DeviceArray<uint8_t> frag(cuda::x_frag_bytes(D)), frag_want(cuda::x_frag_bytes(D));
+        // up to kXFragMaxRows rows: the FP16 fragments of the skinny tiles too (RowNvfp4::frag), which
+        // must be w4a4_x_frag's of quantize()'s codes where written (the rest keeps its fill)
+        const bool with_frag = c.T <= cuda::kXFragMaxRows;
+        DeviceArray<uint8_t> frag(cuda::x_frag_bytes(D, c.T)), frag_want(cuda::x_frag_bytes(D, c.T));
         frag.fill_bytes(0x5A);
         frag_want.fill_bytes(0x5A);
         cuda::kern::RowNvfp4 yq{got.codes.data(), got.scales.data(), got.amax.data()};

@@ -307,16 +307,17 @@ TEST(CudaGemm, SkinnyMatchesDequantizedCpuGemm) {
 // instead of staging the codes, and Auto splits K over a CTA's warps where it split it over a
 // cluster: the same bits as the codes path, for Auto and for explicit splits and clusters, plain
 // and accumulating, in the tiles of 16 rows and in those of 8 (at most 8 rows: they copy the first
-// n-tile of the 16-row layout); Auto's GEMV (at most kGemvAutoMaxRowsXFrag rows with fragments)
-// and K % 128 != 0 ignore the fragments.
+// n-tile of the 16-row layout), and at 17-64 rows (chunks of 16 rows: the tiles of 32 rows, rows
+// split over CTAs at more than 32); Auto's GEMV (at most kGemvAutoMaxRowsXFrag rows with
+// fragments) and K % 128 != 0 ignore the fragments.
 TEST(CudaGemm, SkinnyXFragSameBits) {
   QUADS_REQUIRE_GPU();
   uint64_t seed = 910;
   for (int64_t K : {128, 512, 2048, 4096, 192})
-    for (int64_t M : {2, 3, 4, 7, 8, 9, 13, 16}) {
+    for (int64_t M : {2, 3, 4, 7, 8, 9, 13, 16, 17, 32, 40, 64}) {
       DecodeCase d(M, K >= 2048 ? 520 : 2048, K, M % 2 == 1, false, seed);
       const int64_t N = d.N;
-      DeviceArray<uint8_t> frag(x_frag_bytes(K));
+      DeviceArray<uint8_t> frag(x_frag_bytes(K, M));
       frag.fill_bytes(0xFF);  // NaN in every slot the fragments leave (rows past M)
       w4a4_x_frag(nvfp4_view(d.dxq), frag.data());
       Nvfp4View xv = nvfp4_view(d.dxq), xf = xv;
@@ -355,7 +356,7 @@ TEST(CudaGemm, SkinnyXFragSameBits) {
       w4a4_gemm_emulated(xf, nvfp4_view(d.dwq), y.data(), false, nullptr, {});
       EXPECT_EQ(first_float_mismatch(auto_codes, y.download()), -1) << d.what << ": Auto with fragments";
       // the fragments are what the tiles read where they apply: NaN fragments give NaN outputs
-      DeviceArray<uint8_t> poison(x_frag_bytes(K));
+      DeviceArray<uint8_t> poison(x_frag_bytes(K, M));
       poison.fill_bytes(0xFF);
       Nvfp4View xp = xv;
       xp.frag = poison.data();
@@ -369,12 +370,12 @@ TEST(CudaGemm, SkinnyXFragSameBits) {
 
 // quantize() with a fragment buffer: the same codes, scales and amax as without, and the
 // fragments w4a4_x_frag makes of those codes (per-row and per-tensor amax, K not a multiple of 128);
-// other configs and more than 16 rows are refused.
+// other configs and more than kXFragMaxRows rows are refused.
 TEST(CudaGemm, QuantizeWritesXFrag) {
   QUADS_REQUIRE_GPU();
   uint64_t seed = 930;
   for (int64_t K : {64, 2048, 4096, 2064})
-    for (int64_t M : {1, 9, 16})
+    for (int64_t M : {1, 9, 16, 37, 64})
       for (bool per_row : {true, false}) {
         QConfig xc = QConfig::nvfp4_act();
         xc.global = per_row ? Global::PerRow : Global::PerTensor;
@@ -382,7 +383,7 @@ TEST(CudaGemm, QuantizeWritesXFrag) {
         DeviceArray<float> dx(M * K);
         dx.upload(x);
         DeviceQTensor a = make_qtensor(M, K, xc), b = make_qtensor(M, K, xc);
-        DeviceArray<uint8_t> frag(x_frag_bytes(K)), want(x_frag_bytes(K));
+        DeviceArray<uint8_t> frag(x_frag_bytes(K, M)), want(x_frag_bytes(K, M));
         frag.fill_bytes(0x5A);
         want.fill_bytes(0x5A);
         quantize(dx.data(), a);
@@ -394,9 +395,9 @@ TEST(CudaGemm, QuantizeWritesXFrag) {
         EXPECT_EQ(first_float_mismatch(a.amax.download(), b.amax.download()), -1) << what;
         EXPECT_EQ(first_mismatch(frag.download(), want.download()), -1) << what << ": fragments";
       }
-  DeviceArray<float> dx(17 * 128);
-  DeviceArray<uint8_t> frag(x_frag_bytes(128));
-  DeviceQTensor big = make_qtensor(17, 128, QConfig::nvfp4_act());
+  DeviceArray<float> dx((kXFragMaxRows + 1) * 128);
+  DeviceArray<uint8_t> frag(x_frag_bytes(128, kXFragMaxRows + 16));
+  DeviceQTensor big = make_qtensor(kXFragMaxRows + 1, 128, QConfig::nvfp4_act());
   EXPECT_THROW(quantize(dx.data(), big, nullptr, frag.data()), Error);
   DeviceQTensor mx = make_qtensor(4, 128, QConfig::mxfp4());
   EXPECT_THROW(quantize(dx.data(), mx, nullptr, frag.data()), Error);

@@ -510,10 +510,11 @@ TEST(CudaModelGpu, EarlyLoadsSameBits) {
 }
 
 // q/k/v's and o_proj's X as FP16 fragments written by their producers (QUADS_GPU_XFRAG, decode
-// batches of 3-16 rows): the same logits as the codes path, eagerly and as graphs, at batches 9,
+// batches of 3-64 rows): the same logits as the codes path, eagerly and as graphs, at batches 9,
 // 12 and 16 (hidden 512: the skinny tiles split K over a cluster without the fragments, over a
-// CTA's warps with them), 4, 5 and 8 (the tiles of 8 rows), and 2 (the GEMV: no fragments). At 3
-// the codes path takes the GEMV (other bits): CudaGemm.SkinnyXFragSameBits covers 3 rows.
+// CTA's warps with them), 4, 5 and 8 (the tiles of 8 rows), 24, 33 and 48 (chunks of 16 rows; rows
+// split over CTAs above 32), and 2 (the GEMV: no fragments). At 3 the codes path takes the GEMV
+// (other bits): CudaGemm.SkinnyXFragSameBits covers 3 rows.
 TEST(CudaModelGpu, XFragSameBits) {
   QUADS_REQUIRE_GPU();
   model::ModelConfig cfg = small_moe_config();
@@ -531,7 +532,7 @@ TEST(CudaModelGpu, XFragSameBits) {
     } unset;
     return std::make_unique<cuda::GpuModel>(w, prec);
   }();
-  for (int n : {9, 12, 16, 4, 5, 8, 2}) {
+  for (int n : {9, 12, 16, 4, 5, 8, 24, 33, 48, 2}) {  // decode_batch's prompts need n < vocab (64)
     const auto want = batch(*off_m, n);
     EXPECT_EQ(first_float_mismatch(batch(on, n), want), -1) << "batch " << n << ", graphs";
     EXPECT_EQ(first_float_mismatch(batch(*eager_m, n), want), -1) << "batch " << n << ", eager";
