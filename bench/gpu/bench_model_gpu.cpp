@@ -145,7 +145,6 @@ DecodeResult run_decode(cuda::GpuModel& g, int B, int64_t prompt_len, int new_to
   QUADS_CUDA_CHECK(cudaDeviceSynchronize());
   const double t0 = now();
   std::vector<int32_t> next = step(items);
-  pos = prompt_len;
   const double t1 = now();
   g.reset_stats();
   int done = 1;

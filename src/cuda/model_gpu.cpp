@@ -879,6 +879,49 @@ struct GpuModel::Impl {
     if (cudaEventElapsedTime(&ms, ev_begin, ev_end) == cudaSuccess) stats.gpu_seconds += ms * 1e-3;
   }
 
+  // Draws on the device (step_sample, decode_run): every job greedy or temperature-only.
+  bool device_draws(const std::vector<rollout::SampleJob>& jobs) const {
+    bool on = device_sampling;
+    for (const rollout::SampleJob& j : jobs) on = on && rollout::device_samplable(j.params, cfg.vocab_size);
+    return on;
+  }
+  // The jobs of `steps` decode steps (step k: position pos + k, job i at k * jobs + i) into
+  // sample_jobs, queued on the stream; sample_out sized for their draws.
+  void upload_sample_jobs(const std::vector<rollout::SampleJob>& jobs, int steps) {
+    const size_t J = jobs.size();
+    std::vector<kern::SampleJobDev> dj(size_t(steps) * J);
+    for (int k = 0; k < steps; ++k)
+      for (size_t i = 0; i < J; ++i) {
+        const rollout::SampleJob& j = jobs[i];
+        dj[k * J + i] = {j.row, j.params.temperature, j.seed, j.pos + k, j.params.is_greedy() ? 1 : 0};
+      }
+    grow(sample_jobs, dj.size());
+    grow(sample_out, dj.size());
+    QUADS_CUDA_CHECK(cudaMemcpyAsync(sample_jobs.data(), dj.data(), sizeof(kern::SampleJobDev) * dj.size(),
+                                     cudaMemcpyHostToDevice, stream));
+  }
+  // sample_out's first `count` draws (waits for the stream).
+  std::vector<kern::SampleDrawDev> download_draws(size_t count) {
+    std::vector<kern::SampleDrawDev> got(count);
+    if (count > 0)
+      QUADS_CUDA_CHECK(cudaMemcpy(got.data(), sample_out.data(), sizeof(kern::SampleDrawDev) * count,
+                                  cudaMemcpyDeviceToHost));
+    return got;
+  }
+  // The draws of upload_sample_jobs' order as rollout's, each checked for finite logits.
+  static std::vector<rollout::Draw> to_draws(const std::vector<kern::SampleDrawDev>& got,
+                                             const std::vector<rollout::SampleJob>& jobs) {
+    std::vector<rollout::Draw> draws(got.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      const rollout::SampleJob& j = jobs[i % jobs.size()];
+      QUADS_CHECK(got[i].ok, "rollout: request {}: sample: the logits at position {} are not finite (max {}, sum of "
+                  "exponentials {})", j.request, j.pos + i / jobs.size(), got[i].fmax, got[i].sum);
+      draws[i].token = got[i].token;
+      draws[i].logprob = got[i].logprob;
+    }
+    return draws;
+  }
+
   void queue_route_flag() {
     if (legacy_moe || cfg.num_experts == 0) return;
     QUADS_CUDA_CHECK(cudaMemcpyAsync(bad_host, bad_d.data(), sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
@@ -2194,42 +2237,24 @@ std::vector<rollout::Draw> GpuModel::step_sample(const std::vector<model::StepIt
                                                  const std::vector<rollout::SampleJob>& jobs) {
   Impl& m = *impl_;
   const int64_t V = m.cfg.vocab_size;
-  bool on_device = m.device_sampling;
-  for (const rollout::SampleJob& j : jobs) on_device = on_device && rollout::device_samplable(j.params, V);
-  if (!on_device) {
+  if (!m.device_draws(jobs)) {
     const std::vector<float> logits = step(items);
     return rollout::sample_jobs(logits.data(), V, jobs);
   }
   const int64_t nout = m.run(items);
   const int n = static_cast<int>(jobs.size());
-  std::vector<kern::SampleDrawDev> got(n);
   if (n > 0) {
-    std::vector<kern::SampleJobDev> dj(n);
-    for (int i = 0; i < n; ++i) {
-      const rollout::SampleJob& j = jobs[i];
-      QUADS_CHECK(j.row >= 0 && j.row < nout, "GpuModel::step_sample: job {} reads row {} of a step with {} rows", i,
-                  j.row, nout);
-      dj[i] = {j.row, j.params.temperature, j.seed, j.pos, j.params.is_greedy() ? 1 : 0};
-    }
-    grow(m.sample_jobs, size_t(n));
-    grow(m.sample_out, size_t(n));
-    QUADS_CUDA_CHECK(cudaMemcpyAsync(m.sample_jobs.data(), dj.data(), sizeof(kern::SampleJobDev) * n,
-                                     cudaMemcpyHostToDevice, m.stream));
+    for (int i = 0; i < n; ++i)
+      QUADS_CHECK(jobs[i].row >= 0 && jobs[i].row < nout,
+                  "GpuModel::step_sample: job {} reads row {} of a step with {} rows", i, jobs[i].row, nout);
+    m.upload_sample_jobs(jobs, 1);
     kern::sample_rows(m.logits.data(), V, m.sample_jobs.data(), n, m.sample_out.data(), m.stream);
   }
   m.mark_end();
-  if (n > 0)
-    QUADS_CUDA_CHECK(cudaMemcpy(got.data(), m.sample_out.data(), sizeof(kern::SampleDrawDev) * n, cudaMemcpyDeviceToHost));
+  const std::vector<kern::SampleDrawDev> got = m.download_draws(size_t(n));
   m.check_route(nout > 0);
   m.add_gpu_time(nout > 0);
-  std::vector<rollout::Draw> draws(n);
-  for (int i = 0; i < n; ++i) {
-    QUADS_CHECK(got[i].ok, "rollout: request {}: sample: the logits at position {} are not finite (max {}, sum of "
-                "exponentials {})", jobs[i].request, jobs[i].pos, got[i].fmax, got[i].sum);
-    draws[i].token = got[i].token;
-    draws[i].logprob = got[i].logprob;
-  }
-  return draws;
+  return Impl::to_draws(got, jobs);
 }
 
 std::vector<rollout::Draw> GpuModel::decode_run(std::vector<model::StepItem> items, std::vector<rollout::SampleJob> jobs,
@@ -2237,24 +2262,13 @@ std::vector<rollout::Draw> GpuModel::decode_run(std::vector<model::StepItem> ite
   Impl& m = *impl_;
   rollout::check_decode_run(items, jobs, n, "GpuModel");
   const int64_t V = m.cfg.vocab_size;
-  bool on_device = m.device_sampling;
-  for (const rollout::SampleJob& j : jobs) on_device = on_device && rollout::device_samplable(j.params, V);
-  if (!on_device || items.empty())  // the host draws: a step at a time
+  if (!m.device_draws(jobs) || items.empty())  // the host draws: a step at a time
     return rollout::decode_stepwise(std::move(items), std::move(jobs), n,
                                     [&](const std::vector<model::StepItem>& it, const std::vector<rollout::SampleJob>& jb) {
                                       return step_sample(it, jb);
                                     });
   const int J = static_cast<int>(jobs.size());
-  std::vector<kern::SampleJobDev> dj(size_t(n) * J);
-  for (int k = 0; k < n; ++k)
-    for (int i = 0; i < J; ++i) {
-      const rollout::SampleJob& j = jobs[i];
-      dj[size_t(k) * J + i] = {j.row, j.params.temperature, j.seed, j.pos + k, j.params.is_greedy() ? 1 : 0};
-    }
-  grow(m.sample_jobs, dj.size());
-  grow(m.sample_out, dj.size());
-  QUADS_CUDA_CHECK(cudaMemcpyAsync(m.sample_jobs.data(), dj.data(), sizeof(kern::SampleJobDev) * dj.size(),
-                                   cudaMemcpyHostToDevice, m.stream));
+  m.upload_sample_jobs(jobs, n);
   // Every step is queued before any draw comes back: step k + 1's inputs (positions, RoPE) are
   // known on the host, its tokens are step k's draws, written by sample_rows where step k + 1's
   // copy of its inputs leaves them (offset 0 of inbuf).
@@ -2274,20 +2288,10 @@ std::vector<rollout::Draw> GpuModel::decode_run(std::vector<model::StepItem> ite
   m.fed_tokens = m.in_run = false;
   m.queue_route_flag();
   m.mark_end();
-  std::vector<kern::SampleDrawDev> got(dj.size());
-  QUADS_CUDA_CHECK(cudaMemcpy(got.data(), m.sample_out.data(), sizeof(kern::SampleDrawDev) * got.size(),
-                              cudaMemcpyDeviceToHost));
+  const std::vector<kern::SampleDrawDev> got = m.download_draws(size_t(n) * J);
   m.check_route(true);
   m.add_gpu_time(true);
-  std::vector<rollout::Draw> draws(got.size());
-  for (size_t i = 0; i < got.size(); ++i) {
-    const rollout::SampleJob& j = jobs[i % J];
-    QUADS_CHECK(got[i].ok, "rollout: request {}: sample: the logits at position {} are not finite (max {}, sum of "
-                "exponentials {})", j.request, j.pos + i / J, got[i].fmax, got[i].sum);
-    draws[i].token = got[i].token;
-    draws[i].logprob = got[i].logprob;
-  }
-  return draws;
+  return Impl::to_draws(got, jobs);
 }
 
 void GpuModel::set_device_sampling(bool on) { impl_->device_sampling = on; }
