@@ -47,8 +47,16 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // d += a . b (16 x 16 FP16 row-major A fragment, 16 x 8 FP16 column-major B fragment, FP32 d).
+// QUADS_EXPERIMENT_NOMMA (timing builds only; wrong, finite results): an add that keeps the operands
+// live instead of the MMA, so the W4A4 tiles keep their loads and lose their tensor work (and, with
+// QUADS_EXPERIMENT_NODEQ, which it implies, their E2M1 decode).
+#if defined(QUADS_EXPERIMENT_NOMMA) && !defined(QUADS_EXPERIMENT_NODEQ)
+#define QUADS_EXPERIMENT_NODEQ 1
+#endif
 __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#ifdef QUADS_MMA_SM80
+#if defined(QUADS_EXPERIMENT_NOMMA)
+  d[0] += __uint_as_float((a[0] ^ b0) & 0x3C003C00u);
+#elif defined(QUADS_MMA_SM80)
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
@@ -123,10 +131,17 @@ __device__ __forceinline__ uint32_t hi2(uint32_t v) { return __byte_perm(v, 0, 0
 // instructions a word with the four scale multiplies, where shifting each pair into place and
 // moving its sign bits took 20 (the same bits: every 32-bit word checked). H200, nvfp4 decode
 // tok/s at batch 16 / 64 14190 / 36032 -> 14633 / 36745, prefill 93.5k -> 98.3k tok/s.
+// QUADS_EXPERIMENT_NODEQ (timing builds only; wrong results): the codes' bits masked into finite
+// FP16 values instead of dequantized, one instruction a word for all four pairs: what the W4A4
+// kernels would run at if E2M1 cost nothing to decode, as on a GPU with FP4 tensor cores.
 template <int S>
 __device__ __forceinline__ uint32_t deq(uint32_t w, uint32_t sc) {
+#ifdef QUADS_EXPERIMENT_NODEQ
+  return w & 0x3C003C00u;
+#else
   const uint32_t hb = (S & 4) ? hb_hi(w) : hb_lo(w);
   return hmul2(__byte_perm(hb, 0u, (S & 8) ? 0x3414u : 0x2404u), sc);
+#endif
 }
 
 // X's rows as the skinny W4A4 tiles' FP16 operand (w4a4_skinny.cuh), in chunks of 16 rows (chunk

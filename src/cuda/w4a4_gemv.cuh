@@ -110,10 +110,14 @@ constexpr int kGemvWarps = 8;
 // where bit 3 is set: two table lookups (byte_perm over 8-byte tables, positive and negative),
 // then a per-byte choice by the sign bits.
 __device__ __forceinline__ uint32_t e2m1x4_to_s8(uint32_t nib) {
+#ifdef QUADS_EXPERIMENT_NODEQ  // as deq's in mma_util.cuh: one instruction, wrong values
+  return nib & 0x07070707u;
+#else
   const uint32_t idx = nib & 0x7777u;
   const uint32_t pos = __byte_perm(0x03020100u, 0x0C080604u, idx);
   const uint32_t neg = __byte_perm(0xFDFEFF00u, 0xF4F8FAFCu, idx);
   return __byte_perm(pos, neg, 0x3210u | ((nib & 0x8888u) >> 1));
+#endif
 }
 // The 32 elements of a 16-byte code load as int8: block 0 in lo (elements 0..15), block 1 in hi.
 __device__ __forceinline__ void e2m1x32_to_s8(const uint4 c, uint4& lo, uint4& hi) {
