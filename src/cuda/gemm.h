@@ -97,7 +97,7 @@ struct W4A4Options {
   // FusedAct::weights_ready; QUADS_GPU_SKINNY_EARLY=0 turns it off for the skinny tiles).
   bool weights_ready = false;
   // Skinny, dense: rows of X a CTA (16, 32 or 64; more rows split over the grid's rows of CTAs);
-  // 0 = choose (32 above 32 rows, QUADS_SKINNY_ROWSPLIT=0 / 16 to change it). The bits do not
+  // 0 = choose (16 above 16 rows, QUADS_SKINNY_ROWSPLIT=0 / 32 to change it). The bits do not
   // depend on it.
   int row_block = 0;
   // y's row stride (0: N); e.g. one projection's columns inside a fused q/k/v output.

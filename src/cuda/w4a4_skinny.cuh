@@ -46,7 +46,7 @@ void prepare_mma_kernel(int64_t smem_max) {
 // (the same FP16 operands in the same K slots); with ks = 1 the sums are M16's too (same bits).
 // A ring of two stages a lane, a slot reloaded once its stage is decoded (see the K loop): 3 or 4
 // stages spill under the launch bounds below.
-// Dense calls of more than 32 rows split X's rows over the grid's rows of CTAs (32 a CTA: see
+// Dense calls of more than 16 rows split X's rows over the grid's rows of CTAs (16 a CTA: see
 // skinny_row_split). Dense calls of 9 .. 64 rows also split K over the CL CTAs of a thread-block
 // cluster (Hopper): a CTA stages and dequantizes X only over its own K range, so 128 weight
 // rows a CTA still make enough CTAs, and the CTAs of rank 1 .. CL - 1 hand
@@ -508,15 +508,18 @@ bool skinny_cluster_ok() {
   return ok;
 }
 
-// Dense calls of more than 32 rows: X's rows split over the grid's rows of CTAs, 32 a CTA (4
-// n-tiles: 64 rows a CTA took 128 registers and spilled, one CTA an SM). Each row block reads the
-// weights (the second read hits L2 where the blocks run together). H200, nvfp4 decode tok/s
-// at batch 64, two rounds in one call: 37513 / 37546 -> 39986 / 39947. QUADS_SKINNY_ROWSPLIT=0: 64
-// rows a CTA; =16: 16 rows a CTA.
+// Dense calls of more than 16 rows: X's rows split over the grid's rows of CTAs, 16 a CTA (2
+// n-tiles). Each row block reads the weights (the later reads hit L2 where the blocks run
+// together). 64 rows a CTA took 128 registers and spilled, one CTA an SM; 32 a CTA (4 n-tiles) was
+// the default until X came as FP16 fragments for up to 64 rows (Part 28): with no X to dequantize a
+// CTA, more CTAs of fewer rows win. H200, nvfp4 decode tok/s, two rounds in one call (ab.sh,
+// docs/cuda.md Part 29), 32 -> 16 rows a CTA: batch 32 25306 / 25416 -> 26714 / 26687, 48 34566 /
+// 34791 -> 36803 / 36802, 64 43160 / 43384 -> 43707 / 43676 (64 rows a CTA: 25326 / 32193 / 40123).
+// QUADS_SKINNY_ROWSPLIT=0: 64 rows a CTA; =32: 32 rows a CTA.
 int skinny_row_split() {
   static const int rows = [] {
     const char* e = std::getenv("QUADS_SKINNY_ROWSPLIT");
-    if (e == nullptr) return 32;
+    if (e == nullptr) return 16;
     const int v = std::atoi(e);
     return v == 0 ? 0 : v <= 16 ? 16 : 32;
   }();
@@ -569,8 +572,8 @@ SkinnyPlan skinny_plan(const Params& p, bool grouped, int64_t rows, int64_t acti
     align_ks();
     pl.cl = kcluster > 0 ? kcluster : 1;
   } else {
-    // Dense, more rows: 16 or 32 rows of X a CTA (more rows: 32 a CTA, the rows split over the
-    // grid, see skinny_row_split), a warp per row tile (X dequantized once for 128 weight rows), K
+    // Dense, more rows: 16 rows of X a CTA (more rows split over the grid's rows of CTAs, see
+    // skinny_row_split; 32 or 64 a CTA where asked), a warp per row tile (X dequantized once for 128 weight rows), K
     // split over a cluster's CTAs until the grid covers the SMs (16 rows, or rows split) or half of
     // them (32 rows: each CTA has more MMAs, and a cluster's sums take longer to add),
     // at most 4 CTAs a cluster and 2 stages a CTA. H200, bench_cuda --gemv, us for 1 / 2 / 4 / 8
