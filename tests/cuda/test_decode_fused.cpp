@@ -611,7 +611,9 @@ TEST(CudaDecodeFused, RacQuantizeFoldMatchesCpuChain) {
         const int G = c.groups.empty() ? 1 : static_cast<int>(c.groups.size());
         std::vector<int32_t> eoff(1, 0);
         for (int g : c.groups) eoff.push_back(eoff.back() + g);
-        if (!c.groups.empty()) ASSERT_EQ(eoff.back(), c.rows);
+        if (!c.groups.empty()) {
+          ASSERT_EQ(eoff.back(), c.rows);
+        }
         // the source rows X [rows, cols] on the device and the kernel's source arguments
         const int64_t src_rows = c.source == 1 ? (c.rows + 1) / 2 : c.rows, ld = c.source == 2 ? 2 * c.cols : c.cols;
         std::vector<float> a = randn(size_t(src_rows * ld), seed++, 2.f);
@@ -677,7 +679,9 @@ TEST(CudaDecodeFused, RacQuantizeFoldMatchesCpuChain) {
         EXPECT_EQ(hx.codes, want_x.codes) << what << ": activation codes";
         EXPECT_EQ(hx.scales, want_x.scales) << what << ": activation scales";
         EXPECT_EQ(hx.amax[0], want_x.amax[0]) << what << ": activation amax";
-        if (act.global == num::Global::PerRow) EXPECT_EQ(hx.amax, want_x.amax) << what;
+        if (act.global == num::Global::PerRow) {
+          EXPECT_EQ(hx.amax, want_x.amax) << what;
+        }
         const std::vector<uint8_t> gc = rc.download(), gs = rs.download();
         const std::vector<float> ga = ra.download();
         for (int j = 0; j < c.nops; ++j) {

@@ -3,8 +3,8 @@
 // bounds. Built only with clang (tests/fuzz/CMakeLists.txt defines QUADS_FUZZ); inside
 // quads_tests, which globs every tests/**/*.cpp, this file compiles to nothing.
 //   cmake -S . -B build-fuzz -G Ninja -DCMAKE_CXX_COMPILER=clang++ && cmake --build build-fuzz --target fuzz_safetensors
-//   mkdir -p fuzz-work && build-fuzz/tests/fuzz/fuzz_safetensors -max_total_time=60 \
-//       -dict=tests/fuzz/safetensors.dict fuzz-work tests/fuzz/corpus
+//   mkdir -p fuzz-work
+//   build-fuzz/tests/fuzz/fuzz_safetensors -max_total_time=60 -dict=tests/fuzz/safetensors.dict fuzz-work tests/fuzz/corpus
 // (libFuzzer adds new inputs to the first folder: keep the seed corpus second.)
 #ifdef QUADS_FUZZ
 #include <cstdint>
