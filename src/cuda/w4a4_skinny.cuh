@@ -514,7 +514,8 @@ bool skinny_cluster_ok() {
 // the default until X came as FP16 fragments for up to 64 rows (Part 28): with no X to dequantize a
 // CTA, more CTAs of fewer rows win. H200, nvfp4 decode tok/s, two rounds in one call (ab.sh,
 // docs/cuda.md Part 29), 32 -> 16 rows a CTA: batch 32 25306 / 25416 -> 26714 / 26687, 48 34566 /
-// 34791 -> 36803 / 36802, 64 43160 / 43384 -> 43707 / 43676 (64 rows a CTA: 25326 / 32193 / 40123).
+// 34791 -> 36803 / 36802, 64 43160 / 43384 -> 43707 / 43676 (64 rows a CTA at 32 / 48 / 64: 25326
+// / 32193 / 40123).
 // QUADS_SKINNY_ROWSPLIT=0: 64 rows a CTA; =32: 32 rows a CTA.
 int skinny_row_split() {
   static const int rows = [] {
@@ -573,10 +574,10 @@ SkinnyPlan skinny_plan(const Params& p, bool grouped, int64_t rows, int64_t acti
     pl.cl = kcluster > 0 ? kcluster : 1;
   } else {
     // Dense, more rows: 16 rows of X a CTA (more rows split over the grid's rows of CTAs, see
-    // skinny_row_split; 32 or 64 a CTA where asked), a warp per row tile (X dequantized once for 128 weight rows), K
-    // split over a cluster's CTAs until the grid covers the SMs (16 rows, or rows split) or half of
-    // them (32 rows: each CTA has more MMAs, and a cluster's sums take longer to add),
-    // at most 4 CTAs a cluster and 2 stages a CTA. H200, bench_cuda --gemv, us for 1 / 2 / 4 / 8
+    // skinny_row_split; 32 or 64 a CTA where asked), a warp per row tile (X dequantized once for
+    // 128 weight rows), K split over a cluster's CTAs until the grid covers the SMs (16 rows, or
+    // rows split) or half of them (32 rows: each CTA has more MMAs, and a cluster's sums take
+    // longer to add), at most 4 CTAs a cluster and 2 stages a CTA. H200, bench_cuda --gemv, us for 1 / 2 / 4 / 8
     // CTAs a cluster: q/k/v (6144 x 2048) at 16 rows 13.8 / 10.1 / 9.6 / 15.0, at 64 rows 32.5 /
     // 19.5 / 21.9 / 35.4; o_proj (2048 x 4096) at 16 rows 24.1 / 14.7 / 10.0 / 10.4, at 64 rows
     // 83.6 / 34.5 / 20.4 / 24.9.
