@@ -513,7 +513,7 @@ TEST(CudaModelGpu, EarlyLoadsSameBits) {
 // batches of 3-64 rows): the same logits as the codes path, eagerly and as graphs, at batches 9,
 // 12 and 16 (hidden 512: the skinny tiles split K over a cluster without the fragments, over a
 // CTA's warps with them), 4, 5 and 8 (the tiles of 8 rows), 24, 33 and 48 (chunks of 16 rows; rows
-// split over CTAs above 32), and 2 (the GEMV: no fragments). At 3 the codes path takes the GEMV
+// split over CTAs, 16 a CTA), and 2 (the GEMV: no fragments). At 3 the codes path takes the GEMV
 // (other bits): CudaGemm.SkinnyXFragSameBits covers 3 rows.
 TEST(CudaModelGpu, XFragSameBits) {
   QUADS_REQUIRE_GPU();
