@@ -308,8 +308,8 @@ TEST(CudaGemm, SkinnyMatchesDequantizedCpuGemm) {
 // cluster: the same bits as the codes path, for Auto and for explicit splits and clusters, plain
 // and accumulating, in the tiles of 16 rows and in those of 8 (at most 8 rows: they copy the first
 // n-tile of the 16-row layout), and at 17-64 rows (chunks of 16 rows, the rows split over CTAs,
-// 16 a CTA under Auto; explicit splits keep the rows in one CTA); Auto's GEMV (at most kGemvAutoMaxRowsXFrag rows with
-// fragments) and K % 128 != 0 ignore the fragments.
+// 16 a CTA under Auto; explicit splits keep the rows in one CTA); Auto's GEMV (at most
+// kGemvAutoMaxRowsXFrag rows with fragments) and K % 128 != 0 ignore the fragments.
 TEST(CudaGemm, SkinnyXFragSameBits) {
   QUADS_REQUIRE_GPU();
   uint64_t seed = 910;
