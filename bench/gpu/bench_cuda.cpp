@@ -10,6 +10,7 @@
 // `bench_cuda --skinny-trace`: phase stamps of the skinny W4A4 launches (a build with
 // -DQUADS_SKINNY_TRACE; skinny_trace_table below).
 // `bench_cuda --fp8`: the copy bandwidth and the FP8 table (GEMV vs W8A8 tiles vs SGEMM) alone.
+// `bench_cuda --quant`: the copy bandwidth and the quantizer rows alone.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -1003,6 +1004,7 @@ int main(int argc, char** argv) {
     DeviceQTensor f8 = make_qtensor(R, C, num::QConfig::fp8(num::Block::PerRow));
     row("fp8 quantize f32, per-row", time_us([&] { quantize(src.data(), f8); }), 5.0 * R * C);
   }
+  if (argc > 1 && std::string(argv[1]) == "--quant") return 0;  // the quantizer rows alone
   src.reset();
   dst.reset();
   srcb.reset();

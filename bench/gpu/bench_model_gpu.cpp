@@ -5,19 +5,21 @@
 // decode_ahead, default 8 steps a GpuModel::decode_run call, and a call a step beside it) and
 // prefill tokens/s (16 x 1024), per precision, beside the weight-read
 // bound (GEMM weight bytes read per decode step, counted by the model, over the measured copy
-// bandwidth) and the transformers 5.17 numbers of issue 6 (same H200 model, bf16); then a row of
+// bandwidth) and the transformers peer's numbers (--peer FILE: measured in the same call by
+// scripts/gpu/peer_transformers.py; without it issue 6's, same H200 model, bf16); then a row of
 // sampled decode (temperature 1 through GpuModel::step_sample, the rollout engine's call, 64 new
 // tokens) with the draws on the device and on the host.
 //   bench_model_gpu [--quick] [--precisions bf16,nvfp4,nvfp4+rac] [--batches 4,8,32] [--ahead N]
-//                   [--train-only | --rollout-only]
+//                   [--train-only | --rollout-only | --quant-only] [--peer peer.json]
 //   bench_model_gpu --ncu P | --ncu-decode P | --ncu-train P   (regions for ncu, see below)
 //   bench_model_gpu --step-trace P [--step-trace P2 ...]        (scripts/gpu/step_trace.sh, see below)
 // Training rows (cuda::GpuTrainer, cuda/train_gpu.h): tokens/s of one optimizer step on 8 x 1024
 // random tokens (forward + CE on the device + backward + clipping + AdamW + re-quantization; best
 // of 3 after a warm-up step) for the `bf16` and `qat` presets, beside the transformers bf16 number
-// of issue 6 (47000 tok/s on the same H200), and the QAT overhead; then the NVFP4 quantizer's
+// (--peer's, or issue 6's 47000 tok/s on the same H200), and the QAT overhead; then the NVFP4 quantizer's
 // throughput on a 16384 x 8192 float32 tensor (per-row global scale) against the copy bandwidth.
-// --train-only skips the rollout rows, --rollout-only the training rows. --batches adds decode rows
+// --train-only skips the rollout rows, --rollout-only the training and quantizer rows, --quant-only
+// prints the quantizer rows alone. --batches adds decode rows
 // at other batch sizes (no peer number).
 // nvfp4+rac: the nvfp4 preset with RAC on the first half of every quantized linear's input channels
 // (model::RacConfig's default ratio; the cost of RAC, not a calibrated selection).
@@ -30,12 +32,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "common/error.h"
 #include "cuda/check.h"
@@ -350,11 +354,46 @@ void step_trace(const model::ModelConfig& cfg, const std::string& p) {
 // rules that switch by batch size)
 std::vector<int> g_extra_batches;
 
+// The peer's numbers: issue 6's (transformers 5.17 on the same H200 model), or those that
+// scripts/gpu/peer_transformers.py measured in the same call (--peer FILE, its JSON).
+struct Peer {
+  double decode[3] = {20, 310, 905};  // new tok/s at batch 1 / 16 / 64
+  double prefill = 184000, train = 47000;
+  std::string source = "issue 6's figures (transformers 5.17, same H200 model)";
+};
+Peer g_peer;
+
+Peer read_peer(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) throw std::runtime_error("--peer: cannot open " + path);
+  nlohmann::json j;
+  try {
+    f >> j;
+  } catch (const std::exception& e) {
+    throw std::runtime_error("--peer " + path + ": not JSON (" + e.what() + ")");
+  }
+  Peer p;
+  const auto num = [&](const nlohmann::json& o, const std::string& key, const char* what) {
+    if (!o.contains(key) || !o.at(key).is_number() || o.at(key).get<double>() <= 0)
+      throw std::runtime_error("--peer " + path + ": no positive number at " + what);
+    return o.at(key).get<double>();
+  };
+  if (!j.contains("decode") || !j["decode"].is_object()) throw std::runtime_error("--peer " + path + ": no 'decode' object");
+  const char* bs[3] = {"1", "16", "64"};
+  for (int i = 0; i < 3; ++i)
+    p.decode[i] = num(j["decode"], bs[i], fmt::format("decode.{}", bs[i]).c_str());
+  p.prefill = num(j, "prefill", "prefill");
+  p.train = num(j, "train", "train");
+  p.source = fmt::format("measured in this call by scripts/gpu/peer_transformers.py (transformers {}, torch {})",
+                         j.value("transformers", std::string("?")), j.value("torch", std::string("?")));
+  return p;
+}
+
 // One precision's rows of the table; returns false (after printing the error) on failure.
 bool bench_precision(const model::ModelConfig& cfg, const std::string& p, double bw, bool quick) {
   const int new_tokens = quick ? 16 : 128;
   const int64_t prompt = 128;
-  const double peer[3] = {20, 310, 905};
+  const double* peer = g_peer.decode;
   const int batches[3] = {1, 16, 64};
   try {
     const double t0 = now();
@@ -432,8 +471,8 @@ bool bench_precision(const model::ModelConfig& cfg, const std::string& p, double
     }
     const int pb = quick ? 4 : 16;
     const double tps = run_prefill(g, pb, 1024);
-    std::printf("| %s | prefill %dx1024 | %.0f prompt tok/s | | | | | | 184000 | %.2f |\n", p.c_str(), pb, tps,
-                tps / 184000.0);
+    std::printf("| %s | prefill %dx1024 | %.0f prompt tok/s | | | | | | %.0f | %.2f |\n", p.c_str(), pb, tps,
+                g_peer.prefill, tps / g_peer.prefill);
     std::fflush(stdout);
     return true;
   } catch (const std::exception& e) {  // the other precisions still run
@@ -503,7 +542,7 @@ double train_step_seconds(const model::ModelConfig& cfg, const std::string& pres
 void bench_training(const model::ModelConfig& cfg, double bw, bool quick) {
   const int nseq = quick ? 2 : 8;
   const int64_t len = 1024;
-  const double peer = 47000;
+  const double peer = g_peer.train;
   std::printf("\n| training step (fwd + CE + bwd + AdamW + requant) | tokens | tok/s | transformers bf16 tok/s | x peer |\n"
               "|---|---|---|---|---|\n");
   std::fflush(stdout);
@@ -532,7 +571,9 @@ void bench_training(const model::ModelConfig& cfg, double bw, bool quick) {
   }
   if (sec[0] > 0 && sec[1] > 0)
     std::printf("QAT overhead (qat step time over bf16): %+.1f %%\n", 100.0 * (sec[1] / sec[0] - 1.0));
+}
 
+void bench_quantize(double bw) {
   // NVFP4 quantization of a float32 tensor, one global scale per row: activations [tokens, hidden]
   // (2048 columns, the rollout's case: one pass per row in registers) and long 8192-wide rows (two
   // passes per row), 512 MB of input each.
@@ -571,13 +612,14 @@ int main(int argc, char** argv) {
       std::printf("bench_model_gpu: no CUDA device\n");
       return 0;
     }
-    bool quick = false, train_only = false, rollout_only = false;
+    bool quick = false, train_only = false, rollout_only = false, quant_only = false;
     if (const char* e = std::getenv("QUADS_BENCH_AHEAD")) g_ahead = std::max(1, std::atoi(e));  // A/B runs (ab.sh)
     std::vector<std::string> precisions{"bf16", "nvfp4", "nvfp4+eager", "nvfp4+rac", "nvfp4+attnl1", "nvfp4+attn"};
     for (int i = 1; i < argc; ++i) {
       if (!std::strcmp(argv[i], "--quick")) quick = true;
       else if (!std::strcmp(argv[i], "--train-only")) train_only = true;
       else if (!std::strcmp(argv[i], "--rollout-only")) rollout_only = true;
+      else if (!std::strcmp(argv[i], "--quant-only")) quant_only = true;
       else if (!std::strcmp(argv[i], "--ncu-train") && i + 1 < argc) {
         g_ncu_train = true;
         std::string what;
@@ -591,6 +633,9 @@ int main(int argc, char** argv) {
       else if (!std::strcmp(argv[i], "--step-trace") && i + 1 < argc) {
         step_trace(peer_config(), argv[++i]);
         if (i + 1 == argc) return 0;
+      }
+      else if (!std::strcmp(argv[i], "--peer") && i + 1 < argc) {
+        g_peer = read_peer(argv[++i]);
       }
       else if (!std::strcmp(argv[i], "--ahead") && i + 1 < argc) {
         g_ahead = std::atoi(argv[++i]);
@@ -612,17 +657,18 @@ int main(int argc, char** argv) {
     }
     const model::ModelConfig cfg = peer_config();
     const double bw = copy_gbs();
-    std::printf("\nPeer model (%s) on %s; copy bandwidth %.0f GB/s\n", cfg.describe().c_str(),
-                cuda::device_name(0).c_str(), bw);
+    std::printf("\nPeer model (%s) on %s; copy bandwidth %.0f GB/s; transformers numbers: %s\n",
+                cfg.describe().c_str(), cuda::device_name(0).c_str(), bw, g_peer.source.c_str());
     int failures = 0;
-    if (!train_only) {
+    if (!train_only && !quant_only) {
       std::printf("| precision | batch | new tok/s (prefill+decode) | decode tok/s (%d steps a call) | decode tok/s (a "
                   "call a step) | weight GB read/step | bound tok/s | %% of bound | transformers bf16 tok/s | x peer "
                   "|\n|---|---|---|---|---|---|---|---|---|---|\n",
                   g_ahead);
       for (const std::string& p : precisions) failures += !bench_precision(cfg, p, bw, quick);
     }
-    if (!rollout_only) bench_training(cfg, bw, quick);
+    if (!rollout_only && !quant_only) bench_training(cfg, bw, quick);
+    if (!rollout_only) bench_quantize(bw);
     return failures ? 1 : 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_model_gpu: %s\n", e.what());

@@ -14,6 +14,9 @@
 #   QUADS_GPU_BENCH   0 to skip the benchmarks; "model" or "kernels" for only one of them
 #   QUADS_GPU_BENCH_ARGS  extra arguments of bench_model_gpu (e.g. --quick, --precisions nvfp4,
 #                         --train-only for the training rows alone)
+#   QUADS_GPU_PEER    1 (default): before bench_model_gpu, measure the transformers peer on this
+#                     machine (scripts/gpu/peer_transformers.py, ~1-2 min; needs python3 with torch
+#                     and transformers) and put it in the table; 0: the figures
 #   OUT               when set, logs are copied there
 # Fixtures: the GPU machine has no ../shared, so the fixtures travel in .gpufix/ (copies of
 # /work/shared/fixtures/nvfp4 and tiny_qwen3moe_a):
@@ -56,8 +59,17 @@ fi
 
 bench=${QUADS_GPU_BENCH:-1}
 if [ "$bench" = 1 ] || [ "$bench" = model ]; then
+  peer_args=()
+  if [ "${QUADS_GPU_PEER:-1}" != 0 ]; then
+    rm -f "$logdir/peer.json"
+    quick=(); case " ${QUADS_GPU_BENCH_ARGS:-} " in *" --quick "*) quick=(--quick) ;; esac
+    timeout 300 python3 "$root/scripts/gpu/peer_transformers.py" --out "$logdir/peer.json" "${quick[@]}" \
+      >"$logdir/peer.log" 2>&1 || { echo "peer_transformers.py failed (the table keeps the issue's figures):"; tail -15 "$logdir/peer.log"; }
+    grep "^peer:" "$logdir/peer.log"
+    [ -s "$logdir/peer.json" ] && peer_args=(--peer "$logdir/peer.json")
+  fi
   # shellcheck disable=SC2086
-  timeout 200 "$bin/bench_model_gpu" ${QUADS_GPU_BENCH_ARGS:-} 2>&1 | tee "$logdir/bench_model.log"
+  timeout 300 "$bin/bench_model_gpu" "${peer_args[@]}" ${QUADS_GPU_BENCH_ARGS:-} 2>&1 | tee "$logdir/bench_model.log"
 fi
 if [ "$bench" = 1 ] || [ "$bench" = kernels ]; then
   timeout 100 "$bin/bench_cuda" 2>&1 | tee "$logdir/bench.log"
