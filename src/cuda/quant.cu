@@ -98,6 +98,12 @@ __device__ __forceinline__ float decode4(Kind k, uint32_t c) {
 }
 
 constexpr int kRowWarps = 4;
+// row_block_kernel's blocks a lane holds per chunk: 16 vectors of 16 bytes (SW: 8, the up half in
+// registers too), so a warp's chunk is 2048 float32 or 4096 bf16 elements (SW: half).
+template <typename T, Kind K, bool SW>
+constexpr int row_lane_blocks() {
+  return (SW ? 8 : 16) / ((K == kMx ? 32 : 16) / Vec<T>::N);
+}
 
 // Stochastic rounding of one element, out of line: it is rare (gradients) and long, and inlining it
 // at every element of the unrolled hot loop would bloat the kernel.
@@ -119,7 +125,7 @@ __global__ void __launch_bounds__(32 * kRowWarps) row_block_kernel(const RowArgs
   constexpr int VEC = Vec<T>::N;
   constexpr int BLK = K == kMx ? 32 : 16;
   constexpr int VPB = BLK / VEC;  // vectors per block
-  constexpr int NB = (SW ? 8 : 16) / VPB;  // blocks per lane per chunk (SW: the up half in registers too)
+  constexpr int NB = row_lane_blocks<T, K, SW>();
   constexpr int CHUNK = 32 * NB;  // blocks per chunk
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, rw = a.rw, wr = warp % rw;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (kRowWarps / rw) + warp / rw;
@@ -531,17 +537,20 @@ void launch_absmax(const T* x, int64_t n, float* amax, cudaStream_t s) {
   launch_pdl(absmax_kernel<T>, grid_for(n / Vec<T>::N + 1, 256), 256, 0, s, x, n, reinterpret_cast<uint32_t*>(amax));
 }
 
-// A CTA a row where a warp a row would leave most SMs idle and the row has a block for each lane
-// of the CTA: decode-batch activations (16 x 4096 float: 10 us a call under ncu with a warp a
-// row, mostly that warp's round trips over its 16 KB).
-template <Kind K>
-int row_warps(int64_t rows, int64_t cols) {
-  const int64_t nblk = cols / (K == kMx ? 32 : 16);
-  return rows < 2LL * sm_count() && nblk >= 32LL * kRowWarps ? kRowWarps : 1;
+// A CTA a row (1) where a warp a row would leave most SMs idle and the row has a block for each
+// lane of the CTA: decode-batch activations (16 x 4096 float: 10 us a call under ncu with a warp a
+// row, mostly that warp's round trips over its 16 KB); (2) where a row with its own amax fits the
+// CTA's registers but not a warp's: one pass over it from memory instead of an amax pass and a
+// second read that L2 no longer holds (16384 x 8192 float, per-row amax: 52% -> 86% of copy).
+template <typename T, Kind K, bool SW>
+int row_warps(int64_t rows, int64_t cols, bool row_amax) {
+  const int64_t nblk = cols / (K == kMx ? 32 : 16), chunk = 32 * row_lane_blocks<T, K, SW>();
+  if (rows < 2LL * sm_count() && nblk >= 32LL * kRowWarps) return kRowWarps;
+  return row_amax && nblk > chunk && nblk <= chunk * kRowWarps ? kRowWarps : 1;
 }
 template <typename T, bool FAKE, Kind K, bool SW = false>
 void launch_row(RowArgs<T> a, cudaStream_t s) {
-  a.rw = row_warps<K>(a.rows, a.cols);
+  a.rw = row_warps<T, K, SW>(a.rows, a.cols, a.amax_mode == kAmaxRowCompute);
   const unsigned blocks = static_cast<unsigned>((a.rows + kRowWarps / a.rw - 1) / (kRowWarps / a.rw));
   launch_pdl(row_block_kernel<T, K, FAKE, SW>, blocks, 32 * kRowWarps, 0, s, a);
 }

@@ -75,14 +75,16 @@ std::vector<Case> all_configs() {
 }
 
 // Shapes valid for the configuration: rows a multiple of 16 for 16x16, cols of 16/32 for 4-bit;
-// FP8 gets ragged ones. The row kernel's paths: a warp a row with the row in registers ({130, 768})
-// or not (272 rows of 129+ blocks), a CTA a row (few rows of 128+ blocks) in registers or not
-// (float rows past 4 warps' 2048-element chunks: 8208, 8224 columns).
+// FP8 gets ragged ones. The row kernel's paths: a warp a row with the row in registers ({130, 768};
+// bf16 rows up to 4096 elements) or not (MXFP4's {272, 4128}; float NVFP4 rows past 4 warps' chunks
+// among many rows, {300, 8208}), a CTA a row in registers (few rows of 128+ blocks; many per-row
+// amax rows longer than a warp's chunk: {272, 2064}) or not (float rows past 4 warps' 2048-element
+// chunks: 8208, 8224 columns).
 std::vector<std::pair<int64_t, int64_t>> shapes_for(const QConfig& cfg) {
   if (cfg.scheme == Scheme::FP8) return {{1, 7}, {3, 200}, {130, 300}, {257, 129}, {64, 2048}};
   if (cfg.scheme == Scheme::MXFP4) return {{1, 32}, {5, 96}, {33, 2048}, {7, 4160}, {64, 768}, {2, 8224}, {272, 4128}};
   if (cfg.block == Block::B16x16) return {{16, 16}, {32, 48}, {48, 2064}, {16, 4096}, {64, 768}};
-  return {{1, 16}, {3, 48}, {37, 2048}, {5, 4112}, {130, 768}, {3, 8208}, {272, 2064}};
+  return {{1, 16}, {3, 48}, {37, 2048}, {5, 4112}, {130, 768}, {3, 8208}, {272, 2064}, {300, 8208}};
 }
 
 void expect_same_qtensor(const num::QTensor& cpu, const num::QTensor& gpu, const std::string& what) {
