@@ -16,11 +16,11 @@
 // Training rows (cuda::GpuTrainer, cuda/train_gpu.h): tokens/s of one optimizer step on 8 x 1024
 // random tokens (forward + CE on the device + backward + clipping + AdamW + re-quantization; best
 // of 3 after a warm-up step) for the `bf16` and `qat` presets, beside the transformers bf16 number
-// (--peer's, or issue 6's 47000 tok/s on the same H200), and the QAT overhead; then the NVFP4 quantizer's
-// throughput on a 16384 x 8192 float32 tensor (per-row global scale) against the copy bandwidth.
-// --train-only skips the rollout rows, --rollout-only the training and quantizer rows, --quant-only
-// prints the quantizer rows alone. --batches adds decode rows
-// at other batch sizes (no peer number).
+// (--peer's, or issue 6's 47000 tok/s on the same H200), and the QAT overhead; then the NVFP4
+// quantizer's throughput on 512 MB of float32 (65536 x 2048 and 16384 x 8192, per-row global
+// scale) against the copy bandwidth. --train-only skips the rollout rows, --rollout-only the
+// training and quantizer rows, --quant-only prints the quantizer rows alone. --batches adds decode
+// rows at other batch sizes (no peer number).
 // nvfp4+rac: the nvfp4 preset with RAC on the first half of every quantized linear's input channels
 // (model::RacConfig's default ratio; the cost of RAC, not a calibrated selection).
 // Wall-clock times (host steady clock, the GPU synchronized at the end of each timed region).
@@ -575,8 +575,8 @@ void bench_training(const model::ModelConfig& cfg, double bw, bool quick) {
 
 void bench_quantize(double bw) {
   // NVFP4 quantization of a float32 tensor, one global scale per row: activations [tokens, hidden]
-  // (2048 columns, the rollout's case: one pass per row in registers) and long 8192-wide rows (two
-  // passes per row), 512 MB of input each.
+  // (2048 columns, the rollout's case: a warp a row, in its registers) and long 8192-wide rows (a
+  // CTA a row, in its four warps' registers), 512 MB of input each.
   for (const int64_t cols : {int64_t(2048), int64_t(8192)}) try {
     const int64_t rows = int64_t(16384) * 8192 / cols;
     num::QConfig qc;

@@ -80,7 +80,7 @@ struct RowArgs {
   const T* u;
   int64_t ld;
   // warps a row (1, or kRowWarps: a CTA a row, for a few long rows that one warp would stream in
-  // several round trips)
+  // several round trips, or a row with its own amax that fits a CTA's registers; see row_warps)
   int rw;
   // quantize_swiglu of a window of rows: only rows *row_lo .. *row_hi - 1 (device values, e.g. a
   // MoE group range in eoff); nullptr: all
