@@ -378,7 +378,8 @@ Peer read_peer(const std::string& path) {
       throw std::runtime_error("--peer " + path + ": no positive number at " + what);
     return o.at(key).get<double>();
   };
-  if (!j.contains("decode") || !j["decode"].is_object()) throw std::runtime_error("--peer " + path + ": no 'decode' object");
+  if (!j.contains("decode") || !j["decode"].is_object())
+    throw std::runtime_error("--peer " + path + ": no 'decode' object");
   const char* bs[3] = {"1", "16", "64"};
   for (int i = 0; i < 3; ++i)
     p.decode[i] = num(j["decode"], bs[i], fmt::format("decode.{}", bs[i]).c_str());

@@ -64,7 +64,8 @@ if [ "$bench" = 1 ] || [ "$bench" = model ]; then
     rm -f "$logdir/peer.json"
     quick=(); case " ${QUADS_GPU_BENCH_ARGS:-} " in *" --quick "*) quick=(--quick) ;; esac
     timeout 300 python3 "$root/scripts/gpu/peer_transformers.py" --out "$logdir/peer.json" "${quick[@]}" \
-      >"$logdir/peer.log" 2>&1 || { echo "peer_transformers.py failed (the table keeps the issue's figures):"; tail -15 "$logdir/peer.log"; }
+      >"$logdir/peer.log" 2>&1 ||
+      { echo "peer_transformers.py failed (the table keeps the issue's figures):"; tail -15 "$logdir/peer.log"; }
     grep "^peer:" "$logdir/peer.log"
     [ -s "$logdir/peer.json" ] && peer_args=(--peer "$logdir/peer.json")
   fi

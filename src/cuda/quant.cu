@@ -256,7 +256,8 @@ __global__ void __launch_bounds__(32 * kRowWarps) row_block_kernel(const RowArgs
             const float x = vget<T>(buf[i][q], j);
             uint32_t c;
             if constexpr (decltype(sr)::value)
-              c = encode4_sr(nv_scaled(x, enc), K == kNvE1M2, a.seed, static_cast<uint64_t>((row * nblk + b) * BLK + e));
+              c = encode4_sr(nv_scaled(x, enc), K == kNvE1M2, a.seed,
+                             static_cast<uint64_t>((row * nblk + b) * BLK + e));
             else
               c = nv_encode<K == kNvE1M2>(x, enc);
             packed[e / 8] += c << (4 * (e % 8));

@@ -577,10 +577,10 @@ SkinnyPlan skinny_plan(const Params& p, bool grouped, int64_t rows, int64_t acti
     // skinny_row_split; 32 or 64 a CTA where asked), a warp per row tile (X dequantized once for
     // 128 weight rows), K split over a cluster's CTAs until the grid covers the SMs (16 rows, or
     // rows split) or half of them (32 rows: each CTA has more MMAs, and a cluster's sums take
-    // longer to add), at most 4 CTAs a cluster and 2 stages a CTA. H200, bench_cuda --gemv, us for 1 / 2 / 4 / 8
-    // CTAs a cluster: q/k/v (6144 x 2048) at 16 rows 13.8 / 10.1 / 9.6 / 15.0, at 64 rows 32.5 /
-    // 19.5 / 21.9 / 35.4; o_proj (2048 x 4096) at 16 rows 24.1 / 14.7 / 10.0 / 10.4, at 64 rows
-    // 83.6 / 34.5 / 20.4 / 24.9.
+    // longer to add), at most 4 CTAs a cluster and 2 stages a CTA. H200, bench_cuda --gemv, us
+    // for 1 / 2 / 4 / 8 CTAs a cluster: q/k/v (6144 x 2048) at 16 rows 13.8 / 10.1 / 9.6 / 15.0,
+    // at 64 rows 32.5 / 19.5 / 21.9 / 35.4; o_proj (2048 x 4096) at 16 rows 24.1 / 14.7 / 10.0 /
+    // 10.4, at 64 rows 83.6 / 34.5 / 20.4 / 24.9.
     pl.nt = rows <= 16 ? 2 : rows <= 32 ? 4 : 8;
     QUADS_CHECK(row_block == 0 || row_block == 16 || row_block == 32 || row_block == 64,
                 "w4a4_gemm: the skinny tiles take 16, 32 or 64 rows of X a CTA, not {}", row_block);
