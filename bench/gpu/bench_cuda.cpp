@@ -30,6 +30,7 @@
 #include "cuda/model_kernels.h"
 #include "cuda/quant.h"
 #include "decode_kernels_bench.h"
+#include "gpu_timing.h"
 #include "route_bench.h"
 
 using namespace quads;
@@ -37,36 +38,7 @@ using namespace quads::cuda;
 
 namespace {
 
-// Median time of one call in microseconds: batches of `inner` calls, timed by events.
-double time_us(const std::function<void()>& fn, int reps = 9) {
-  fn();
-  QUADS_CUDA_CHECK(cudaDeviceSynchronize());
-  cudaEvent_t a, b;
-  QUADS_CUDA_CHECK(cudaEventCreate(&a));
-  QUADS_CUDA_CHECK(cudaEventCreate(&b));
-  // size the batch to about 2 ms
-  QUADS_CUDA_CHECK(cudaEventRecord(a));
-  fn();
-  QUADS_CUDA_CHECK(cudaEventRecord(b));
-  QUADS_CUDA_CHECK(cudaEventSynchronize(b));
-  float ms = 0;
-  QUADS_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-  const int inner = std::clamp(static_cast<int>(2.0 / std::max(ms, 1e-4f)), 1, 2000);
-  std::vector<double> t;
-  for (int r = 0; r < reps; ++r) {
-    QUADS_CUDA_CHECK(cudaEventRecord(a));
-    for (int i = 0; i < inner; ++i) fn();
-    QUADS_CUDA_CHECK(cudaEventRecord(b));
-    QUADS_CUDA_CHECK(cudaEventSynchronize(b));
-    QUADS_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(1e3 * ms / inner);
-  }
-  QUADS_CUDA_CHECK(cudaGetLastError());
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
+using bench::time_us;
 
 std::vector<float> randn(int64_t n, uint64_t seed, float scale = 1.f) {
   std::mt19937_64 rng(seed);
