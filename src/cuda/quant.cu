@@ -523,6 +523,84 @@ Kind kind_of(const QConfig& cfg) {
   return cfg.element == Format::E1M2 ? kNvE1M2 : kNvE2M1;
 }
 
+// ---- WeightOperandSet: the trainer's NVFP4 weight operands, many tensors a launch ----
+// A CTA takes a chunk of kWopChunk elements of one tensor (cta_t: its tensor); the amax pass and
+// the operand pass use the same chunks. The steps are quantize()'s row kernel's at a per-tensor
+// amax (nv_quant_block16) and nvfp4_weight_bf16's (nv_operand_bf16x8, nv_weight_alpha).
+struct WDesc {
+  const float* src;
+  uint16_t* out;
+  float* alpha;
+  int64_t n;     // rows * cols, a multiple of 16
+  int64_t cta0;  // the tensor's first CTA
+};
+constexpr int kWopThreads = 256;
+constexpr int64_t kWopChunk = 8192;  // 8 vectors a thread for the amax, 2 blocks of 16 for the operand
+
+__global__ void __launch_bounds__(kWopThreads) wop_amax_kernel(const WDesc* __restrict__ d,
+                                                                const int32_t* __restrict__ cta_t, uint32_t* amax) {
+  pdl_begin();
+  const int t = cta_t[blockIdx.x];
+  const WDesc w = d[t];
+  const int64_t e0 = (static_cast<int64_t>(blockIdx.x) - w.cta0) * kWopChunk;
+  const int64_t nv = min(kWopChunk, w.n - e0) / 4;
+  const uint4* x = reinterpret_cast<const uint4*>(w.src + e0);
+  uint4 r[kWopChunk / 4 / kWopThreads];
+#pragma unroll
+  for (int u = 0; u < kWopChunk / 4 / kWopThreads; ++u) {
+    const int64_t v = threadIdx.x + u * kWopThreads;
+    r[u] = v < nv ? x[v] : make_uint4(0, 0, 0, 0);
+  }
+  uint32_t m = 0;
+#pragma unroll
+  for (int u = 0; u < kWopChunk / 4 / kWopThreads; ++u) m = max(m, vabsmax<float>(r[u]));
+  m = warp_max(m);
+  __shared__ uint32_t sm[kWopThreads / 32];
+  if ((threadIdx.x & 31) == 0) sm[threadIdx.x >> 5] = m;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    m = threadIdx.x < kWopThreads / 32 ? sm[threadIdx.x] : 0u;
+    m = warp_max(m);
+    if (threadIdx.x == 0) atomicMax(amax + t, m);  // max is order-free: the absmax kernel's bits
+  }
+}
+
+__global__ void __launch_bounds__(kWopThreads) wop_operand_kernel(const WDesc* __restrict__ d,
+                                                                   const int32_t* __restrict__ cta_t,
+                                                                   const float* __restrict__ amax) {
+  pdl_begin();
+  constexpr int BPT = kWopChunk / 16 / kWopThreads;  // blocks a thread
+  const int t = cta_t[blockIdx.x];
+  const WDesc w = d[t];
+  const int64_t chunk = static_cast<int64_t>(blockIdx.x) - w.cta0;
+  const float am = amax[t];
+  if (chunk == 0 && threadIdx.x == 0) *w.alpha = nv_weight_alpha(am);
+  const NvGlobal g = nv_global<false>(am);
+  const int64_t nb = min(kWopChunk, w.n - chunk * kWopChunk) / 16;
+  const float4* x = reinterpret_cast<const float4*>(w.src + chunk * kWopChunk);
+  uint4* o = reinterpret_cast<uint4*>(w.out + chunk * kWopChunk);
+  float4 v[BPT][4];
+#pragma unroll
+  for (int i = 0; i < BPT; ++i) {
+    const int64_t b = threadIdx.x + i * kWopThreads;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) v[i][q] = b < nb ? x[b * 4 + q] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+#pragma unroll
+  for (int i = 0; i < BPT; ++i) {
+    const int64_t b = threadIdx.x + i * kWopThreads;
+    if (b >= nb) break;
+    uint32_t m = 0;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) m = max(m, vabsmax(v[i][q]));
+    uint32_t sf;
+    const uint2 c = nv_quant_block16(v[i], m, g, sf);
+    const float sc = e4m3_decode(sf);
+    o[2 * b] = nv_operand_bf16x8(c.x, sc);
+    o[2 * b + 1] = nv_operand_bf16x8(c.y, sc);
+  }
+}
+
 int64_t kt_of(int64_t nblocks) { return (nblocks + 3) / 4; }
 
 int64_t fp8_nscales(const QConfig& cfg, int64_t rows, int64_t cols) {
@@ -1032,6 +1110,47 @@ void quantize_swiglu(const float* g, const float* u, int64_t ld, DeviceQTensor& 
   launch_row<float, false, kNvE2M1, true>(a, s);
 }
 void quantize_bf16(const uint16_t* x, DeviceQTensor& q, cudaStream_t s) { quantize_any(x, q, s); }
+
+bool weight_operands_supported(const QConfig& c) {
+  return c.scheme == Scheme::NVFP4 && c.element == Format::E2M1 && c.block == Block::B1x16 &&
+         c.global == Global::PerTensor && !c.stochastic;
+}
+
+WeightOperandSet::WeightOperandSet(const std::vector<WeightOperand>& list, const QConfig& cfg) {
+  QUADS_CHECK(weight_operands_supported(cfg),
+              "cuda::WeightOperandSet: NVFP4 E2M1 1x16 with a per-tensor amax and no stochastic rounding only, not {}",
+              cfg.describe());
+  std::vector<WDesc> desc;
+  std::vector<int32_t> cta;
+  QUADS_CHECK(list.size() < (size_t(1) << 31), "cuda::WeightOperandSet: {} tensors", list.size());
+  for (size_t t = 0; t < list.size(); ++t) {
+    const WeightOperand& w = list[t];
+    QUADS_CHECK(w.rows > 0 && w.cols > 0 && w.cols % 16 == 0 && reinterpret_cast<uintptr_t>(w.src) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(w.out) % 16 == 0 && w.alpha != nullptr,
+                "cuda::WeightOperandSet: tensor {} ([{}, {}]) needs cols % 16 == 0, 16-byte aligned source and "
+                "output, and an alpha",
+                t, w.rows, w.cols);
+    const int64_t n = w.rows * w.cols, chunks = (n + kWopChunk - 1) / kWopChunk;
+    desc.push_back({w.src, w.out, w.alpha, n, static_cast<int64_t>(cta.size())});
+    cta.insert(cta.end(), static_cast<size_t>(chunks), static_cast<int32_t>(t));
+  }
+  QUADS_CHECK(cta.size() < (size_t(1) << 31), "cuda::WeightOperandSet: {} CTAs", cta.size());
+  desc_.upload(reinterpret_cast<const uint8_t*>(desc.data()), desc.size() * sizeof(WDesc));
+  cta_.upload(cta);
+  amax_.resize(list.size());
+  count_ = static_cast<int64_t>(list.size());
+  ctas_ = static_cast<int64_t>(cta.size());
+}
+
+void WeightOperandSet::run(cudaStream_t s) {
+  if (count_ == 0) return;
+  const WDesc* d = reinterpret_cast<const WDesc*>(desc_.data());
+  QUADS_CUDA_CHECK(cudaMemsetAsync(amax_.data(), 0, amax_.bytes(), s));
+  launch_pdl(wop_amax_kernel, static_cast<unsigned>(ctas_), kWopThreads, 0, s, d, cta_.data(),
+             reinterpret_cast<uint32_t*>(amax_.data()));
+  launch_pdl(wop_operand_kernel, static_cast<unsigned>(ctas_), kWopThreads, 0, s, d, cta_.data(),
+             static_cast<const float*>(amax_.data()));
+}
 void dequantize(const DeviceQTensor& q, float* out, cudaStream_t s) { dequantize_any(q, out, s); }
 void dequantize_bf16(const DeviceQTensor& q, uint16_t* out, cudaStream_t s) { dequantize_any(q, out, s); }
 

@@ -13,6 +13,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "cuda/check.h"
 #include "numerics/quantize.h"
@@ -93,6 +94,36 @@ void rac_quantize_fold(const RacFoldSource& src, int64_t rows, int64_t cols, con
                        DeviceQTensor* xq, int nops, const uint8_t* const* sel, const int32_t* eoff, int groups,
                        const num::QConfig& res, uint8_t* rcodes, uint8_t* rscales, float* ramax,
                        cudaStream_t stream = nullptr);
+
+// The trainer's NVFP4 weight operands, many tensors in two launches (asymmetric QAT re-quantizes
+// every linear after each optimizer step; a launch chain per tensor was ~4700 kernels a step on
+// the peer model). Tensor t: src [rows, cols] float32, 16-byte aligned, cols % 16 == 0, quantized
+// with cfg (weight_operands_supported: NVFP4 E2M1 1x16 with a per-tensor amax, no stochastic
+// rounding); out [rows, cols] (16-byte aligned) receives the BF16 bits of e2m1(code) * e4m3(scale)
+// and *alpha = amax * fp32(1/2688): quantize() then kern::nvfp4_weight_bf16, bit for bit, without
+// the codes and scales in memory. run(): a pass for the tensors' amax, one for the operands;
+// capturable in a CUDA graph (the pointers are fixed when the set is built).
+struct WeightOperand {
+  const float* src = nullptr;
+  int64_t rows = 0, cols = 0;
+  uint16_t* out = nullptr;
+  float* alpha = nullptr;
+};
+bool weight_operands_supported(const num::QConfig& cfg);
+class WeightOperandSet {
+ public:
+  WeightOperandSet() = default;
+  WeightOperandSet(const std::vector<WeightOperand>& list, const num::QConfig& cfg);
+  void run(cudaStream_t stream = nullptr);
+  int64_t size() const { return count_; }
+  const float* amax() const { return amax_.data(); }  // [size()], the tensors' amax after run()
+
+ private:
+  DeviceArray<uint8_t> desc_;  // the kernels' descriptors, one per tensor
+  DeviceArray<int32_t> cta_;   // the tensor of each CTA (a chunk of 8192 elements of one tensor)
+  DeviceArray<float> amax_;
+  int64_t count_ = 0, ctas_ = 0;
+};
 
 // Dequantized values, [rows, cols] float32 (or bf16 bits, rounded to nearest even).
 void dequantize(const DeviceQTensor& q, float* out, cudaStream_t stream = nullptr);

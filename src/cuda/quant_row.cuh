@@ -82,6 +82,23 @@ __device__ __forceinline__ uint2 nv_quant_block16(const float4 (&v)[4], uint32_t
   return make_uint2(w[0], w[1]);
 }
 
+// The trainer's BF16 weight operand (kern::nvfp4_weight_bf16, WeightOperandSet): eight codes of a
+// block (one word, element 0 in the low nibble) as BF16 bits of e2m1(code) * scale, scale the
+// block's decoded E4M3 scale: exact (at most 6 significant bits), two elements a word.
+__device__ __forceinline__ uint4 nv_operand_bf16x8(uint32_t word, float scale) {
+  uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t byte = (word >> (8 * j)) & 0xFFu;
+    w[j] = bf16_encode(__fmul_rn(e2m1_decode(byte & 15u), scale)) |
+           (bf16_encode(__fmul_rn(e2m1_decode(byte >> 4), scale)) << 16);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+// The global decode factor the W4A4 GEMM's epilogue and the trainer's operand use: amax / 2688
+// (6 * 448) as fp32(amax) * fp32(1/2688).
+__device__ __forceinline__ float nv_weight_alpha(float amax) { return __fmul_rn(amax, 1.f / 2688.f); }
+
 // RAC's residual of one block, x - X_eff (fake_quantize then kern::sub, element by element), from
 // its values, their absmax bits and the activation's global g; returns the residual's absmax bits.
 __device__ __forceinline__ uint32_t nv_residual16(const float4 (&x)[4], uint32_t block_amax_bits, const NvGlobal& g,

@@ -247,6 +247,11 @@ struct GpuTrainer::Impl {
   DeviceArray<float> master, grads, weff;  // weights layout
   DeviceArray<uint16_t> wb;                 // fast path BF16 weight operands, weights layout
   std::map<std::tuple<int64_t, int64_t, int>, DeviceQTensor> qtmp;  // NVFP4 quantization scratch per shape, lane
+  // The NVFP4 linears whose operands one WeightOperandSet makes in two launches (built at the first
+  // re-quantization; QUADS_GPU_TRAIN_WOP=0: a quantize() and an operand launch each, as before).
+  WeightOperandSet wops;
+  std::vector<uint8_t> in_wops;  // per linear
+  bool wops_on = true, wops_built = false;
   DeviceArray<float> adam_m, adam_v;
   DeviceArray<uint8_t> decay_mask;
   DeviceArray<double> norm_scratch, norm_out;
@@ -339,6 +344,7 @@ struct GpuTrainer::Impl {
     if (const char* e = std::getenv("QUADS_GPU_TRAIN_ATTN"); e && *e) set_attention(e);
     if (const char* e = std::getenv("QUADS_GPU_TRAIN_LT"); e && *e) lt_on = std::string(e) != "0";
     if (const char* e = std::getenv("QUADS_GPU_TRAIN_GRAPHS"); e && *e) requant_graphs = std::string(e) != "0";
+    if (const char* e = std::getenv("QUADS_GPU_TRAIN_WOP"); e && *e) wops_on = std::string(e) != "0";
     if (const char* e = std::getenv("QUADS_GPU_TRAIN_GROUPED"); e && *e) {
       const std::string v = e;
       set_expert_gemms(v == "0" ? "per-expert" : v == "1" ? "grouped" : v);
@@ -473,7 +479,25 @@ struct GpuTrainer::Impl {
   int64_t requant_calls = 0;
   cudaGraphExec_t requant_exec[2] = {};
 
+  void build_wops() {
+    wops_built = true;
+    in_wops.assign(lin.size(), 0);
+    if (!wops_on) return;
+    std::vector<WeightOperand> list;
+    num::QConfig cfg;
+    for (size_t i = 0; i < lin.size(); ++i) {
+      const Lin& L = lin[i];
+      // 16-byte aligned source (4 floats) and operand (8 BF16)
+      if (!L.nvfp4() || !weight_operands_supported(L.num.weight.cfg) || L.in % 16 != 0 || L.offset % 8 != 0) continue;
+      in_wops[i] = 1;
+      cfg = L.num.weight.cfg;
+      list.push_back({master.data() + L.offset, L.out, L.in, wb.data() + L.offset, alphas.data() + i});
+    }
+    if (!list.empty()) wops = WeightOperandSet(list, cfg);
+  }
+
   void requantize_launches(bool bf16_done) {
+    if (!wops_built) build_wops();  // the first call is eager (requantize): no allocation is captured
     int64_t nvfp4_count = 0;
     // BF16 operands of adjacent linears (a layer's experts lie one after another) convert in one
     // launch: one per linear was ~1600 small kernels per step on the peer model (15 ms).
@@ -499,6 +523,7 @@ struct GpuTrainer::Impl {
         continue;
       }
       flush_bf16();
+      if (in_wops[i]) continue;  // wops.run() below
       if (L.path == Path::Exact) {
         float* dst = weff.data() + L.offset;
         switch (L.num.weight.kind) {
@@ -524,6 +549,7 @@ struct GpuTrainer::Impl {
       }
     }
     flush_bf16();
+    wops.run(stream);
     if (nvfp4_count > 0) join_lanes();
   }
 
@@ -1455,7 +1481,9 @@ std::string GpuTrainer::profile_report() {
   m.collect();
   const std::string attn = fmt::format("attention ({})", m.attn_tc_fwd ? "tc" : "exact");
   const std::string gemm = fmt::format("GEMMs (experts {})", m.any_fast ? m.expert_gemms() : "per-expert");
-  const std::string requant = fmt::format("re-quantization ({})", m.requant_exec[0] || m.requant_exec[1] ? "graph" : "eager");
+  const std::string requant =
+      fmt::format("re-quantization ({}{})", m.requant_exec[0] || m.requant_exec[1] ? "graph" : "eager",
+                  m.wops.size() > 0 ? fmt::format(", {} NVFP4 operands in one set", m.wops.size()) : std::string());
   const char* names[Impl::kNcat] = {gemm.c_str(), attn.c_str(), "MoE routing (+ host sync)", "losses",
                                     "clip + AdamW", requant.c_str(), "other"};
   std::string r;

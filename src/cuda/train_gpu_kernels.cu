@@ -7,6 +7,7 @@
 #include "cuda/check.h"
 #include "cuda/codecs.cuh"
 #include "cuda/kernel_util.cuh"
+#include "cuda/quant_row.cuh"
 #include "cuda/train_gpu_kernels.h"
 #include "cuda/train_kernels.h"
 
@@ -21,7 +22,7 @@ __global__ void nvfp4_weight_bf16_kernel(const uint8_t* __restrict__ codes, cons
                                          const float* __restrict__ amax, int64_t rows, int64_t cols,
                                          uint16_t* __restrict__ out, float* __restrict__ alpha) {
   const int64_t nbytes = rows * cols / 2;
-  if (blockIdx.x == 0 && threadIdx.x == 0) *alpha = __fmul_rn(amax[0], 1.f / 2688.f);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *alpha = dev::nv_weight_alpha(amax[0]);
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < nbytes; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t e = 2 * i, r = e / cols, c = e - r * cols;
     const float sf = dev::e4m3_decode(scales[r * (cols / 16) + c / 16]);
@@ -161,7 +162,7 @@ bool al16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 __global__ void nvfp4_weight_bf16_row_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
                                              const float* __restrict__ amax, int64_t rows, int64_t cols,
                                              uint16_t* __restrict__ out, float* __restrict__ alpha) {
-  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *alpha = __fmul_rn(amax[0], 1.f / 2688.f);
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *alpha = dev::nv_weight_alpha(amax[0]);
   const int64_t nb = cols / 16;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const uint2* crow = reinterpret_cast<const uint2*>(codes + r * (cols / 2));
@@ -169,15 +170,8 @@ __global__ void nvfp4_weight_bf16_row_kernel(const uint8_t* __restrict__ codes, 
     for (int64_t b = col0(); b < nb; b += col_step()) {
       const uint2 cw = crow[b];
       const float sf = dev::e4m3_decode(scales[r * nb + b]);
-      uint32_t w[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const uint32_t byte = ((j < 4 ? cw.x : cw.y) >> (8 * (j & 3))) & 0xFFu;
-        w[j] = dev::bf16_encode(__fmul_rn(dev::e2m1_decode(byte & 15u), sf)) |
-               (dev::bf16_encode(__fmul_rn(dev::e2m1_decode(byte >> 4), sf)) << 16);
-      }
-      orow[2 * b] = make_uint4(w[0], w[1], w[2], w[3]);
-      orow[2 * b + 1] = make_uint4(w[4], w[5], w[6], w[7]);
+      orow[2 * b] = dev::nv_operand_bf16x8(cw.x, sf);
+      orow[2 * b + 1] = dev::nv_operand_bf16x8(cw.y, sf);
     }
   }
 }

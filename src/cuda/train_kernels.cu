@@ -1475,27 +1475,61 @@ __global__ void scale_kernel(float* __restrict__ x, int64_t n, float coef) {
 // train::AdamW::step's element update, operation by operation.
 // clip != 1: the gradient is first clipped (scale_kernel's multiply, written back); bf16_out: the
 // new parameter's BF16 bits as well (the trainer's BF16 GEMM operands).
+// One parameter's AdamW update (train::AdamW::step's operations, in its order): g already clipped,
+// f the decay factor; m and v updated in place; returns the new parameter.
+struct AdamWConsts {
+  float b1, b2, step_size, bc2_sqrt, eps, decay, clip;
+};
+__device__ __forceinline__ float adamw1(float g, float p, float& m, float& v, bool decays, const AdamWConsts& k) {
+  const float c1 = __fsub_rn(1.f, k.b1), c2 = __fsub_rn(1.f, k.b2);
+  const float f = decays ? k.decay : 1.f;
+  const float pf = __fmul_rn(p, f);
+  m = __fadd_rn(__fmul_rn(k.b1, m), __fmul_rn(c1, g));
+  v = __fadd_rn(__fmul_rn(k.b2, v), __fmul_rn(c2, __fmul_rn(g, g)));
+  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), k.bc2_sqrt), k.eps);
+  return __fsub_rn(pf, __fmul_rn(k.step_size, __fdiv_rn(m, denom)));
+}
+
 __global__ void adamw_kernel(float* __restrict__ params, float* __restrict__ grads, float* __restrict__ m,
-                             float* __restrict__ v, const uint8_t* __restrict__ mask, int64_t n, float b1, float b2,
-                             float step_size, float bc2_sqrt, float eps, float decay, float clip,
+                             float* __restrict__ v, const uint8_t* __restrict__ mask, int64_t n, AdamWConsts k,
                              uint16_t* __restrict__ bf16_out) {
-  const float c1 = __fsub_rn(1.f, b1), c2 = __fsub_rn(1.f, b2);
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     float g = grads[i];
-    if (clip != 1.f) {
-      g = __fmul_rn(g, clip);
+    if (k.clip != 1.f) {
+      g = __fmul_rn(g, k.clip);
       grads[i] = g;
     }
-    const float f = (mask == nullptr || mask[i]) ? decay : 1.f;
-    const float p = __fmul_rn(params[i], f);
-    const float mi = __fadd_rn(__fmul_rn(b1, m[i]), __fmul_rn(c1, g));
-    const float vi = __fadd_rn(__fmul_rn(b2, v[i]), __fmul_rn(c2, __fmul_rn(g, g)));
+    float mi = m[i], vi = v[i];
+    const float pn = adamw1(g, params[i], mi, vi, mask == nullptr || mask[i], k);
     m[i] = mi;
     v[i] = vi;
-    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
-    const float pn = __fsub_rn(p, __fmul_rn(step_size, __fdiv_rn(mi, denom)));
     params[i] = pn;
     if (bf16_out) bf16_out[i] = static_cast<uint16_t>(dev::bf16_encode(pn));
+  }
+}
+
+// Four parameters a thread with 16-byte loads and stores (the optimizer state is ~30 bytes a
+// parameter of pure streaming: 4-byte accesses left it at ~74% of the copy bandwidth).
+__global__ void adamw_vec_kernel(float4* __restrict__ params, float4* __restrict__ grads, float4* __restrict__ m,
+                                 float4* __restrict__ v, const uchar4* __restrict__ mask, int64_t n4, AdamWConsts k,
+                                 uint2* __restrict__ bf16_out) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
+    float4 g = grads[i];
+    const float4 p = params[i];
+    float4 mi = m[i], vi = v[i];
+    const uchar4 mk = mask ? mask[i] : make_uchar4(1, 1, 1, 1);
+    if (k.clip != 1.f) {
+      g = make_float4(__fmul_rn(g.x, k.clip), __fmul_rn(g.y, k.clip), __fmul_rn(g.z, k.clip), __fmul_rn(g.w, k.clip));
+      grads[i] = g;
+    }
+    const float4 pn = make_float4(adamw1(g.x, p.x, mi.x, vi.x, mk.x, k), adamw1(g.y, p.y, mi.y, vi.y, mk.y, k),
+                                  adamw1(g.z, p.z, mi.z, vi.z, mk.z, k), adamw1(g.w, p.w, mi.w, vi.w, mk.w, k));
+    m[i] = mi;
+    v[i] = vi;
+    params[i] = pn;
+    if (bf16_out)
+      bf16_out[i] = make_uint2(dev::bf16_encode(pn.x) | (dev::bf16_encode(pn.y) << 16),
+                               dev::bf16_encode(pn.z) | (dev::bf16_encode(pn.w) << 16));
   }
 }
 
@@ -1815,8 +1849,23 @@ void scale(float* x, int64_t n, float coef, cudaStream_t s) {
 void adamw(float* params, float* grads, float* m, float* v, const uint8_t* mask, int64_t n, float b1, float b2,
            float step_size, float bc2_sqrt, float eps, float decay, cudaStream_t s, float clip, uint16_t* bf16_out) {
   if (n == 0) return;
-  adamw_kernel<<<grid_for(n), kThreads, 0, s>>>(params, grads, m, v, mask, n, b1, b2, step_size, bc2_sqrt, eps, decay,
-                                                 clip, bf16_out);
+  const AdamWConsts k{b1, b2, step_size, bc2_sqrt, eps, decay, clip};
+  auto al = [](const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; };
+  int64_t n4 = 0;
+  if (!legacy_train_kernels() && al(params, 16) && al(grads, 16) && al(m, 16) && al(v, 16) && al(mask, 4) &&
+      al(bf16_out, 8)) {
+    n4 = n / 4;
+    if (n4 > 0) {
+      adamw_vec_kernel<<<grid_for(n4), kThreads, 0, s>>>(
+          reinterpret_cast<float4*>(params), reinterpret_cast<float4*>(grads), reinterpret_cast<float4*>(m),
+          reinterpret_cast<float4*>(v), reinterpret_cast<const uchar4*>(mask), n4, k, reinterpret_cast<uint2*>(bf16_out));
+      QUADS_CUDA_LAUNCH_CHECK();
+    }
+  }
+  const int64_t o = 4 * n4;  // the elements the vector kernel left (all of them where it did not run)
+  if (o == n) return;
+  adamw_kernel<<<grid_for(n - o), kThreads, 0, s>>>(params + o, grads + o, m + o, v + o, mask ? mask + o : nullptr,
+                                                    n - o, k, bf16_out ? bf16_out + o : nullptr);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 

@@ -13,6 +13,7 @@
 #include "common/fixtures.h"
 #include "cuda/cuda_test_util.h"
 #include "cuda/quant.h"
+#include "cuda/train_gpu_kernels.h"
 #include "io/safetensors.h"
 
 using namespace quads;
@@ -285,6 +286,77 @@ TEST(CudaQuant, RejectsBadShapes) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("cuda::make_qtensor"), std::string::npos) << e.what();
   }
+}
+
+// The trainer's NVFP4 weight operands from one WeightOperandSet against quantize() then
+// kern::nvfp4_weight_bf16 per tensor: the same BF16 operand bits, alpha and amax. Tensors of one
+// block to several 8192-element chunks (a chunk's last rows ragged), magnitudes from 1e-30 to 1e30
+// (the E4M3 scale's range clamped at both ends), an all-zero tensor, and -0 / NaN elements (the NaN
+// tensor's operand is compared where the chain defines it: alpha and amax NaN, as the CPU's); two
+// runs give the same bits. Refused: other configurations, unaligned or ragged tensors.
+TEST(CudaQuant, WeightOperandSetIsQuantizeThenOperand) {
+  QUADS_REQUIRE_GPU();
+  const QConfig cfg = QConfig::nvfp4_weight(false);
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 16},   {3, 48},    {16, 2048}, {7, 8208},
+                                                           {768, 64}, {5, 16400}, {2, 32},    {4, 4096}};
+  const float mags[] = {1.f, 3e-3f, 1e30f, 1e-30f, 0.f, 250.f, 1.f, 1.f};
+  std::vector<DeviceArray<float>> src(shapes.size());
+  std::vector<DeviceArray<uint16_t>> out(shapes.size()), ref(shapes.size());
+  DeviceArray<float> alpha(shapes.size()), ref_alpha(shapes.size());
+  std::vector<WeightOperand> list;
+  std::vector<std::vector<float>> host(shapes.size());
+  for (size_t t = 0; t < shapes.size(); ++t) {
+    const auto [rows, cols] = shapes[t];
+    std::vector<float> x = random_matrix(rows, cols, 300 + t);
+    for (float& v : x) v *= mags[t];
+    if (t == 6) x[5] = std::nanf("");
+    if (t == 7) x[0] = -0.f;
+    host[t] = x;
+    src[t].upload(x);
+    out[t].resize(size_t(rows * cols));
+    ref[t].resize(size_t(rows * cols));
+    list.push_back({src[t].data(), rows, cols, out[t].data(), alpha.data() + t});
+  }
+  WeightOperandSet set(list, cfg);
+  ASSERT_EQ(set.size(), static_cast<int64_t>(shapes.size()));
+  for (int run = 0; run < 2; ++run) {
+    for (auto& o : out) o.fill_bytes(0xFF);
+    set.run();
+    QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> am(shapes.size());
+    QUADS_CUDA_CHECK(cudaMemcpy(am.data(), set.amax(), sizeof(float) * am.size(), cudaMemcpyDeviceToHost));
+    const std::vector<float> al = alpha.download();
+    for (size_t t = 0; t < shapes.size(); ++t) {
+      const auto [rows, cols] = shapes[t];
+      DeviceQTensor q = make_qtensor(rows, cols, cfg);
+      cuda::quantize(src[t].data(), q);
+      kern::nvfp4_weight_bf16(q.codes.data(), q.scales.data(), q.amax.data(), rows, cols, ref[t].data(),
+                              ref_alpha.data() + t, nullptr);
+      QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+      const num::QTensor cpu = num::quantize(host[t].data(), rows, cols, cfg);
+      EXPECT_TRUE(same_float(am[t], cpu.amax[0])) << "tensor " << t << " run " << run;
+      EXPECT_TRUE(same_float(al[t], ref_alpha.download()[t])) << "tensor " << t << " run " << run;
+      if (t == 6) {
+        EXPECT_TRUE(std::isnan(am[t]));
+        continue;  // a NaN amax poisons every scale: the operand is unspecified, as the chain's codes
+      }
+      EXPECT_EQ(first_mismatch(out[t].download(), ref[t].download()), -1) << "tensor " << t << " run " << run;
+    }
+  }
+  QConfig bad = cfg;
+  bad.global = Global::PerRow;
+  EXPECT_THROW(WeightOperandSet(list, bad), Error);
+  bad = QConfig::nvfp4_weight(true);
+  EXPECT_THROW(WeightOperandSet(list, bad), Error);
+  bad = cfg;
+  bad.stochastic = true;
+  EXPECT_THROW(WeightOperandSet(list, bad), Error);
+  std::vector<WeightOperand> odd = {list[0]};
+  odd[0].src = src[1].data() + 1;  // 4-byte aligned only
+  EXPECT_THROW(WeightOperandSet(odd, cfg), Error);
+  odd = {list[1]};
+  odd[0].cols = 40;
+  EXPECT_THROW(WeightOperandSet(odd, cfg), Error);
 }
 
 // RAC's residual operand in one kernel against its CPU twin: num::fake_quantize of the activation,

@@ -486,9 +486,49 @@ TEST(CudaTrain, RequantGraphEqualsEager) {
     gg.download(wa);
     ge.download(wb);
     EXPECT_EQ(first_float_mismatch(wa.data, wb.data), -1) << preset;
-    EXPECT_NE(gg.profile_report().find("re-quantization (graph)"), std::string::npos) << preset;
-    EXPECT_NE(ge.profile_report().find("re-quantization (eager)"), std::string::npos) << preset;
+    EXPECT_NE(gg.profile_report().find("re-quantization (graph"), std::string::npos) << preset;
+    EXPECT_NE(ge.profile_report().find("re-quantization (eager"), std::string::npos) << preset;
   }
+}
+
+// QAT's NVFP4 operands from one WeightOperandSet (two launches) and from a quantize() and an
+// operand launch per linear (QUADS_GPU_TRAIN_WOP=0): the same losses, logits and masters, step by
+// step, with the set in use.
+TEST(CudaTrain, WeightOperandSetEqualsLaunchChain) {
+  QUADS_REQUIRE_GPU();
+  const model::Weights w = fixture_weights();
+  const model::Batch b = model::Batch::of({input_ids(), random_tokens(30, 22, w.cfg.vocab_size)});
+  const auto targets = train::next_token_targets(b);
+  train::AdamWConfig cfg;
+  cfg.lr = 3e-3;
+  cfg.max_grad_norm = 0.5;
+  cuda::GpuTrainer gs(w, model::PrecisionConfig::preset("qat"));
+  setenv("QUADS_GPU_TRAIN_WOP", "0", 1);
+  cuda::GpuTrainer gc(w, model::PrecisionConfig::preset("qat"));
+  unsetenv("QUADS_GPU_TRAIN_WOP");
+  cuda::GpuTrainer* t[2] = {&gs, &gc};
+  for (int step = 1; step <= 3; ++step) {
+    double loss[2];
+    for (int i = 0; i < 2; ++i) {
+      t[i]->zero_grad();
+      t[i]->forward(b, nullptr, true);
+      loss[i] = t[i]->loss_ce(targets);
+      t[i]->adamw_step(cfg, step);
+    }
+    EXPECT_EQ(loss[0], loss[1]) << "step " << step;
+  }
+  const int64_t T = b.ntokens(), V = w.cfg.vocab_size;
+  std::vector<float> la(T * V), lb(T * V);
+  gs.forward(b, la.data(), false);
+  gc.forward(b, lb.data(), false);
+  EXPECT_EQ(first_float_mismatch(la, lb), -1);
+  model::Weights wa = w, wb = w;
+  gs.download(wa);
+  gc.download(wb);
+  EXPECT_EQ(first_float_mismatch(wa.data, wb.data), -1);
+  const std::string rs = gs.profile_report(), rc = gc.profile_report();
+  EXPECT_NE(rs.find("NVFP4 operands in one set"), std::string::npos) << rs;
+  EXPECT_EQ(rc.find("in one set"), std::string::npos) << rc;
 }
 
 TEST(CudaTrain, UnsupportedSettingsAreErrors) {

@@ -527,6 +527,34 @@ TEST(CudaTrainKernels, OptimizerMatchesCpu) {
       for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hb[i], num::bf16_from_f32(p1[i])) << i;
     }
   }
+  // The 16-byte path (aligned arrays) and the scalar one (the same update on copies one float off
+  // alignment): the same bits, clip and BF16 copy included.
+  {
+    auto p0 = randn(n, 97), g0 = randn(n, 98, 0.1f), m0 = randn(n, 99, 0.01f), v0 = randn(n, 100);
+    for (float& x : v0) x = x * x;
+    std::vector<uint8_t> mk(n);
+    for (int64_t i = 0; i < n; ++i) mk[i] = (i % 5) != 1;
+    auto off = [](std::vector<float> a) {
+      a.insert(a.begin(), 0.f);
+      return a;
+    };
+    DeviceArray<float> ap = dev(p0), ag = dev(g0), am = dev(m0), av = dev(v0), up = dev(off(p0)), ug = dev(off(g0)),
+                       um = dev(off(m0)), uv = dev(off(v0));
+    DeviceArray<uint8_t> amk = dev(mk);
+    DeviceArray<uint16_t> ab(n), ub(n + 1);
+    kern::adamw(ap.data(), ag.data(), am.data(), av.data(), amk.data(), n, 0.9f, 0.95f, 1e-3f, 0.3f, 1e-8f, 0.999f,
+                nullptr, 0.5f, ab.data());
+    kern::adamw(up.data() + 1, ug.data() + 1, um.data() + 1, uv.data() + 1, amk.data(), n, 0.9f, 0.95f, 1e-3f, 0.3f,
+                1e-8f, 0.999f, nullptr, 0.5f, ub.data() + 1);
+    device_sync();
+    auto tail = [](const std::vector<float>& u) { return std::vector<float>(u.begin() + 1, u.end()); };
+    EXPECT_EQ(first_float_mismatch(ap.download(), tail(up.download())), -1) << "params";
+    EXPECT_EQ(first_float_mismatch(ag.download(), tail(ug.download())), -1) << "clipped grads";
+    EXPECT_EQ(first_float_mismatch(am.download(), tail(um.download())), -1) << "m";
+    EXPECT_EQ(first_float_mismatch(av.download(), tail(uv.download())), -1) << "v";
+    const auto hb = ab.download(), hu = ub.download();
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hb[i], hu[i + 1]) << i;
+  }
   // No mask: everything decays.
   train::AdamW plain(n, cfg);
   auto p2 = randn(n, 90), g2 = randn(n, 91, 1e-4f);
