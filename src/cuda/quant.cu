@@ -1142,12 +1142,14 @@ WeightOperandSet::WeightOperandSet(const std::vector<WeightOperand>& list, const
   ctas_ = static_cast<int64_t>(cta.size());
 }
 
-void WeightOperandSet::run(cudaStream_t s) {
+void WeightOperandSet::run(cudaStream_t s, bool amax_ready) {
   if (count_ == 0) return;
   const WDesc* d = reinterpret_cast<const WDesc*>(desc_.data());
-  QUADS_CUDA_CHECK(cudaMemsetAsync(amax_.data(), 0, amax_.bytes(), s));
-  launch_pdl(wop_amax_kernel, static_cast<unsigned>(ctas_), kWopThreads, 0, s, d, cta_.data(),
-             reinterpret_cast<uint32_t*>(amax_.data()));
+  if (!amax_ready) {
+    QUADS_CUDA_CHECK(cudaMemsetAsync(amax_.data(), 0, amax_.bytes(), s));
+    launch_pdl(wop_amax_kernel, static_cast<unsigned>(ctas_), kWopThreads, 0, s, d, cta_.data(),
+               reinterpret_cast<uint32_t*>(amax_.data()));
+  }
   launch_pdl(wop_operand_kernel, static_cast<unsigned>(ctas_), kWopThreads, 0, s, d, cta_.data(),
              static_cast<const float*>(amax_.data()));
 }

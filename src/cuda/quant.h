@@ -102,7 +102,8 @@ void rac_quantize_fold(const RacFoldSource& src, int64_t rows, int64_t cols, con
 // rounding); out [rows, cols] (16-byte aligned) receives the BF16 bits of e2m1(code) * e4m3(scale)
 // and *alpha = amax * fp32(1/2688): quantize() then kern::nvfp4_weight_bf16, bit for bit, without
 // the codes and scales in memory. run(): a pass for the tensors' amax, one for the operands;
-// capturable in a CUDA graph (the pointers are fixed when the set is built).
+// capturable in a CUDA graph (the pointers are fixed when the set is built). run(s, true): amax()
+// already holds the tensors' amax (the trainer's AdamW pass writes it, kern::AdamWAmax).
 struct WeightOperand {
   const float* src = nullptr;
   int64_t rows = 0, cols = 0;
@@ -114,9 +115,10 @@ class WeightOperandSet {
  public:
   WeightOperandSet() = default;
   WeightOperandSet(const std::vector<WeightOperand>& list, const num::QConfig& cfg);
-  void run(cudaStream_t stream = nullptr);
+  void run(cudaStream_t stream = nullptr, bool amax_ready = false);
   int64_t size() const { return count_; }
-  const float* amax() const { return amax_.data(); }  // [size()], the tensors' amax after run()
+  float* amax() { return amax_.data(); }  // [size()], the tensors' amax after run()
+  const float* amax() const { return amax_.data(); }
 
  private:
   DeviceArray<uint8_t> desc_;  // the kernels' descriptors, one per tensor

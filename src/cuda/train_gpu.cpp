@@ -251,7 +251,9 @@ struct GpuTrainer::Impl {
   // re-quantization; QUADS_GPU_TRAIN_WOP=0: a quantize() and an operand launch each, as before).
   WeightOperandSet wops;
   std::vector<uint8_t> in_wops;  // per linear
-  bool wops_on = true, wops_built = false;
+  bool wops_on = true, wops_built = false, wops_amax_in_adamw = true;
+  // The set's tensors as ranges of the masters (in the set's order), for AdamW's amax (adamw_step).
+  DeviceArray<int64_t> wops_begin, wops_end;
   DeviceArray<float> adam_m, adam_v;
   DeviceArray<uint8_t> decay_mask;
   DeviceArray<double> norm_scratch, norm_out;
@@ -345,6 +347,7 @@ struct GpuTrainer::Impl {
     if (const char* e = std::getenv("QUADS_GPU_TRAIN_LT"); e && *e) lt_on = std::string(e) != "0";
     if (const char* e = std::getenv("QUADS_GPU_TRAIN_GRAPHS"); e && *e) requant_graphs = std::string(e) != "0";
     if (const char* e = std::getenv("QUADS_GPU_TRAIN_WOP"); e && *e) wops_on = std::string(e) != "0";
+    if (const char* e = std::getenv("QUADS_GPU_TRAIN_WOP_AMAX"); e && *e) wops_amax_in_adamw = std::string(e) != "0";
     if (const char* e = std::getenv("QUADS_GPU_TRAIN_GROUPED"); e && *e) {
       const std::string v = e;
       set_expert_gemms(v == "0" ? "per-expert" : v == "1" ? "grouped" : v);
@@ -437,12 +440,13 @@ struct GpuTrainer::Impl {
   // ---- weights
 
   // Every linear's effective weight from the masters (model::Model::sync).
-  // bf16_done: the fast path's BF16 operands are already written (kern::adamw's bf16_out).
+  // bf16_done: the fast path's BF16 operands are already written (kern::adamw's bf16_out);
+  // amax_ready: the WeightOperandSet's amax too (kern::adamw's AdamWAmax).
   // The launches (a quantization and an operand conversion per NVFP4 linear: ~4700 small kernels
   // per step for QAT on the peer model, 33 ms) are a CUDA graph after the first call; every
   // pointer they use is fixed for the trainer's life. QUADS_GPU_TRAIN_GRAPHS=0 keeps them eager.
-  void requantize(bool bf16_done = false) {
-    cudaGraphExec_t& ex = requant_exec[bf16_done ? 1 : 0];
+  void requantize(bool bf16_done = false, bool amax_ready = false) {
+    cudaGraphExec_t& ex = requant_exec[(bf16_done ? 1 : 0) + (amax_ready ? 2 : 0)];
     // The first call runs eagerly: it allocates the quantization scratch (no cudaMalloc while
     // a stream is being captured).
     if (requant_graphs && !ex && requant_calls++ > 0) {
@@ -450,7 +454,7 @@ struct GpuTrainer::Impl {
       QUADS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
       bool ok = true;
       try {
-        requantize_launches(bf16_done);
+        requantize_launches(bf16_done, amax_ready);
       } catch (const Error&) {
         ok = false;
       }
@@ -467,7 +471,7 @@ struct GpuTrainer::Impl {
     if (ex)
       QUADS_CUDA_CHECK(cudaGraphLaunch(ex, stream));
     else
-      requantize_launches(bf16_done);
+      requantize_launches(bf16_done, amax_ready);
     // The grouped expert GEMMs take their alphas from the host.
     if (any_fast && expert_mode == ExpertGemms::Grouped) {
       QUADS_CUDA_CHECK(cudaMemcpyAsync(halpha.data(), alphas.data(), sizeof(float) * lin.size(), cudaMemcpyDeviceToHost,
@@ -477,26 +481,36 @@ struct GpuTrainer::Impl {
   }
   bool requant_graphs = true;
   int64_t requant_calls = 0;
-  cudaGraphExec_t requant_exec[2] = {};
+  cudaGraphExec_t requant_exec[4] = {};
 
   void build_wops() {
     wops_built = true;
     in_wops.assign(lin.size(), 0);
     if (!wops_on) return;
-    std::vector<WeightOperand> list;
-    num::QConfig cfg;
+    std::vector<size_t> order;  // the linears in the set, by their place in the masters
     for (size_t i = 0; i < lin.size(); ++i) {
       const Lin& L = lin[i];
       // 16-byte aligned source (4 floats) and operand (8 BF16)
-      if (!L.nvfp4() || !weight_operands_supported(L.num.weight.cfg) || L.in % 16 != 0 || L.offset % 8 != 0) continue;
-      in_wops[i] = 1;
-      cfg = L.num.weight.cfg;
-      list.push_back({master.data() + L.offset, L.out, L.in, wb.data() + L.offset, alphas.data() + i});
+      if (L.nvfp4() && weight_operands_supported(L.num.weight.cfg) && L.in % 16 == 0 && L.offset % 8 == 0)
+        order.push_back(i);
     }
-    if (!list.empty()) wops = WeightOperandSet(list, cfg);
+    if (order.empty()) return;
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return lin[a].offset < lin[b].offset; });
+    std::vector<WeightOperand> list;
+    std::vector<int64_t> begin, end;
+    for (size_t i : order) {
+      const Lin& L = lin[i];
+      in_wops[i] = 1;
+      list.push_back({master.data() + L.offset, L.out, L.in, wb.data() + L.offset, alphas.data() + i});
+      begin.push_back(static_cast<int64_t>(L.offset));
+      end.push_back(static_cast<int64_t>(L.offset) + L.out * L.in);
+    }
+    wops = WeightOperandSet(list, lin[order[0]].num.weight.cfg);
+    wops_begin.upload(begin);
+    wops_end.upload(end);
   }
 
-  void requantize_launches(bool bf16_done) {
+  void requantize_launches(bool bf16_done, bool amax_ready = false) {
     if (!wops_built) build_wops();  // the first call is eager (requantize): no allocation is captured
     int64_t nvfp4_count = 0;
     // BF16 operands of adjacent linears (a layer's experts lie one after another) convert in one
@@ -549,7 +563,7 @@ struct GpuTrainer::Impl {
       }
     }
     flush_bf16();
-    wops.run(stream);
+    wops.run(stream, amax_ready);
     if (nvfp4_count > 0) join_lanes();
   }
 
@@ -1454,10 +1468,19 @@ double GpuTrainer::adamw_step(const train::AdamWConfig& c, int64_t t, double lr_
   // Where BF16 operands are most of the weights (the bf16 preset) AdamW writes them for every
   // parameter in its pass; requantize() then skips them.
   const bool bf16_fused = 2 * m.bf16_fast_params > n;
+  // The WeightOperandSet's amax pass in the same pass (QUADS_GPU_TRAIN_WOP_AMAX=0: its own pass).
+  if (!m.wops_built) m.build_wops();
+  kern::AdamWAmax wa;
+  if (m.wops.size() > 0 && m.wops_amax_in_adamw) {
+    wa.begin = m.wops_begin.data();
+    wa.end = m.wops_end.data();
+    wa.count = static_cast<int>(m.wops.size());
+    wa.amax_bits = reinterpret_cast<uint32_t*>(m.wops.amax());
+  }
   kern::adamw(m.master.data(), m.grads.data(), m.adam_m.data(), m.adam_v.data(), m.decay_mask.data(), n, b1, b2,
-              step_size, bc2_sqrt, eps, decay, m.stream, clip, bf16_fused ? m.wb.data() : nullptr);
+              step_size, bc2_sqrt, eps, decay, m.stream, clip, bf16_fused ? m.wb.data() : nullptr, wa);
   m.tick(Impl::kOpt);
-  m.requantize(bf16_fused);
+  m.requantize(bf16_fused, wa.count > 0);
   m.tick(Impl::kRequant);
   m.collect();
   return norm;
@@ -1482,7 +1505,8 @@ std::string GpuTrainer::profile_report() {
   const std::string attn = fmt::format("attention ({})", m.attn_tc_fwd ? "tc" : "exact");
   const std::string gemm = fmt::format("GEMMs (experts {})", m.any_fast ? m.expert_gemms() : "per-expert");
   const std::string requant =
-      fmt::format("re-quantization ({}{})", m.requant_exec[0] || m.requant_exec[1] ? "graph" : "eager",
+      fmt::format("re-quantization ({}{})",
+                  m.requant_exec[0] || m.requant_exec[1] || m.requant_exec[2] || m.requant_exec[3] ? "graph" : "eager",
                   m.wops.size() > 0 ? fmt::format(", {} NVFP4 operands in one set", m.wops.size()) : std::string());
   const char* names[Impl::kNcat] = {gemm.c_str(), attn.c_str(), "MoE routing (+ host sync)", "losses",
                                     "clip + AdamW", requant.c_str(), "other"};

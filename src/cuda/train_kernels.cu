@@ -1490,9 +1490,22 @@ __device__ __forceinline__ float adamw1(float g, float p, float& m, float& v, bo
   return __fsub_rn(pf, __fmul_rn(k.step_size, __fdiv_rn(m, denom)));
 }
 
+// The range of `a` that holds parameter i (i + base in the whole array), or -1.
+__device__ __forceinline__ int amax_range(const AdamWAmax& a, int64_t i) {
+  int lo = 0, hi = a.count;  // the first range whose end is past i
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (a.end[mid] <= i) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo < a.count && a.begin[lo] <= i ? lo : -1;
+}
+__device__ __forceinline__ uint32_t abs_bits(float x) { return __float_as_uint(x) & 0x7FFFFFFFu; }
+
+// base: the index of params[0] in the array the ranges of `a` refer to.
 __global__ void adamw_kernel(float* __restrict__ params, float* __restrict__ grads, float* __restrict__ m,
                              float* __restrict__ v, const uint8_t* __restrict__ mask, int64_t n, AdamWConsts k,
-                             uint16_t* __restrict__ bf16_out) {
+                             uint16_t* __restrict__ bf16_out, AdamWAmax a, int64_t base) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     float g = grads[i];
     if (k.clip != 1.f) {
@@ -1505,15 +1518,22 @@ __global__ void adamw_kernel(float* __restrict__ params, float* __restrict__ gra
     v[i] = vi;
     params[i] = pn;
     if (bf16_out) bf16_out[i] = static_cast<uint16_t>(dev::bf16_encode(pn));
+    if (a.count > 0)
+      if (const int r = amax_range(a, base + i); r >= 0) atomicMax(a.amax_bits + r, abs_bits(pn));
   }
 }
 
 // Four parameters a thread with 16-byte loads and stores (the optimizer state is ~30 bytes a
 // parameter of pure streaming: 4-byte accesses left it at ~74% of the copy bandwidth).
+// AMAX: CTA b takes the vectors b * kAdamCta .. + kAdamCta - 1 (kAdamVecs a thread) so that it
+// knows its ranges: inside one range, one atomic a CTA; across range edges, one a thread and range.
+constexpr int kAdamVecs = 4;
+constexpr int64_t kAdamCta = int64_t(kThreads) * kAdamVecs;
+template <bool AMAX>
 __global__ void adamw_vec_kernel(float4* __restrict__ params, float4* __restrict__ grads, float4* __restrict__ m,
                                  float4* __restrict__ v, const uchar4* __restrict__ mask, int64_t n4, AdamWConsts k,
-                                 uint2* __restrict__ bf16_out) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
+                                 uint2* __restrict__ bf16_out, AdamWAmax a) {
+  auto update = [&](int64_t i) {
     float4 g = grads[i];
     const float4 p = params[i];
     float4 mi = m[i], vi = v[i];
@@ -1530,6 +1550,65 @@ __global__ void adamw_vec_kernel(float4* __restrict__ params, float4* __restrict
     if (bf16_out)
       bf16_out[i] = make_uint2(dev::bf16_encode(pn.x) | (dev::bf16_encode(pn.y) << 16),
                                dev::bf16_encode(pn.z) | (dev::bf16_encode(pn.w) << 16));
+    return pn;
+  };
+  if constexpr (!AMAX) {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x)
+      update(i);
+  } else {
+    const int64_t v0 = blockIdx.x * kAdamCta, v1 = min(n4, v0 + kAdamCta);
+    __shared__ int first;
+    __shared__ bool whole, none;
+    if (threadIdx.x == 0) {
+      int lo = 0, hi = a.count;  // the first range whose end is past the CTA's first parameter
+      while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (a.end[mid] <= 4 * v0) lo = mid + 1;
+        else hi = mid;
+      }
+      first = lo;
+      whole = lo < a.count && a.begin[lo] <= 4 * v0 && a.end[lo] >= 4 * v1;
+      none = lo == a.count || a.begin[lo] >= 4 * v1;
+    }
+    __syncthreads();
+    if (none) {
+      for (int64_t i = v0 + threadIdx.x; i < v1; i += kThreads) update(i);
+      return;
+    }
+    int r = first;
+    uint32_t mx = 0;
+    for (int u = 0; u < kAdamVecs; ++u) {
+      const int64_t i = v0 + u * kThreads + threadIdx.x;
+      if (i >= v1) break;
+      const float4 pn = update(i);
+      if (whole) {
+        mx = max(mx, max(max(abs_bits(pn.x), abs_bits(pn.y)), max(abs_bits(pn.z), abs_bits(pn.w))));
+        continue;
+      }
+      const float e[4] = {pn.x, pn.y, pn.z, pn.w};
+      for (int j = 0; j < 4; ++j) {  // parameters in increasing order: r only moves forward
+        const int64_t p = 4 * i + j;
+        while (r < a.count && a.end[r] <= p) {
+          if (mx) atomicMax(a.amax_bits + r, mx);
+          mx = 0;
+          ++r;
+        }
+        if (r < a.count && a.begin[r] <= p) mx = max(mx, abs_bits(e[j]));
+      }
+    }
+    if (!whole) {
+      if (mx && r < a.count) atomicMax(a.amax_bits + r, mx);
+      return;
+    }
+    mx = warp_max(mx);
+    __shared__ uint32_t wm[kThreads / 32];
+    if ((threadIdx.x & 31) == 0) wm[threadIdx.x >> 5] = mx;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      mx = threadIdx.x < kThreads / 32 ? wm[threadIdx.x] : 0u;
+      mx = warp_max(mx);
+      if (threadIdx.x == 0) atomicMax(a.amax_bits + first, mx);
+    }
   }
 }
 
@@ -1847,7 +1926,9 @@ void scale(float* x, int64_t n, float coef, cudaStream_t s) {
 }
 
 void adamw(float* params, float* grads, float* m, float* v, const uint8_t* mask, int64_t n, float b1, float b2,
-           float step_size, float bc2_sqrt, float eps, float decay, cudaStream_t s, float clip, uint16_t* bf16_out) {
+           float step_size, float bc2_sqrt, float eps, float decay, cudaStream_t s, float clip, uint16_t* bf16_out,
+           const AdamWAmax& amax) {
+  if (amax.count > 0) QUADS_CUDA_CHECK(cudaMemsetAsync(amax.amax_bits, 0, sizeof(uint32_t) * amax.count, s));
   if (n == 0) return;
   const AdamWConsts k{b1, b2, step_size, bc2_sqrt, eps, decay, clip};
   auto al = [](const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; };
@@ -1855,17 +1936,23 @@ void adamw(float* params, float* grads, float* m, float* v, const uint8_t* mask,
   if (!legacy_train_kernels() && al(params, 16) && al(grads, 16) && al(m, 16) && al(v, 16) && al(mask, 4) &&
       al(bf16_out, 8)) {
     n4 = n / 4;
-    if (n4 > 0) {
-      adamw_vec_kernel<<<grid_for(n4), kThreads, 0, s>>>(
-          reinterpret_cast<float4*>(params), reinterpret_cast<float4*>(grads), reinterpret_cast<float4*>(m),
-          reinterpret_cast<float4*>(v), reinterpret_cast<const uchar4*>(mask), n4, k, reinterpret_cast<uint2*>(bf16_out));
-      QUADS_CUDA_LAUNCH_CHECK();
+    auto p4 = [](float* x) { return reinterpret_cast<float4*>(x); };
+    const auto* mk = reinterpret_cast<const uchar4*>(mask);
+    auto* b4 = reinterpret_cast<uint2*>(bf16_out);
+    if (n4 > 0 && amax.count > 0) {
+      const int64_t ctas = (n4 + kAdamCta - 1) / kAdamCta;
+      QUADS_CHECK(ctas < (int64_t(1) << 31), "cuda adamw: {} parameters", n);
+      adamw_vec_kernel<true><<<static_cast<unsigned>(ctas), kThreads, 0, s>>>(p4(params), p4(grads), p4(m), p4(v), mk,
+                                                                              n4, k, b4, amax);
+    } else if (n4 > 0) {
+      adamw_vec_kernel<false><<<grid_for(n4), kThreads, 0, s>>>(p4(params), p4(grads), p4(m), p4(v), mk, n4, k, b4, amax);
     }
+    QUADS_CUDA_LAUNCH_CHECK();
   }
-  const int64_t o = 4 * n4;  // the elements the vector kernel left (all of them where it did not run)
+  const int64_t o = 4 * n4;  // the parameters the vector kernel left (all of them where it did not run)
   if (o == n) return;
   adamw_kernel<<<grid_for(n - o), kThreads, 0, s>>>(params + o, grads + o, m + o, v + o, mask ? mask + o : nullptr,
-                                                    n - o, k, bf16_out ? bf16_out + o : nullptr);
+                                                    n - o, k, bf16_out ? bf16_out + o : nullptr, amax, o);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 

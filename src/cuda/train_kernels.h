@@ -112,8 +112,17 @@ void scale(float* x, int64_t n, float coef, cudaStream_t s);
 // host (decay = 1 - lr * wd where mask[i] != 0 or mask is null). clip != 1 first clips the
 // gradients in place (scale()'s multiply, in the same pass); bf16_out (optional) receives the new
 // parameters' BF16 bits (one pass instead of AdamW, then a conversion).
+// amax (optional): the max |p| of the new parameters over each of `count` sorted, disjoint ranges
+// [begin[i], end[i]) (device int64), as float bits (NaN largest: quantize()'s per-tensor amax)
+// into amax_bits[i], zeroed first: the amax pass of the trainer's WeightOperandSet, in this pass.
+struct AdamWAmax {
+  const int64_t* begin = nullptr;
+  const int64_t* end = nullptr;
+  int count = 0;
+  uint32_t* amax_bits = nullptr;
+};
 void adamw(float* params, float* grads, float* m, float* v, const uint8_t* mask, int64_t n, float b1, float b2,
            float step_size, float bc2_sqrt, float eps, float decay, cudaStream_t s, float clip = 1.f,
-           uint16_t* bf16_out = nullptr);
+           uint16_t* bf16_out = nullptr, const AdamWAmax& amax = {});
 
 }  // namespace quads::cuda::kern

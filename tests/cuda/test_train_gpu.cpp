@@ -491,9 +491,9 @@ TEST(CudaTrain, RequantGraphEqualsEager) {
   }
 }
 
-// QAT's NVFP4 operands from one WeightOperandSet (two launches) and from a quantize() and an
-// operand launch per linear (QUADS_GPU_TRAIN_WOP=0): the same losses, logits and masters, step by
-// step, with the set in use.
+// QAT's NVFP4 operands from one WeightOperandSet (its amax from the AdamW pass, or from its own
+// pass with QUADS_GPU_TRAIN_WOP_AMAX=0) and from a quantize() and an operand launch per linear
+// (QUADS_GPU_TRAIN_WOP=0): the same losses, logits and masters, step by step, with the set in use.
 TEST(CudaTrain, WeightOperandSetEqualsLaunchChain) {
   QUADS_REQUIRE_GPU();
   const model::Weights w = fixture_weights();
@@ -503,29 +503,35 @@ TEST(CudaTrain, WeightOperandSetEqualsLaunchChain) {
   cfg.lr = 3e-3;
   cfg.max_grad_norm = 0.5;
   cuda::GpuTrainer gs(w, model::PrecisionConfig::preset("qat"));
+  setenv("QUADS_GPU_TRAIN_WOP_AMAX", "0", 1);
+  cuda::GpuTrainer ga(w, model::PrecisionConfig::preset("qat"));
+  unsetenv("QUADS_GPU_TRAIN_WOP_AMAX");
   setenv("QUADS_GPU_TRAIN_WOP", "0", 1);
   cuda::GpuTrainer gc(w, model::PrecisionConfig::preset("qat"));
   unsetenv("QUADS_GPU_TRAIN_WOP");
-  cuda::GpuTrainer* t[2] = {&gs, &gc};
+  cuda::GpuTrainer* t[3] = {&gs, &ga, &gc};
   for (int step = 1; step <= 3; ++step) {
-    double loss[2];
-    for (int i = 0; i < 2; ++i) {
+    double loss[3];
+    for (int i = 0; i < 3; ++i) {
       t[i]->zero_grad();
       t[i]->forward(b, nullptr, true);
       loss[i] = t[i]->loss_ce(targets);
       t[i]->adamw_step(cfg, step);
     }
-    EXPECT_EQ(loss[0], loss[1]) << "step " << step;
+    EXPECT_EQ(loss[0], loss[2]) << "step " << step;
+    EXPECT_EQ(loss[1], loss[2]) << "step " << step;
   }
   const int64_t T = b.ntokens(), V = w.cfg.vocab_size;
-  std::vector<float> la(T * V), lb(T * V);
-  gs.forward(b, la.data(), false);
-  gc.forward(b, lb.data(), false);
-  EXPECT_EQ(first_float_mismatch(la, lb), -1);
-  model::Weights wa = w, wb = w;
-  gs.download(wa);
-  gc.download(wb);
-  EXPECT_EQ(first_float_mismatch(wa.data, wb.data), -1);
+  for (int i = 0; i < 2; ++i) {
+    std::vector<float> la(T * V), lb(T * V);
+    t[i]->forward(b, la.data(), false);
+    gc.forward(b, lb.data(), false);
+    EXPECT_EQ(first_float_mismatch(la, lb), -1) << i;
+    model::Weights wa = w, wb = w;
+    t[i]->download(wa);
+    gc.download(wb);
+    EXPECT_EQ(first_float_mismatch(wa.data, wb.data), -1) << i;
+  }
   const std::string rs = gs.profile_report(), rc = gc.profile_report();
   EXPECT_NE(rs.find("NVFP4 operands in one set"), std::string::npos) << rs;
   EXPECT_EQ(rc.find("in one set"), std::string::npos) << rc;

@@ -15,6 +15,7 @@
 
 #include "cpu/ops.h"
 #include "cuda/check.h"
+#include "cuda/quant.h"
 #include "cuda/train_kernels.h"
 #include "cuda_test_util.h"
 #include "train/adamw.h"
@@ -554,6 +555,44 @@ TEST(CudaTrainKernels, OptimizerMatchesCpu) {
     EXPECT_EQ(first_float_mismatch(av.download(), tail(uv.download())), -1) << "v";
     const auto hb = ab.download(), hu = ub.download();
     for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hb[i], hu[i + 1]) << i;
+  }
+  // The per-range max |p| of the new parameters from the AdamW pass (kern::AdamWAmax): the bits of
+  // cuda::absmax over each range afterwards. Ranges inside one CTA's 4096 parameters, across CTA
+  // edges, exactly a CTA's, tiny ones, one holding the scalar kernel's tail (n % 4) and a NaN; on
+  // aligned arrays and on arrays one float off (the scalar kernel throughout). The updates
+  // themselves stay the plain call's bits.
+  for (int shift : {0, 1}) {
+    auto p0 = randn(n, 101), g0 = randn(n, 102, 0.1f), m0 = randn(n, 103, 0.01f), v0 = randn(n, 104);
+    for (float& x : v0) x = x * x;
+    p0[30000] = std::nanf("");
+    auto off = [shift](std::vector<float> a) {
+      a.insert(a.begin(), shift, 0.f);
+      return a;
+    };
+    const std::vector<int64_t> begin = {0, 16, 5000, 8192, 20000, 40000, 69988};  // 16-byte aligned (absmax)
+    const std::vector<int64_t> end = {16, 5000, 5003, 8192 + 3 * 4096, 39999, 40005, n};
+    DeviceArray<int64_t> db = dev(begin), de = dev(end);
+    DeviceArray<uint32_t> amax_bits(begin.size());
+    DeviceArray<float> ap = dev(off(p0)), ag = dev(off(g0)), am = dev(off(m0)), av = dev(off(v0)), rp = dev(p0),
+                       rg = dev(g0), rm = dev(m0), rv = dev(v0);
+    kern::AdamWAmax wa;
+    wa.begin = db.data();
+    wa.end = de.data();
+    wa.count = static_cast<int>(begin.size());
+    wa.amax_bits = amax_bits.data();
+    kern::adamw(ap.data() + shift, ag.data() + shift, am.data() + shift, av.data() + shift, gmask.data(), n, 0.9f,
+                0.95f, 1e-3f, 0.3f, 1e-8f, 0.999f, nullptr, 0.5f, nullptr, wa);
+    kern::adamw(rp.data(), rg.data(), rm.data(), rv.data(), gmask.data(), n, 0.9f, 0.95f, 1e-3f, 0.3f, 1e-8f, 0.999f,
+                nullptr, 0.5f);
+    DeviceArray<float> ref(begin.size());
+    for (size_t r = 0; r < begin.size(); ++r) cuda::absmax(rp.data() + begin[r], end[r] - begin[r], ref.data() + r);
+    device_sync();
+    const std::vector<float> got = ap.download();
+    EXPECT_EQ(first_float_mismatch(std::vector<float>(got.begin() + shift, got.end()), rp.download()), -1) << shift;
+    const std::vector<uint32_t> hb = amax_bits.download();
+    const std::vector<float> hr = ref.download();
+    for (size_t r = 0; r < begin.size(); ++r) EXPECT_EQ(hb[r], bits(hr[r])) << "range " << r << " shift " << shift;
+    EXPECT_TRUE(std::isnan(hr[4]));
   }
   // No mask: everything decays.
   train::AdamW plain(n, cfg);
