@@ -23,8 +23,13 @@ fi
 build=build-ub-trace CUDAFLAGS="-DQUADS_STEP_TRACE=1" gpu_build bench_model_gpu || exit 1
 build=build-ub-nomma CUDAFLAGS="-DQUADS_STEP_TRACE=1 -DQUADS_EXPERIMENT_NOMMA" gpu_build bench_model_gpu || exit 1
 export QUADS_GPU_MOE_CHAINS=1 QUADS_STEP_TRACE_BATCHES=${QUADS_STEP_TRACE_BATCHES:-16,64}
+# each run writes its full listings to $OUT/step_trace_nvfp4_bB.txt: renamed after it, so that the
+# second build's do not overwrite the first's
+keep() { for f in "$logdir"/step_trace_nvfp4_b*[0-9].txt; do [ -e "$f" ] && mv "$f" "${f%.txt}_$1.txt"; done; }
 build-ub-trace/bench_model_gpu --step-trace nvfp4 >"$logdir/ub_trace_asis.txt" 2>&1
+keep asis
 build-ub-nomma/bench_model_gpu --step-trace nvfp4 >"$logdir/ub_trace_nomma.txt" 2>&1
+keep nomma
 # the "by shape" blocks (sum of each kernel shape's 'adds' over the step) of the two builds
 for f in "$logdir/ub_trace_asis.txt" "$logdir/ub_trace_nomma.txt"; do
   echo "== $(basename "$f" .txt)"

@@ -51,6 +51,20 @@ __device__ __forceinline__ uint32_t warp_max(uint32_t m) {
   for (int s = 16; s > 0; s >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, s));
   return m;
 }
+// The CTA's max of m (float bits, as above) into *out with one atomicMax (max is order-free: the
+// same bits whatever the CTAs' order). Every thread of the CTA calls it (a barrier inside);
+// blockDim.x a multiple of 32, at most 1024.
+__device__ __forceinline__ void block_atomic_max(uint32_t m, uint32_t* out) {
+  __shared__ uint32_t wm[32];
+  m = warp_max(m);
+  if ((threadIdx.x & 31) == 0) wm[threadIdx.x >> 5] = m;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    m = threadIdx.x < blockDim.x / 32 ? wm[threadIdx.x] : 0u;
+    m = warp_max(m);
+    if (threadIdx.x == 0) atomicMax(out, m);
+  }
+}
 // The same over the 16 lanes of a half-warp (lane bits 0..3).
 __device__ __forceinline__ double half_sum(double v) {
   for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

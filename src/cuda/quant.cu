@@ -368,15 +368,7 @@ __global__ void absmax_kernel(const T* x, int64_t n, uint32_t* out) {
     for (int u = 0; u < 4; ++u) m = max(m, vabsmax<T>(r[u]));
   }
   for (int64_t i = nvec * VEC + t0; i < n; i += stride) m = max(m, f2u(to_f32(x[i])) & 0x7FFFFFFFu);
-  m = warp_max(m);
-  __shared__ uint32_t sm[32];
-  if ((threadIdx.x & 31) == 0) sm[threadIdx.x >> 5] = m;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    m = threadIdx.x < blockDim.x / 32 ? sm[threadIdx.x] : 0u;
-    m = warp_max(m);
-    if (threadIdx.x == 0) atomicMax(out, m);  // max is order-free: deterministic
-  }
+  kern::block_atomic_max(m, out);
 }
 
 // ---- FP8 ---------------------------------------------------------------------------------
@@ -554,15 +546,7 @@ __global__ void __launch_bounds__(kWopThreads) wop_amax_kernel(const WDesc* __re
   uint32_t m = 0;
 #pragma unroll
   for (int u = 0; u < kWopChunk / 4 / kWopThreads; ++u) m = max(m, vabsmax<float>(r[u]));
-  m = warp_max(m);
-  __shared__ uint32_t sm[kWopThreads / 32];
-  if ((threadIdx.x & 31) == 0) sm[threadIdx.x >> 5] = m;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    m = threadIdx.x < kWopThreads / 32 ? sm[threadIdx.x] : 0u;
-    m = warp_max(m);
-    if (threadIdx.x == 0) atomicMax(amax + t, m);  // max is order-free: the absmax kernel's bits
-  }
+  kern::block_atomic_max(m, amax + t);  // the absmax kernel's bits
 }
 
 __global__ void __launch_bounds__(kWopThreads) wop_operand_kernel(const WDesc* __restrict__ d,

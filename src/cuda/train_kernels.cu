@@ -1600,15 +1600,7 @@ __global__ void adamw_vec_kernel(float4* __restrict__ params, float4* __restrict
       if (mx && r < a.count) atomicMax(a.amax_bits + r, mx);
       return;
     }
-    mx = warp_max(mx);
-    __shared__ uint32_t wm[kThreads / 32];
-    if ((threadIdx.x & 31) == 0) wm[threadIdx.x >> 5] = mx;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-      mx = threadIdx.x < kThreads / 32 ? wm[threadIdx.x] : 0u;
-      mx = warp_max(mx);
-      if (threadIdx.x == 0) atomicMax(a.amax_bits + first, mx);
-    }
+    block_atomic_max(mx, a.amax_bits + first);
   }
 }
 
