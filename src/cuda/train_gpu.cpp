@@ -442,9 +442,11 @@ struct GpuTrainer::Impl {
   // Every linear's effective weight from the masters (model::Model::sync).
   // bf16_done: the fast path's BF16 operands are already written (kern::adamw's bf16_out);
   // amax_ready: the WeightOperandSet's amax too (kern::adamw's AdamWAmax).
-  // The launches (a quantization and an operand conversion per NVFP4 linear: ~4700 small kernels
-  // per step for QAT on the peer model, 33 ms) are a CUDA graph after the first call; every
-  // pointer they use is fixed for the trainer's life. QUADS_GPU_TRAIN_GRAPHS=0 keeps them eager.
+  // The launches (BF16 conversions of runs of linears, the WeightOperandSet's two kernels, and a
+  // quantization and an operand conversion for each NVFP4 linear outside the set: with a launch
+  // chain for every linear, ~4700 small kernels a QAT step on the peer model, 33 ms eagerly) are a
+  // CUDA graph after the first call; every pointer they use is fixed for the trainer's life.
+  // QUADS_GPU_TRAIN_GRAPHS=0 keeps them eager.
   void requantize(bool bf16_done = false, bool amax_ready = false) {
     cudaGraphExec_t& ex = requant_exec[(bf16_done ? 1 : 0) + (amax_ready ? 2 : 0)];
     // The first call runs eagerly: it allocates the quantization scratch (no cudaMalloc while
