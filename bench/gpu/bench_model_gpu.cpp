@@ -23,7 +23,8 @@
 // rows at other batch sizes (no peer number).
 // nvfp4+rac: the nvfp4 preset with RAC on the first half of every quantized linear's input channels
 // (model::RacConfig's default ratio; the cost of RAC, not a calibrated selection).
-// Wall-clock times (host steady clock, the GPU synchronized at the end of each timed region).
+// Wall-clock times (host steady clock, the GPU synchronized at the end of each timed region), but
+// for the copy and the quantizer rows: device time (gpu_timing.h), the host-timed call beside it.
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 

@@ -291,7 +291,7 @@ TEST(CudaQuant, RejectsBadShapes) {
 // The trainer's NVFP4 weight operands from one WeightOperandSet against quantize() then
 // kern::nvfp4_weight_bf16 per tensor: the same BF16 operand bits, alpha and amax. Tensors of one
 // block to several 8192-element chunks (a chunk's last rows ragged), magnitudes from 1e-30 to 1e30
-// (the E4M3 scale's range clamped at both ends), an all-zero tensor, and -0 / NaN elements (the NaN
+// (the per-tensor global scale near both ends of float32), an all-zero tensor, and -0 / NaN elements (the NaN
 // tensor's operand is compared where the chain defines it: alpha and amax NaN, as the CPU's); two
 // runs give the same bits. Refused: other configurations, unaligned or ragged tensors.
 TEST(CudaQuant, WeightOperandSetIsQuantizeThenOperand) {
