@@ -89,4 +89,13 @@ class DeviceArray {
   size_t n_ = 0;
 };
 
+// One device array per host vector (an empty vector: an empty array), e.g. per-layer tables.
+template <typename T>
+void upload_each(const std::vector<std::vector<T>>& src, std::vector<DeviceArray<T>>& dst) {
+  dst.clear();
+  dst.resize(src.size());
+  for (size_t i = 0; i < src.size(); ++i)
+    if (!src[i].empty()) dst[i].upload(src[i]);
+}
+
 }  // namespace quads::cuda

@@ -2118,33 +2118,10 @@ void GpuModel::set_rac(const model::Model& m) {
 
 void GpuModel::set_kv_transform(const model::KvTransform& t) {
   Impl& g = *impl_;
-  const model::ModelConfig& c = g.cfg;
-  const size_t kvd = size_t(c.num_key_value_heads) * c.head_dim;
-  const size_t L = size_t(c.num_hidden_layers);
-  QUADS_CHECK(t.factor.empty() || t.factor.size() == L, "GpuModel::set_kv_transform: {} factor layers, the model has {}",
-              t.factor.size(), L);
-  QUADS_CHECK(t.shift.empty() || t.shift.size() == L, "GpuModel::set_kv_transform: {} shift layers, the model has {}",
-              t.shift.size(), L);
-  for (size_t l = 0; l < t.factor.size(); ++l)
-    QUADS_CHECK(t.factor[l].empty() || t.factor[l].size() == kvd,
-                "GpuModel::set_kv_transform: layer {} factor has {} values, kv_dim is {}", l, t.factor[l].size(), kvd);
-  for (size_t l = 0; l < t.shift.size(); ++l)
-    QUADS_CHECK(t.shift[l].empty() || t.shift[l].size() == kvd,
-                "GpuModel::set_kv_transform: layer {} shift has {} values, kv_dim is {}", l, t.shift[l].size(), kvd);
-  QUADS_CHECK(!t.quantize || c.head_dim % 16 == 0,
-              "GpuModel::set_kv_transform: KV quantization needs head_dim a multiple of 16 (has {})", c.head_dim);
+  t.validate(g.cfg, "GpuModel::set_kv_transform");
   QUADS_CUDA_CHECK(cudaDeviceSynchronize());
-  auto upload = [&](const std::vector<std::vector<float>>& src, std::vector<DeviceArray<float>>& dst) {
-    dst.clear();
-    dst.resize(L);
-    for (size_t l = 0; l < src.size(); ++l)
-      if (!src[l].empty()) {
-        dst[l].resize(src[l].size());
-        QUADS_CUDA_CHECK(cudaMemcpy(dst[l].data(), src[l].data(), src[l].size() * sizeof(float), cudaMemcpyHostToDevice));
-      }
-  };
-  upload(t.factor, g.kv_factor);
-  upload(t.shift, g.kv_shift);
+  upload_each(t.factor, g.kv_factor);
+  upload_each(t.shift, g.kv_shift);
   g.kv_quant = t.quantize;
   g.kv_qc = t.qconfig;
   ++g_alloc_gen;  // captured graphs do not have the new kernels

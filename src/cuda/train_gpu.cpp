@@ -269,6 +269,10 @@ struct GpuTrainer::Impl {
   DeviceArray<int32_t> seq0, tok_d, emb_order, emb_starts, emb_ids, forced, targets_d;
   int64_t emb_nuniq = 0;
   DeviceArray<float> cosb, sinb, inv_f, xf, f_lm, logits;
+  // ReQAT's KV transform (set_kv_transform): per layer, empty where the layer has none
+  std::vector<DeviceArray<float>> kv_f, kv_m;
+  bool kv_quant = false;
+  num::QConfig kv_qc;
   DeviceArray<uint16_t> b_lm;
   Opnd op_lm;
   // Scratch of one layer at a time.
@@ -1060,8 +1064,15 @@ struct GpuTrainer::Impl {
       kern::rmsnorm_fwd(a.q_raw.data(), M + o.q_norm, T * nh, hd, eps, need(a.q, T * qd), need(a.inv_q, T * nh), stream);
       kern::rmsnorm_fwd(a.k_raw.data(), M + o.k_norm, T * nkv, hd, eps, need(a.k, T * kvd), need(a.inv_k, T * nkv),
                         stream);
+      const float* kvf = l < int(kv_f.size()) && kv_f[l].size() ? kv_f[l].data() : nullptr;
+      if (kvf) kern::kv_factor(a.q.data(), a.k.data(), T, nh, nkv, hd, kvf, stream);
       kern::rope_fwd(a.q.data(), T, nh, hd, cosb.data(), sinb.data(), stream);
       kern::rope_fwd(a.k.data(), T, nkv, hd, cosb.data(), sinb.data(), stream);
+      if (l < int(kv_m.size()) && kv_m[l].size()) kern::sub_cols(a.k.data(), T, kvd, kv_m[l].data(), stream);
+      if (kv_quant) {  // K and V as the cache would hold them; the attention and its backward read these
+        fake_quantize(a.k.data(), a.k.data(), T * nkv, hd, kv_qc, stream);
+        fake_quantize(a.v.data(), a.v.data(), T * nkv, hd, kv_qc, stream);
+      }
       float* attn = need(a.attn, T * qd);
       tick(kOther);
       if (hdp == hd) {
@@ -1274,8 +1285,10 @@ struct GpuTrainer::Impl {
         kern::copy_cols(dv_p.data(), T * nkv, hdp, dvp, hd, stream);
       }
       tick(kAttn);
+      // the KV transform's post-RoPE part: straight-through; its factor: the same diagonal map
       kern::rope_bwd(dqp, T, nh, hd, cosb.data(), sinb.data(), stream);
       kern::rope_bwd(dkp, T, nkv, hd, cosb.data(), sinb.data(), stream);
+      if (l < int(kv_f.size()) && kv_f[l].size()) kern::kv_factor(dqp, dkp, T, nh, nkv, hd, kv_f[l].data(), stream);
       float* dqr = need(dq_raw, size_t(T * qd));
       float* dkr = need(dk_raw, size_t(T * kvd));
       kern::rmsnorm_bwd(dqp, a.q_raw.data(), M + o.q_norm, a.inv_q.data(), T * nh, hd, dqr, G + o.q_norm,
@@ -1351,6 +1364,17 @@ void GpuTrainer::set_router_losses(double aux_loss_coef, double z_loss_coef) {
               "GpuTrainer: router aux loss {} / z loss {} requested: the GPU trainer implements neither (set both "
               "coefficients to 0, or train on the CPU)",
               aux_loss_coef, z_loss_coef);
+}
+
+void GpuTrainer::set_kv_transform(const model::KvTransform& t) {
+  Impl& m = *impl_;
+  t.validate(m.cfg, "GpuTrainer::set_kv_transform");
+  QUADS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  upload_each(t.factor, m.kv_f);
+  upload_each(t.shift, m.kv_m);
+  m.kv_quant = t.quantize;
+  m.kv_qc = t.qconfig;
+  m.kept = false;  // a kept forward ran without it
 }
 
 void GpuTrainer::backward(const float* dlogits_host, float* grads_host) {
@@ -1573,6 +1597,7 @@ class GpuTrainBackend : public train::TrainBackend {
     g_.backward(dlogits, grads);
   }
   void sync(const model::Weights& w) override { g_.upload(w); }
+  void set_kv_transform(const model::KvTransform& t) override { g_.set_kv_transform(t); }
 
   // AdamW on the device: no gradient or master crosses PCIe in a step.
   bool has_optimizer() const override { return true; }

@@ -91,6 +91,12 @@ class GpuTrainer {
   // Router aux / z losses (model::ForwardOptions): only 0 and 0 (the RL default) are implemented;
   // anything else throws quads::Error.
   void set_router_losses(double aux_loss_coef, double z_loss_coef);
+  // ReQAT's KV-cache transform (model::KvTransform, the data of the CPU model's KvHooks): after the
+  // q/k head norms the pre-RoPE factor, after RoPE the key shift and the K/V fake quantization
+  // (over all of a forward's rows at once, as the CPU hook); the backward is straight-through for
+  // the post-RoPE part and the factor's diagonal map for the pre-RoPE one. An empty transform
+  // removes it. Applies from the next forward.
+  void set_kv_transform(const model::KvTransform& t);
   // From dL/dlogits [T, V] (host) of the last kept forward: adds the gradient of every parameter
   // to the device gradients; with grads_host (weights layout), this call's gradient is also ADDED
   // to it (a download of the whole gradient).

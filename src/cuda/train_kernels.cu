@@ -1467,6 +1467,27 @@ __global__ void norm_final_kernel(const double* __restrict__ part, int64_t npart
   if (threadIdx.x == 0) *out = sqrt(s);
 }
 
+// One thread an element of q's rows, then of k's; a multiply by f and a division by f, as the CPU.
+__global__ void kv_factor_kernel(float* __restrict__ q, float* __restrict__ k, int64_t n, int nh, int nkv, int hd,
+                                 const float* __restrict__ f) {
+  const int64_t nq = n * nh * hd, nk = n * nkv * hd;
+  const int group = nh / nkv;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < nq + nk; i += int64_t(gridDim.x) * blockDim.x) {
+    if (i < nq) {
+      const int j = static_cast<int>(i % hd), h = static_cast<int>((i / hd) % nh);
+      q[i] = __fmul_rn(q[i], f[(h / group) * hd + j]);
+    } else {
+      const int64_t e = i - nq;
+      k[e] = __fdiv_rn(k[e], f[e % (int64_t(nkv) * hd)]);
+    }
+  }
+}
+
+__global__ void sub_cols_kernel(float* __restrict__ x, int64_t n, int64_t cols, const float* __restrict__ m) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    x[i] = __fsub_rn(x[i], m[i % cols]);
+}
+
 __global__ void scale_kernel(float* __restrict__ x, int64_t n, float coef) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     x[i] = __fmul_rn(x[i], coef);
@@ -1689,6 +1710,20 @@ void rope_bwd(float* dx, int64_t n, int heads, int hd, const float* cos, const f
   QUADS_CHECK(hd > 0 && hd % 2 == 0, "cuda rope_bwd: head_dim {} must be even", hd);
   if (n * heads == 0) return;
   rope_launch(dx, n, heads, hd, cos, sin, true, s);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void kv_factor(float* q, float* k, int64_t n, int nh, int nkv, int hd, const float* f, cudaStream_t s) {
+  QUADS_CHECK(nkv > 0 && nh % nkv == 0 && hd > 0, "cuda kv_factor: {} heads, {} kv heads, head_dim {}", nh, nkv, hd);
+  const int64_t total = n * (nh + nkv) * hd;
+  if (total == 0) return;
+  kv_factor_kernel<<<grid_for(total), kThreads, 0, s>>>(q, k, n, nh, nkv, hd, f);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
+void sub_cols(float* x, int64_t rows, int64_t cols, const float* m, cudaStream_t s) {
+  if (rows * cols == 0) return;
+  sub_cols_kernel<<<grid_for(rows * cols), kThreads, 0, s>>>(x, rows * cols, cols, m);
   QUADS_CUDA_LAUNCH_CHECK();
 }
 

@@ -35,6 +35,13 @@ void rmsnorm_bwd(const float* dy, const float* x, const float* w, const float* i
 void rope_fwd(float* x, int64_t n, int heads, int hd, const float* cos, const float* sin, cudaStream_t s);
 void rope_bwd(float* dx, int64_t n, int heads, int hd, const float* cos, const float* sin, cudaStream_t s);
 
+// ---- ReQAT's KV-cache transform in the trainer (model::KvTransform; the CPU's are reqat's
+// KvHooks): q [n, nh, hd] *= f of each head's kv head, k [n, nkv, hd] /= f (f [nkv * hd]). The
+// same diagonal maps are the backward's (dq *= f, dk /= f).
+void kv_factor(float* q, float* k, int64_t n, int nh, int nkv, int hd, const float* f, cudaStream_t s);
+// x [rows, cols] -= m [cols] (the post-RoPE key shift).
+void sub_cols(float* x, int64_t rows, int64_t cols, const float* m, cudaStream_t s);
+
 // ---- Causal attention over a packed batch (cpu::attention_forward / attention_backward applied to
 // each sequence): token t attends to the tokens seq0[t] .. t (seq0[t]: the first token of t's
 // sequence). q [T, nh, hd], k, v [T, nkv, hd]; out [T, nh, hd]; lse [T, nh] (log-sum-exp of the

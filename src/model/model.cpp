@@ -76,6 +76,23 @@ size_t KVCache::bytes() const {
   return b;
 }
 
+void KvTransform::validate(const ModelConfig& c, const std::string& who) const {
+  const size_t kvd = size_t(c.num_key_value_heads) * c.head_dim;
+  const size_t L = size_t(c.num_hidden_layers);
+  QUADS_CHECK(factor.empty() || factor.size() == L, "{}: the KV transform has {} factor layers, the model has {}", who,
+              factor.size(), L);
+  QUADS_CHECK(shift.empty() || shift.size() == L, "{}: the KV transform has {} shift layers, the model has {}", who,
+              shift.size(), L);
+  for (size_t l = 0; l < factor.size(); ++l)
+    QUADS_CHECK(factor[l].empty() || factor[l].size() == kvd, "{}: layer {} of the KV transform has {} factors, kv_dim is {}",
+                who, l, factor[l].size(), kvd);
+  for (size_t l = 0; l < shift.size(); ++l)
+    QUADS_CHECK(shift[l].empty() || shift[l].size() == kvd, "{}: layer {} of the KV transform has {} shifts, kv_dim is {}",
+                who, l, shift[l].size(), kvd);
+  QUADS_CHECK(!quantize || c.head_dim % 16 == 0, "{}: KV quantization needs head_dim a multiple of 16 (has {})", who,
+              c.head_dim);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Activations
 

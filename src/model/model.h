@@ -69,6 +69,9 @@ struct KvTransform {
     for (const auto& m : shift) if (!m.empty()) return false;
     return !quantize;
   }
+  // Throws a quads::Error naming `who` where the transform does not fit model c (layer count,
+  // vector lengths, head_dim a multiple of 16 for the quantizer's blocks).
+  void validate(const ModelConfig& c, const std::string& who) const;
 };
 
 // Expert choices: for each decoder layer, [T, k] expert ids (empty for dense layers), T in batch

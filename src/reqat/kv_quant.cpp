@@ -154,6 +154,11 @@ model::KvTransform make_kv_transform(const model::ModelConfig& cfg, const KvQuan
 }
 
 model::KvHooks make_kv_hooks(const model::ModelConfig& cfg, const KvQuantConfig& kv, const QFit* qfit) {
+  return make_kv_hooks(cfg, make_kv_transform(cfg, kv, qfit));
+}
+
+model::KvHooks make_kv_hooks(const model::ModelConfig& cfg, const model::KvTransform& t) {
+  t.validate(cfg, "KV hooks");
   struct State {
     int nh = 0, nkv = 0, hd = 0;
     model::KvTransform t;
@@ -162,7 +167,7 @@ model::KvHooks make_kv_hooks(const model::ModelConfig& cfg, const KvQuantConfig&
   st->nh = cfg.num_attention_heads;
   st->nkv = cfg.num_key_value_heads;
   st->hd = cfg.head_dim;
-  st->t = make_kv_transform(cfg, kv, qfit);
+  st->t = t;
   bool any_scale = false, any_shift = false;
   for (const auto& f : st->t.factor) any_scale |= !f.empty();
   for (const auto& m : st->t.shift) any_shift |= !m.empty();

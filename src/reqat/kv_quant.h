@@ -79,6 +79,8 @@ model::KvTransform make_kv_transform(const model::ModelConfig& cfg, const KvQuan
 // fake quantization (when kv.enabled). Throws when head_dim is not a multiple of 16 (with KV
 // quantization) or the Q-FIT sizes do not match the config.
 model::KvHooks make_kv_hooks(const model::ModelConfig& cfg, const KvQuantConfig& kv, const QFit* qfit);
+// The hooks that run transform t (checked against cfg: model::KvTransform::validate).
+model::KvHooks make_kv_hooks(const model::ModelConfig& cfg, const model::KvTransform& t);
 // m.kv_hooks = make_kv_hooks(m.config(), kv, qfit).
 void install_kv_hooks(model::Model& m, const KvQuantConfig& kv, const QFit* qfit);
 

@@ -11,6 +11,11 @@ std::mutex g_mu;
 TrainBackendFactory g_factory;
 }  // namespace
 
+void TrainBackend::set_kv_transform(const model::KvTransform& t) {
+  QUADS_CHECK(t.empty(), "train backend {} has no KV-cache transform (ReQAT's KV quantization / Q-FIT): train on the "
+                         "cpu or on cuda",
+              name());
+}
 double TrainBackend::optimizer_step(AdamW&, double) { fail("train backend {} has no optimizer", name()); }
 void TrainBackend::download(model::Weights&, AdamW*) { fail("train backend {} keeps no masters", name()); }
 void TrainBackend::upload_optimizer(const AdamW&) { fail("train backend {} has no optimizer", name()); }

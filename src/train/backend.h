@@ -27,6 +27,10 @@ class TrainBackend {
   virtual void backward(const float* dlogits, float* grads) = 0;
   // The host masters changed (optimizer step, resume): upload and re-quantize (model::Model::sync).
   virtual void sync(const model::Weights& w) = 0;
+  // ReQAT's KV-cache transform in the training forward and backward (the data the CPU model's
+  // KvHooks are made from, model::KvTransform). A backend without one accepts an empty transform
+  // only.
+  virtual void set_kv_transform(const model::KvTransform& t);
 
   // Optional: AdamW where the masters are (a GPU keeps masters, m and v on the device, so a step
   // moves no gradient or weight over PCIe). With has_optimizer(), a caller may run

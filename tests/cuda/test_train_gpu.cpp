@@ -20,6 +20,8 @@
 #include "cuda_test_util.h"
 #include "model/model.h"
 #include "numerics/formats.h"
+#include "reqat/kv_quant.h"
+#include "reqat/qfit_test_util.h"
 #include "train/adamw.h"
 #include "train/losses.h"
 
@@ -44,8 +46,10 @@ struct CpuResult {
   double loss = 0;
   model::Routing routing;
 };
-CpuResult cpu_train_step(model::Weights& w, const std::string& preset, const model::Batch& b) {
+CpuResult cpu_train_step(model::Weights& w, const std::string& preset, const model::Batch& b,
+                         const model::KvTransform* kv = nullptr) {
   model::Model m(w, model::PrecisionConfig::preset(preset));
+  if (kv) m.kv_hooks = reqat::make_kv_hooks(w.cfg, *kv);
   const int64_t T = b.ntokens(), V = m.config().vocab_size;
   CpuResult r;
   r.logits.resize(T * V);
@@ -552,4 +556,66 @@ TEST(CudaTrain, UnsupportedSettingsAreErrors) {
   bad.tokens[3] = w.cfg.vocab_size;
   EXPECT_THROW(g.forward(bad, nullptr, true), Error);
   EXPECT_THROW(g.linear_path("model.layers.0.mlp.nope"), Error);
+}
+
+// ReQAT's KV transform in the trainer (Q-FIT's pre-RoPE factor and key shift, the KV4 fake
+// quantization) against the CPU model running the same transform as hooks: logits, loss and every
+// gradient, in fp32 and in qat-sym (stage 2's preset), with and without the KV quantization.
+TEST(CudaTrain, KvTransformMatchesCpuHooks) {
+  QUADS_REQUIRE_GPU();
+  model::Weights w = fixture_weights();
+  const model::ModelConfig& c = w.cfg;
+  const model::Batch b = model::Batch::of({input_ids(), random_tokens(17, 5, c.vocab_size)});
+  const reqat::QFit qf = test::random_qfit(c, 21);
+  for (const std::string preset : {"fp32", "qat-sym"}) {
+    cuda::GpuTrainer plain(w, model::PrecisionConfig::preset(preset));
+    const CpuResult base = gpu_train_step(plain, b);
+    for (const char* kvfmt : {"none", "e1m2"}) {
+      reqat::KvQuantConfig kv = reqat::parse_kv_quant("e1m2");
+      kv.enabled = std::string(kvfmt) != "none";
+      const model::KvTransform t = reqat::make_kv_transform(c, kv, &qf);
+      cuda::GpuTrainer g(w, model::PrecisionConfig::preset(preset));
+      g.set_kv_transform(t);
+      const CpuResult gr = gpu_train_step(g, b);
+      const CpuResult cr = cpu_train_step(w, preset, b, &t);
+      const double el = rel_l2(gr.logits, cr.logits), moved = rel_l2(gr.logits, base.logits);
+      const GradCompare gc = compare_grads(w.layout, gr.grads, cr.grads, false);
+      std::printf("%s Q-FIT%s vs CPU hooks rel L2: logits %.3g (the transform moved them %.3g), grads all %.3g, worst "
+                  "%.3g (%s); loss GPU %.7f CPU %.7f\n",
+                  preset.c_str(), kv.enabled ? " + KV4 e1m2" : "", el, moved, gc.all, gc.worst, gc.worst_name.c_str(),
+                  gr.loss, cr.loss);
+      SCOPED_TRACE(preset + " " + kvfmt);
+      // fp32: the preset's own bounds (the fp32 test's). qat-sym: its 4-bit activation codes turn an
+      // ulp of difference into a code flip now and then (logits 3.7e-5 from the CPU here with
+      // Q-FIT alone), so the preset test's gradient bounds and a looser forward.
+      const bool fp32 = preset == "fp32";
+      EXPECT_LT(el, fp32 ? 1e-5 : 1e-3);
+      EXPECT_NEAR(gr.loss, cr.loss, fp32 ? 1e-6 : 1e-4);
+      EXPECT_LT(gc.all, fp32 ? 1e-5 : 1e-2);
+      EXPECT_LT(gc.worst, fp32 ? 1e-4 : 3e-2);
+      if (kv.enabled) {
+        EXPECT_GT(moved, 20 * el) << "the KV transform must visibly change the logits";
+      } else if (fp32) {
+        // Without the KV quantizer, Q-FIT's factor cancels in q.k and its shift in the softmax: an
+        // identity up to rounding (as ReqatQFit.WithoutKvQuantLogitsAndGradientsUnchanged on the CPU),
+        // where the gradients above still check the factor's backward.
+        EXPECT_LT(moved, 1e-5);
+      }
+      // An empty transform gives the plain trainer's results back, bit for bit.
+      g.set_kv_transform({});
+      const CpuResult back = gpu_train_step(g, b);
+      EXPECT_EQ(cuda::testing::first_float_mismatch(back.logits, base.logits), -1);
+      EXPECT_EQ(cuda::testing::first_float_mismatch(back.grads, base.grads), -1);
+    }
+  }
+  // A transform that does not fit the model is refused, naming it.
+  cuda::GpuTrainer g(w, model::PrecisionConfig::preset("fp32"));
+  model::KvTransform bad;
+  bad.factor.assign(c.num_hidden_layers, std::vector<float>(3, 1.f));
+  try {
+    g.set_kv_transform(bad);
+    ADD_FAILURE() << "a transform of the wrong size was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("kv_dim"), std::string::npos) << e.what();
+  }
 }

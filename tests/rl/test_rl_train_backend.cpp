@@ -21,66 +21,12 @@
 #include "rl/sft.h"
 #include "rl_test_util.h"
 #include "train/backend.h"
+#include "train/cpu_as_backend.h"
 
 namespace fs = std::filesystem;
 
 namespace quads {
 namespace {
-
-// The CPU model behind the backend interface, with its own copy of the masters (as a GPU has), and
-// optionally its own AdamW (as the GPU backend: has_optimizer()).
-class CpuAsBackend : public train::TrainBackend {
- public:
-  CpuAsBackend(const model::Weights& w, const model::PrecisionConfig& p, int* calls, bool optimizer)
-      : w_(w), m_(w_, p), calls_(calls), optimizer_(optimizer), grads_(w.size()),
-        opt_(w.size(), train::AdamWConfig{}, train::AdamW::decay_mask(w.layout)) {}
-  std::string name() const override { return "cpu-as-backend"; }
-  void forward(const model::Batch& b, float* logits, bool keep, model::Routing* record) override {
-    model::ForwardOptions fo;
-    fo.record = record;
-    m_.forward(b, logits, keep ? &acts_ : nullptr, fo);
-    ++*calls_;
-  }
-  void backward(const float* dlogits, float* grads) override {
-    if (grads) return m_.backward(acts_, dlogits, grads);
-    std::fill(grads_.begin(), grads_.end(), 0.f);
-    m_.backward(acts_, dlogits, grads_.data());
-  }
-  void sync(const model::Weights& w) override {
-    w_.data = w.data;
-    m_.sync();
-  }
-  bool has_optimizer() const override { return optimizer_; }
-  double optimizer_step(train::AdamW& host, double lr) override {
-    opt_.cfg = host.cfg;
-    opt_.t = host.t;
-    const double norm = opt_.step(w_.data.data(), grads_.data(), lr);
-    host.t = opt_.t;
-    m_.sync();
-    return norm;
-  }
-  void download(model::Weights& w, train::AdamW* host) override {
-    w.data = w_.data;
-    if (host) {
-      host->m = opt_.m;
-      host->v = opt_.v;
-    }
-  }
-  void upload_optimizer(const train::AdamW& host) override {
-    opt_.m = host.m;
-    opt_.v = host.v;
-    opt_.t = host.t;
-  }
-
- private:
-  model::Weights w_;
-  model::Model m_;
-  model::Activations acts_;
-  int* calls_;
-  bool optimizer_;
-  std::vector<float> grads_;
-  train::AdamW opt_;
-};
 
 // The shared tiny run with a reference model (kl) and two minibatches (a separate no-grad pass for
 // the old log-probs, two optimizer steps per RL step) on the backend too.
@@ -100,7 +46,7 @@ class RlTrainBackend : public ::testing::Test {
     fs::remove_all(root_);
     fs::create_directories(root_);
     train::register_gpu_train_backend([this](const model::Weights& w, const model::PrecisionConfig& p) {
-      return std::make_unique<CpuAsBackend>(w, p, &calls_, optimizer_);
+      return std::make_unique<test::CpuAsBackend>(w, p, &calls_, optimizer_);
     });
   }
   void TearDown() override {
