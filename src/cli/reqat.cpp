@@ -12,6 +12,7 @@
 #include "reqat/config.h"
 #include "reqat/pipeline.h"
 #include "rl/run.h"
+#include "train/backend.h"
 
 namespace {
 
@@ -31,12 +32,16 @@ std::function<int()> setup(CLI::App& app) {
   app.add_option("--out", o->out, "output folder");
   app.add_flag("--quiet", o->quiet, "no progress output");
   app.add_flag("--no-checkpoints", o->no_checkpoints, "do not save the model checkpoints");
-  app.add_option("--device", o->device, "where the evaluation rollouts run: cpu | cuda (sets eval.device)");
+  app.add_option("--device", o->device,
+                 "where the training and the evaluation rollouts run: cpu | cuda (sets train_device and eval.device)");
   app.add_flag("--print-config", o->print_config, "print the resolved configuration (TOML) and exit");
   return [o] {
     using namespace quads;
     std::vector<std::string> sets = o->sets;
-    if (!o->device.empty()) sets.push_back("eval.device=\"" + o->device + "\"");
+    if (!o->device.empty()) {
+      sets.push_back("eval.device=\"" + o->device + "\"");
+      sets.push_back("train_device=\"" + o->device + "\"");
+    }
     const reqat::ReqatConfig cfg = reqat::load_reqat_config(o->config, sets);
 #ifdef QUADS_HAVE_CUDA
     rl::install_cuda_rollouts();
@@ -46,6 +51,14 @@ std::function<int()> setup(CLI::App& app) {
         (void)rl::rollout_backend_factory();
       } catch (const Error&) {
         fail("reqat: eval.device = \"cuda\" (--device cuda), but this build has no CUDA backend (configure with "
+             "-DQUADS_CUDA=ON, or use the cpu)");
+      }
+    }
+    if (cfg.train_device == "cuda") {
+      try {
+        (void)train::gpu_train_backend_factory();
+      } catch (const Error&) {
+        fail("reqat: train_device = \"cuda\" (--device cuda), but this build has no CUDA trainer (configure with "
              "-DQUADS_CUDA=ON, or use the cpu)");
       }
     }

@@ -22,7 +22,8 @@ struct Field {
 
 // Every key, bound to cfg, in file order.
 std::vector<Field> fields(ReqatConfig& c) {
-  std::vector<Field> f = {{"variants", &c.variants}, {"kv_format", &c.kv_format}, {"seed", &c.seed}};
+  std::vector<Field> f = {{"variants", &c.variants}, {"kv_format", &c.kv_format}, {"seed", &c.seed},
+                          {"train_device", &c.train_device}};
   auto add = [&](const std::string& k, Ptr p) { f.push_back({k, p}); };
   add("model.hidden", &c.model.hidden);
   add("model.layers", &c.model.layers);
@@ -248,6 +249,8 @@ void validate(const ReqatConfig& c, const std::string& origin) {
               origin);
   QUADS_CHECK(c.eval.device == "cpu" || c.eval.device == "cuda", "{}: 'eval.device' is \"{}\" (cpu | cuda)", origin,
               c.eval.device);
+  QUADS_CHECK(c.train_device == "cpu" || c.train_device == "cuda", "{}: 'train_device' is \"{}\" (cpu | cuda)", origin,
+              c.train_device);
   // The task and model keys are checked by the RL config's validator.
   rl::RunConfig rc;
   rc.model = c.model;

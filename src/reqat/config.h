@@ -53,7 +53,7 @@ struct EvalSection {
   int64_t size = 128;
   int64_t max_new_tokens = 48;
   double low_entropy = 0.5;  // nats: "low-entropy" token in the divergence analysis
-  std::string device = "cpu";  // cpu | cuda: where the evaluation rollouts run (training: the CPU)
+  std::string device = "cpu";  // cpu | cuda: where the evaluation rollouts and the greedy traces run
 };
 
 // Stage-2 variants: plain_qat (QAT on different data: worked solutions of fresh prompts, no SEM,
@@ -86,6 +86,7 @@ struct ReqatConfig {
   std::vector<std::string> variants{"plain_qat", "taq", "taq_sem", "reqat"};
   std::string kv_format = "e1m2";  // e1m2 | e2m1
   int64_t seed = 1;
+  std::string train_device = "cpu";  // cpu | cuda: where the base SFT, stage 1 and stage 2 train
   rl::ModelSection model = reqat_default_model();
   BaseSection base;
   TracesSection traces;

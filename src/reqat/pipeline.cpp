@@ -35,8 +35,9 @@ std::vector<rl::SftExample> solutions(const std::vector<rl::Task>& tasks, const 
   return v;
 }
 
-TrainSpec stage_spec(const StageSection& s, const std::string& label, bool progress) {
+TrainSpec stage_spec(const StageSection& s, const std::string& label, bool progress, const std::string& device) {
   TrainSpec t;
+  t.device = device;
   t.steps = s.steps;
   t.batch = s.batch;
   t.lr = s.lr;
@@ -97,6 +98,8 @@ nlohmann::ordered_json run_reqat(const ReqatConfig& cfg, const std::string& out,
   Clock::time_point tp = Clock::now();
   const std::string base_dir = cfg.base.dir.empty() ? out + "/base" : cfg.base.dir;
   rl::RunConfig brc = rc;
+  brc.rl.train_device = cfg.train_device;
+  brc.rl.device = cfg.eval.device;  // the base model's pass@1
   brc.sft.steps = cfg.base.steps;
   brc.sft.lr = cfg.base.lr;
   brc.sft.batch = cfg.base.batch;
@@ -147,11 +150,13 @@ nlohmann::ordered_json run_reqat(const ReqatConfig& cfg, const std::string& out,
 
   // ---- stage 1 ----
   tp = Clock::now();
+  std::string train_device = "cpu";  // where the stages trained (the GPU trainer's name on cuda)
   model::Weights stage1 = base;
   {
     model::Model m(stage1);
     say("stage 1: full-precision fine-tuning on the traces");
-    log_train("stage1", train_sft(m, traces, stage_spec(cfg.stage1, "stage 1", opt.progress)));
+    log_train("stage1", train_sft(m, traces, stage_spec(cfg.stage1, "stage 1", opt.progress, cfg.train_device),
+                                  &train_device));
   }
   save(stage1, "stage1");
   timings["stage1_s"] = since(tp);
@@ -189,12 +194,13 @@ nlohmann::ordered_json run_reqat(const ReqatConfig& cfg, const std::string& out,
     model::Model m(w, model::PrecisionConfig::preset("qat-sym"));
     const bool use_qfit = v == "reqat";
     install_kv_hooks(m, kv, use_qfit ? &qfit : nullptr);
-    TrainSpec spec = stage_spec(cfg.stage2, "stage 2 " + v, opt.progress);
+    TrainSpec spec = stage_spec(cfg.stage2, "stage 2 " + v, opt.progress, cfg.train_device);
+    if (cfg.train_device == "cuda") spec.kv = make_kv_transform(m.config(), kv, use_qfit ? &qfit : nullptr);
     spec.sem = v == "taq_sem" || v == "reqat";
     spec.sem_cfg = {cfg.sem.lambda, cfg.sem.percentile, cfg.sem.eps};
     say(fmt::format("stage 2 [{}]: W4A4KV4 QAT{}{} on {}", v, spec.sem ? " + SEM" : "", use_qfit ? " + Q-FIT" : "",
                     v == "plain_qat" ? "worked solutions of other prompts" : "the stage-1 traces, same order"));
-    log_train(v, train_sft(m, v == "plain_qat" ? plain_data : traces, spec));
+    log_train(v, train_sft(m, v == "plain_qat" ? plain_data : traces, spec, &train_device));
     save(w, v);
     variants.emplace_back(v, std::move(w));
   }
@@ -275,6 +281,7 @@ nlohmann::ordered_json run_reqat(const ReqatConfig& cfg, const std::string& out,
   s["rows"] = table;
   s["eval_tasks"] = evalset.size();
   s["eval_device"] = eval_device;
+  s["train_device"] = train_device;
   s["kv_cache"] = kv.describe() + " (1x16 blocks along head_dim, E4M3 block scales, per-(token, head) FP32 amax)";
   s["base"] = base_from;
   s["traces"] = {{"source", trace_source}, {"prompts", cfg.traces.prompts}, {"kept", traces.size()},
@@ -312,8 +319,8 @@ std::string reqat_report(const nlohmann::ordered_json& s, const std::string& con
       "(weights and per-token activations), float32 KV cache. W4A4KV4: W4A4 plus a 4-bit KV cache ({}). "
       "Reference (full-precision fine-tuning, stage 1, in FP): **{:.4f}**.\n\n",
       s.value("eval_tasks", 0), s.value("kv_cache", std::string("?")), ref);
-  md += fmt::format("Evaluation rollouts ran on: {}; the training stages on the CPU.\n\n",
-                    s.value("eval_device", std::string("cpu")));
+  md += fmt::format("Evaluation rollouts ran on: {}; the training stages (forward, backward, AdamW) on: {}.\n\n",
+                    s.value("eval_device", std::string("cpu")), s.value("train_device", std::string("cpu")));
   md += "| model | what | FP | W4A4 | W4A4KV4 | W4A4KV4 - ref |\n|---|---|---|---|---|---|\n";
   for (const auto& r : s["rows"])
     md += fmt::format("| {} | {} | {:.4f} | {:.4f} | **{:.4f}** | {:+.4f} |\n", r["name"].get<std::string>(),

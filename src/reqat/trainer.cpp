@@ -9,6 +9,7 @@
 #include "rollout/engine.h"
 #include "rl/run.h"
 #include "train/adamw.h"
+#include "train/backend.h"
 #include "train/losses.h"
 
 namespace quads::reqat {
@@ -59,10 +60,12 @@ MicroBatch make_batch(const std::vector<rl::SftExample>& data, int64_t first, in
 
 }  // namespace
 
-std::vector<TrainStepLog> train_sft(model::Model& m, const std::vector<rl::SftExample>& data, const TrainSpec& spec) {
+std::vector<TrainStepLog> train_sft(model::Model& m, const std::vector<rl::SftExample>& data, const TrainSpec& spec,
+                                    std::string* device) {
   QUADS_CHECK(!data.empty(), "{}: no training examples", spec.label);
   QUADS_CHECK(spec.batch > 0 && spec.steps >= 0, "{}: batch {} / steps {} out of range", spec.label, spec.batch,
               spec.steps);
+  QUADS_CHECK(spec.device == "cpu" || spec.device == "cuda", "{}: device \"{}\" (cpu | cuda)", spec.label, spec.device);
   model::Weights& w = m.weights();
   const int64_t V = m.config().vocab_size;
   train::AdamWConfig oc;
@@ -70,7 +73,17 @@ std::vector<TrainStepLog> train_sft(model::Model& m, const std::vector<rl::SftEx
   oc.weight_decay = spec.weight_decay;
   oc.max_grad_norm = spec.grad_clip;
   train::AdamW opt(w.size(), oc, train::AdamW::decay_mask(w.layout));
-  std::vector<float> grads(w.size());
+  std::unique_ptr<train::TrainBackend> gpu;
+  if (spec.device == "cuda") {
+    QUADS_CHECK(m.kv_hooks.empty() == spec.kv.empty(),
+                "{}: the model {} KV-cache hooks but the spec {} KV transform (the GPU trainer runs the transform, "
+                "not the hooks: give both or neither)",
+                spec.label, m.kv_hooks.empty() ? "has no" : "has", spec.kv.empty() ? "no" : "a");
+    gpu = train::gpu_train_backend_factory()(w, m.precision());
+    gpu->set_kv_transform(spec.kv);
+  }
+  if (device) *device = gpu ? gpu->name() : "cpu";
+  std::vector<float> grads(gpu ? 0 : w.size());
   std::vector<float> logits, dlogits, H;
   model::Activations acts;
   std::vector<TrainStepLog> log;
@@ -81,7 +94,8 @@ std::vector<TrainStepLog> train_sft(model::Model& m, const std::vector<rl::SftEx
     const int64_t T = mb.b.ntokens();
     logits.resize(T * V);
     dlogits.assign(T * V, 0.f);
-    m.forward(mb.b, logits.data(), &acts);
+    if (gpu) gpu->forward(mb.b, logits.data(), true);
+    else m.forward(mb.b, logits.data(), &acts);
     TrainStepLog L;
     L.step = s;
     L.ce = train::cross_entropy(logits.data(), T, V, mb.targets.data(), nullptr, dlogits.data());
@@ -99,15 +113,26 @@ std::vector<TrainStepLog> train_sft(model::Model& m, const std::vector<rl::SftEx
       L.mean_entropy = mb.count ? hs / static_cast<double>(mb.count) : 0;
     }
     L.loss = L.ce + L.sem;
-    std::fill(grads.begin(), grads.end(), 0.f);
-    m.backward(acts, dlogits.data(), grads.data());
     L.lr = lr_at(spec, s);
-    L.grad_norm = opt.step(w.data.data(), grads.data(), L.lr);
-    m.sync();
+    if (gpu) {  // clipping and AdamW where the masters are (the GPU trainer has its optimizer)
+      gpu->backward(dlogits.data(), nullptr);
+      L.grad_norm = gpu->optimizer_step(opt, L.lr);
+    } else {
+      std::fill(grads.begin(), grads.end(), 0.f);
+      m.backward(acts, dlogits.data(), grads.data());
+      L.grad_norm = opt.step(w.data.data(), grads.data(), L.lr);
+      m.sync();
+    }
+    QUADS_CHECK(std::isfinite(L.loss) && std::isfinite(L.grad_norm), "{}: loss {} / gradient norm {} at step {}",
+                spec.label, L.loss, L.grad_norm, s);
     log.push_back(L);
     if (bar) bar->update(s + 1, {{"loss", L.loss}, {"H", L.mean_entropy}, {"lr", L.lr}});
   }
   if (bar) bar->finish();
+  if (gpu) {
+    gpu->download(w, nullptr);
+    m.sync();
+  }
   return log;
 }
 

@@ -33,6 +33,13 @@ struct TrainSpec {
   SemConfig sem_cfg;
   std::string label = "train";  // progress bar
   bool progress = true;
+  // cpu: model::Model's forward and backward, train::AdamW here. cuda: the GPU trainer
+  // (train::gpu_train_backend_factory) in the model's precision, AdamW on the device, the masters
+  // back to the model at the end; the losses (CE, SEM) stay here, on the logits it returns.
+  std::string device = "cpu";
+  // The model's KV hooks as data (reqat::make_kv_transform), for the cuda device, which cannot call
+  // them; it must be empty exactly when the model has no hooks.
+  model::KvTransform kv;
 };
 
 struct TrainStepLog {
@@ -44,8 +51,11 @@ struct TrainStepLog {
 // Learning rate at step s (0-based).
 double lr_at(const TrainSpec& s, int64_t step);
 
-// Trains the model's master weights in place (re-syncs its quantized weights after every step).
-std::vector<TrainStepLog> train_sft(model::Model& m, const std::vector<rl::SftExample>& data, const TrainSpec& spec);
+// Trains the model's master weights in place (re-syncs its quantized weights after every step; on
+// the cuda device, once at the end). Returns the per-step log; `device` (optional) receives where
+// the forward and backward ran ("cpu" or the GPU trainer's name).
+std::vector<TrainStepLog> train_sft(model::Model& m, const std::vector<rl::SftExample>& data, const TrainSpec& spec,
+                                    std::string* device = nullptr);
 
 // Cross-entropy (mean over response tokens) of the model on examples, in its current numerics.
 double eval_loss(model::Model& m, const std::vector<rl::SftExample>& data, int64_t batch = 64);

@@ -67,4 +67,12 @@ TEST(ReqatConfig, ErrorsNameTheKey) {
   c = {};
   c.model.head_dim = 24;
   EXPECT_THROW(validate(c, "x"), Error);
+  c = {};
+  c.train_device = "gpu";
+  try {
+    validate(c, "x");
+    ADD_FAILURE() << "train_device gpu was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("train_device"), std::string::npos) << e.what();
+  }
 }

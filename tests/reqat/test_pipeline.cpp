@@ -7,9 +7,14 @@
 #include <fstream>
 #include <sstream>
 
+#include "common/error.h"
+#include "reqat/kv_quant.h"
 #include "reqat/pipeline.h"
+#include "reqat/qfit_test_util.h"
 #include "reqat/trainer.h"
 #include "rl/report.h"
+#include "train/backend.h"
+#include "train/cpu_as_backend.h"
 
 using namespace quads;
 using namespace quads::reqat;
@@ -77,6 +82,103 @@ TEST(ReqatTrainer, LossFallsInFp32AndW4A4KV4) {
   }
 }
 
+// Stage 2's setting (qat-sym, KV4, Q-FIT, SEM) with device = "cuda" runs the trainer backend: the
+// CPU model behind the backend interface (tests/train/cpu_as_backend.h) must give the CPU path's run
+// bit for bit, which checks the plumbing (the KV transform handed over as data and run by hooks made
+// from it, AdamW on the backend, the masters downloaded at the end) without a GPU. Then the checks.
+TEST(ReqatTrainer, DevicePathThroughABackendEqualsTheCpuBitwise) {
+  const rl::CharTokenizer tok;
+  const model::ModelConfig mc = task_model_config(32, 2, 2, 1, 16, 4, 2, 32, 128, 1e4, 1e-6, tok.vocab_size());
+  rl::RunConfig rc;
+  rc.tasks = tiny().tasks;
+  const rl::TaskSet ts(rc.task_mix(), 5, 4);
+  std::vector<rl::SftExample> data;
+  for (const rl::Task& t : ts.train_batch(0, 8)) data.push_back(rl::make_sft_example(t, tok));
+  const QFit qf = test::random_qfit(mc, 11);
+  const KvQuantConfig kv = parse_kv_quant("e1m2");
+  const model::Weights w0 = model::Weights::random(mc, 3, 0.02f);
+  TrainSpec s;
+  s.steps = 4;
+  s.batch = 4;
+  s.lr = 3e-3;
+  s.warmup = 1;
+  s.progress = false;
+  s.sem = true;
+  auto run = [&](const std::string& device, model::Weights& w, std::string* where) {
+    model::Model m(w, model::PrecisionConfig::preset("qat-sym"));
+    install_kv_hooks(m, kv, &qf);
+    TrainSpec d = s;
+    d.device = device;
+    if (device == "cuda") d.kv = make_kv_transform(mc, kv, &qf);
+    return train_sft(m, data, d, where);
+  };
+  int calls = 0;
+  train::register_gpu_train_backend([&](const model::Weights& w, const model::PrecisionConfig& p) {
+    return std::make_unique<test::CpuAsBackend>(w, p, &calls, true);
+  });
+  model::Weights wc = w0, wd = w0;
+  std::string where_c, where_d;
+  const auto lc = run("cpu", wc, &where_c);
+  const auto ld = run("cuda", wd, &where_d);
+  EXPECT_EQ(where_c, "cpu");
+  EXPECT_EQ(where_d, "cpu-as-backend");
+  EXPECT_EQ(calls, 4);
+  ASSERT_EQ(lc.size(), ld.size());
+  for (size_t i = 0; i < lc.size(); ++i) {
+    EXPECT_EQ(lc[i].loss, ld[i].loss) << i;
+    EXPECT_EQ(lc[i].sem, ld[i].sem) << i;
+    EXPECT_EQ(lc[i].grad_norm, ld[i].grad_norm) << i;
+  }
+  EXPECT_GT(lc.back().sem, 0.0);
+  EXPECT_TRUE(wc.data == wd.data) << "the masters after training differ";
+  EXPECT_FALSE(wc.data == w0.data);
+
+  // The hooks and the transform must come together; unknown devices and missing backends are named.
+  {
+    model::Weights w = w0;
+    model::Model m(w, model::PrecisionConfig::preset("qat-sym"));
+    install_kv_hooks(m, kv, &qf);
+    TrainSpec d = s;
+    d.device = "cuda";  // no d.kv
+    try {
+      train_sft(m, data, d);
+      ADD_FAILURE() << "hooks without a transform were accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("KV transform"), std::string::npos) << e.what();
+    }
+    d.device = "tpu";
+    try {
+      train_sft(m, data, d);
+      ADD_FAILURE() << "device tpu was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("tpu"), std::string::npos) << e.what();
+    }
+  }
+  train::register_gpu_train_backend(nullptr);
+  {
+    model::Weights w = w0;
+    model::Model m(w, model::PrecisionConfig::preset("fp32"));
+    TrainSpec d = s;
+    d.device = "cuda";
+    try {
+      train_sft(m, data, d);
+      ADD_FAILURE() << "device cuda without a CUDA trainer was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("no CUDA trainer"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(w.data == w0.data);
+  }
+  // A backend without a KV transform of its own takes an empty one only.
+  struct Bare : train::TrainBackend {
+    std::string name() const override { return "bare"; }
+    void forward(const model::Batch&, float*, bool, model::Routing*) override {}
+    void backward(const float*, float*) override {}
+    void sync(const model::Weights&) override {}
+  } bare;
+  EXPECT_NO_THROW(bare.set_kv_transform(model::KvTransform{}));
+  EXPECT_THROW(bare.set_kv_transform(make_kv_transform(mc, kv, nullptr)), Error);
+}
+
 TEST(ReqatPipeline, MiniatureRunWritesConsistentSummary) {
   const std::string out = (std::filesystem::temp_directory_path() / "quads_reqat_pipeline_test").string();
   std::filesystem::remove_all(out);
@@ -96,6 +198,8 @@ TEST(ReqatPipeline, MiniatureRunWritesConsistentSummary) {
   // The stage-1 model's FP row is the reference; W4A4KV4 of each variant is in the headline dict.
   EXPECT_EQ(s["full_precision_pass1"].get<double>(), s["rows"][1]["fp_pass1"].get<double>());
   for (const std::string& v : c.variants) EXPECT_TRUE(s["w4a4kv4_pass1"].contains(v)) << v;
+  EXPECT_EQ(s["train_device"], "cpu");
+  EXPECT_EQ(s["eval_device"], "cpu");
   ASSERT_EQ(s["qfit"].size(), 2u);
   for (const auto& q : s["qfit"]) EXPECT_LE(q["attn_mse_qfit"].get<double>(), q["attn_mse_plain"].get<double>());
   // Every stage-2 variant trained its steps; only the SEM variants have a SEM term.
