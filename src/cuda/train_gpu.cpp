@@ -1588,8 +1588,9 @@ class GpuTrainBackend : public train::TrainBackend {
  public:
   GpuTrainBackend(const model::Weights& w, const model::PrecisionConfig& p) : g_(w, p) {}
   std::string name() const override { return "cuda:" + g_.device_name(); }
-  void forward(const model::Batch& b, float* logits, bool keep, model::Routing* record) override {
-    g_.forward(b, logits, keep, record);
+  void forward(const model::Batch& b, float* logits, bool keep, model::Routing* record,
+               const model::Routing* replay) override {
+    g_.forward(b, logits, keep, record, replay);
   }
   // The interface adds this call's gradient into `grads`: the device gradients start from zero.
   void backward(const float* dlogits, float* grads) override {

@@ -178,11 +178,7 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
   QUADS_CHECK(!opt.out_dir.empty(), "rl: no output folder given");
   QUADS_CHECK(cfg.uses_dataset() || !opt.base_dir.empty(), "rl: no base model folder given");
   if (cfg.rl.device == "cuda") (void)rollout_backend_factory();  // fail before any work
-  if (cfg.rl.trainer_device() == "cuda") {
-    (void)train::gpu_train_backend_factory();
-    QUADS_CHECK(!cfg.rl.routing_replay,
-                "rl.routing_replay = true needs the trainer on the CPU (set rl.train_device = \"cpu\")");
-  }
+  if (cfg.rl.trainer_device() == "cuda") (void)train::gpu_train_backend_factory();
   fs::create_directories(opt.out_dir);
   const RlSection& R = cfg.rl;
   const int P = static_cast<int>(R.prompts_per_step), G = static_cast<int>(R.group_size);
@@ -233,7 +229,7 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
   auto trainer_forward = [&](const model::Batch& b, float* lg, model::Activations* keep,
                              const model::ForwardOptions& fo) {
     if (!gtrain) return trainer.forward(b, lg, keep, fo);
-    gtrain->forward(b, lg, keep != nullptr, fo.record);
+    gtrain->forward(b, lg, keep != nullptr, fo.record, fo.replay);
   };
 
   // Rollout side, with its own copy of the weights; fp32 engine for the reference evaluation.
@@ -406,7 +402,7 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
       logits.resize(seqs.batch.ntokens() * V);
       model::ForwardOptions fo;
       if (R.routing_replay) fo.replay = &r_roll;
-      if (gref) gref->forward(seqs.batch, logits.data(), false);
+      if (gref) gref->forward(seqs.batch, logits.data(), false, nullptr, fo.replay);
       else ref->forward(seqs.batch, logits.data(), nullptr, fo);
       lp_ref = response_logprobs(seqs, logits.data(), V, R.temperature);
     }

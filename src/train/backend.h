@@ -19,8 +19,10 @@ class TrainBackend {
   virtual std::string name() const = 0;  // e.g. "cuda:NVIDIA H200"
   // The training forward of model::Model::forward over a packed batch: logits [T, V] to the host.
   // With `keep`, keeps what backward() needs (one forward at a time). `record` (optional) receives
-  // the expert choices, as ForwardOptions::record.
-  virtual void forward(const model::Batch& b, float* logits, bool keep, model::Routing* record = nullptr) = 0;
+  // the expert choices, as ForwardOptions::record; `replay` (optional) routes every token to the
+  // given experts, as ForwardOptions::replay (routing replay).
+  virtual void forward(const model::Batch& b, float* logits, bool keep, model::Routing* record = nullptr,
+                       const model::Routing* replay = nullptr) = 0;
   // From dL/dlogits [T, V] (host) of the last kept forward: ADDS the gradient with respect to every
   // parameter into grads (host, weights layout), as model::Model::backward. grads may be null with
   // has_optimizer(): the gradient then stays with the backend for optimizer_step().

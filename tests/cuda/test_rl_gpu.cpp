@@ -75,14 +75,15 @@ class CudaRl : public ::testing::Test {
     if (!root_.empty()) fs::remove_all(root_);
   }
 
-  static rl::RunOutcome run(const std::string& mode, const std::string& device) {
+  static rl::RunOutcome run(const std::string& mode, const std::string& device, bool replay = false) {
     rl::RunConfig cfg = tiny_config();
     cfg.rl.device = device;
+    cfg.rl.routing_replay = replay;
     rl::RunOptions o;
     o.mode = mode;
     o.seed = 5;
     o.base_dir = (root_ / "base").string();
-    o.out_dir = (root_ / (mode + "-" + device)).string();
+    o.out_dir = (root_ / (mode + "-" + device + (replay ? "-replay" : ""))).string();
     o.progress = false;
     return rl::run_rl(cfg, o);
   }
@@ -146,6 +147,16 @@ TEST_F(CudaRl, Bf16RolloutsOnGpu) {
 TEST_F(CudaRl, QuadsRolloutsOnGpu) {
   QUADS_REQUIRE_GPU();
   const Runs r = compare(run("quads", "cpu"), run("quads", "cuda"));
+  EXPECT_GT(r.mean_gap_cpu, 0.0);
+  EXPECT_NEAR(r.mean_gap_gpu, r.mean_gap_cpu, 0.25 * r.mean_gap_cpu + 2e-3);
+}
+
+// Routing replay with the trainer on the GPU: it routes each token to the experts the rollout chose,
+// as the CPU trainer does (the reference model's replay is checked bit for bit through the backend
+// double on the CPU: RlTrainBackend.RoutingReplayThroughTheBackendBitwise).
+TEST_F(CudaRl, RoutingReplayWithTheGpuTrainer) {
+  QUADS_REQUIRE_GPU();
+  const Runs r = compare(run("nvfp4", "cpu", true), run("nvfp4", "cuda", true));
   EXPECT_GT(r.mean_gap_cpu, 0.0);
   EXPECT_NEAR(r.mean_gap_gpu, r.mean_gap_cpu, 0.25 * r.mean_gap_cpu + 2e-3);
 }

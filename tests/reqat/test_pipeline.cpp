@@ -171,7 +171,7 @@ TEST(ReqatTrainer, DevicePathThroughABackendEqualsTheCpuBitwise) {
   // A backend without a KV transform of its own takes an empty one only.
   struct Bare : train::TrainBackend {
     std::string name() const override { return "bare"; }
-    void forward(const model::Batch&, float*, bool, model::Routing*) override {}
+    void forward(const model::Batch&, float*, bool, model::Routing*, const model::Routing*) override {}
     void backward(const float*, float*) override {}
     void sync(const model::Weights&) override {}
   } bare;

@@ -63,7 +63,7 @@ class RlTrainBackend : public ::testing::Test {
     o.progress = false;
     return o;
   }
-  void equals_the_cpu_trainer();
+  void equals_the_cpu_trainer(bool replay = false);
   fs::path root_;
   int calls_ = 0;
   bool optimizer_ = false;
@@ -78,9 +78,16 @@ TEST_F(RlTrainBackend, WithTheBackendsOptimizerTooBitwise) {
   equals_the_cpu_trainer();
 }
 
-void RlTrainBackend::equals_the_cpu_trainer() {
+// Routing replay (the trainer and the reference routed to the rollout's experts) on the backend.
+TEST_F(RlTrainBackend, RoutingReplayThroughTheBackendBitwise) {
+  optimizer_ = true;
+  equals_the_cpu_trainer(true);
+}
+
+void RlTrainBackend::equals_the_cpu_trainer(bool replay) {
   rl::RunConfig cpu = tiny();
-  rl::RunConfig dev = tiny();
+  cpu.rl.routing_replay = replay;
+  rl::RunConfig dev = cpu;
   dev.rl.train_device = "cuda";  // rollouts stay on the CPU (rl.device = "cpu")
 
   const rl::SftResult s_cpu = rl::run_sft(cpu, dir("base_cpu"), false);
@@ -99,8 +106,9 @@ void RlTrainBackend::equals_the_cpu_trainer() {
   const rl::RunOutcome r_cpu = rl::run_rl(cpu, options(dir("rl_cpu"), dir("base_cpu")));
   EXPECT_EQ(calls_, 0);
   const rl::RunOutcome r_dev = rl::run_rl(dev, options(dir("rl_dev"), dir("base_cpu")));
-  // Per step: the reference, the old log-probs, two minibatch forwards.
-  EXPECT_EQ(calls_, 4 * dev.rl.steps);
+  // Per step: the reference, the old log-probs (with replay: the trainer's own routing, then the
+  // replayed pass), two minibatch forwards.
+  EXPECT_EQ(calls_, (replay ? 5 : 4) * dev.rl.steps);
   EXPECT_EQ(r_dev.train_device, "cpu-as-backend");
   EXPECT_EQ(r_cpu.train_device, "cpu");
   double grad = 0;
@@ -125,16 +133,8 @@ void RlTrainBackend::equals_the_cpu_trainer() {
 TEST_F(RlTrainBackend, ClearErrors) {
   rl::RunConfig cfg = tiny();
   cfg.rl.train_device = "cuda";
-  cfg.rl.routing_replay = true;
   rl::run_sft(tiny(), dir("base"), false);
-  try {
-    rl::run_rl(cfg, options(dir("replay"), dir("base")));
-    FAIL() << "routing replay with the trainer on the device must be refused";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("rl.train_device"), std::string::npos) << e.what();
-  }
   train::register_gpu_train_backend(nullptr);
-  cfg.rl.routing_replay = false;
   try {
     rl::run_rl(cfg, options(dir("none"), dir("base")));
     FAIL() << "no backend installed: must be an error";

@@ -22,9 +22,11 @@ class CpuAsBackend : public train::TrainBackend {
       : w_(w), m_(w_, p), calls_(calls), optimizer_(optimizer), grads_(w.size()),
         opt_(w.size(), train::AdamWConfig{}, train::AdamW::decay_mask(w.layout)) {}
   std::string name() const override { return "cpu-as-backend"; }
-  void forward(const model::Batch& b, float* logits, bool keep, model::Routing* record) override {
+  void forward(const model::Batch& b, float* logits, bool keep, model::Routing* record,
+               const model::Routing* replay) override {
     model::ForwardOptions fo;
     fo.record = record;
+    fo.replay = replay;
     m_.forward(b, logits, keep ? &acts_ : nullptr, fo);
     ++*calls_;
   }
