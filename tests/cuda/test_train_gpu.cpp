@@ -21,7 +21,7 @@
 #include "model/model.h"
 #include "numerics/formats.h"
 #include "reqat/kv_quant.h"
-#include "reqat/qfit_test_util.h"
+#include "reqat/reqat_test_util.h"
 #include "reqat/trainer.h"
 #include "rl/char_tokenizer.h"
 #include "rl/run.h"
@@ -645,13 +645,7 @@ TEST(CudaTrain, ReqatStageTwoOnTheGpuFollowsTheCpu) {
   auto run = [&](const std::string& device, model::Weights& w, std::string* where) {
     model::Model m(w, model::PrecisionConfig::preset("qat-sym"));
     reqat::install_kv_hooks(m, kv, &qf);
-    reqat::TrainSpec s;
-    s.steps = 6;
-    s.batch = 8;
-    s.lr = 3e-3;
-    s.warmup = 1;
-    s.progress = false;
-    s.sem = true;
+    reqat::TrainSpec s = test::short_spec(6, 8, true);
     s.device = device;
     if (device == "cuda") s.kv = reqat::make_kv_transform(mc, kv, &qf);
     const auto log = reqat::train_sft(m, data, s, where);

@@ -10,7 +10,7 @@
 #include "common/error.h"
 #include "reqat/kv_quant.h"
 #include "reqat/pipeline.h"
-#include "reqat/qfit_test_util.h"
+#include "reqat/reqat_test_util.h"
 #include "reqat/trainer.h"
 #include "rl/report.h"
 #include "train/backend.h"
@@ -65,13 +65,7 @@ TEST(ReqatTrainer, LossFallsInFp32AndW4A4KV4) {
     model::Model m(w, model::PrecisionConfig::preset(q ? "qat-sym" : "fp32"));
     if (q) install_kv_hooks(m, KvQuantConfig{}, nullptr);
     const double before = eval_loss(m, data);
-    TrainSpec s;
-    s.steps = 30;
-    s.batch = 8;
-    s.lr = 3e-3;
-    s.warmup = 2;
-    s.progress = false;
-    s.sem = q;
+    const TrainSpec s = test::short_spec(30, 8, q, 2);
     const auto log = train_sft(m, data, s);
     ASSERT_EQ(log.size(), 30u);
     const double after = eval_loss(m, data);
@@ -97,13 +91,7 @@ TEST(ReqatTrainer, DevicePathThroughABackendEqualsTheCpuBitwise) {
   const QFit qf = test::random_qfit(mc, 11);
   const KvQuantConfig kv = parse_kv_quant("e1m2");
   const model::Weights w0 = model::Weights::random(mc, 3, 0.02f);
-  TrainSpec s;
-  s.steps = 4;
-  s.batch = 4;
-  s.lr = 3e-3;
-  s.warmup = 1;
-  s.progress = false;
-  s.sem = true;
+  const TrainSpec s = test::short_spec(4, 4, true);
   auto run = [&](const std::string& device, model::Weights& w, std::string* where) {
     model::Model m(w, model::PrecisionConfig::preset("qat-sym"));
     install_kv_hooks(m, kv, &qf);

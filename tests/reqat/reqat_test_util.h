@@ -1,15 +1,16 @@
 #pragma once
-// A random Q-FIT transform for tests of the KV-cache hooks and their GPU twins: per layer a
-// positive scale (equal on the pair of channels RoPE rotates together, as calibration gives) and
-// a shift, with alpha and beta inside (0, 1).
+// Helpers of the ReQAT tests (tests/reqat) and of their GPU twins (tests/cuda).
 #include <cstdint>
 #include <random>
 
 #include "model/config.h"
 #include "reqat/kv_quant.h"
+#include "reqat/trainer.h"
 
 namespace quads::test {
 
+// A random Q-FIT transform: per layer a positive scale (equal on the pair of channels RoPE rotates
+// together, as calibration gives) and a shift, with alpha and beta inside (0, 1).
 inline reqat::QFit random_qfit(const model::ModelConfig& c, uint64_t seed) {
   reqat::QFit qf;
   std::mt19937_64 rng(seed);
@@ -28,6 +29,18 @@ inline reqat::QFit random_qfit(const model::ModelConfig& c, uint64_t seed) {
     qf.layers.push_back(L);
   }
   return qf;
+}
+
+// A short, quiet training run: lr 3e-3, warm-up warmup steps.
+inline reqat::TrainSpec short_spec(int64_t steps, int64_t batch, bool sem, int64_t warmup = 1) {
+  reqat::TrainSpec s;
+  s.steps = steps;
+  s.batch = batch;
+  s.lr = 3e-3;
+  s.warmup = warmup;
+  s.progress = false;
+  s.sem = sem;
+  return s;
 }
 
 }  // namespace quads::test
