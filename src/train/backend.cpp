@@ -16,6 +16,7 @@ void TrainBackend::set_kv_transform(const model::KvTransform& t) {
                          "cpu or on cuda",
               name());
 }
+
 double TrainBackend::optimizer_step(AdamW&, double) { fail("train backend {} has no optimizer", name()); }
 void TrainBackend::download(model::Weights&, AdamW*) { fail("train backend {} keeps no masters", name()); }
 void TrainBackend::upload_optimizer(const AdamW&) { fail("train backend {} has no optimizer", name()); }
