@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "cpu/ops.h"
@@ -18,6 +19,8 @@
 #include "cuda/quant.h"
 #include "cuda/train_kernels.h"
 #include "cuda_test_util.h"
+#include "model/config.h"
+#include "reqat/kv_quant.h"
 #include "train/adamw.h"
 #include "train/losses.h"
 
@@ -100,6 +103,44 @@ TEST(CudaTrainKernels, RopeMatchesCpuBitwise) {
     device_sync();
     EXPECT_EQ(first_float_mismatch(gf.download(), fwd), -1) << "hd " << hd;
     EXPECT_EQ(first_float_mismatch(gb.download(), bwd), -1) << "hd " << hd;
+  }
+}
+
+// ---- ReQAT's KV transform in the trainer: kv_factor and sub_cols against the CPU hooks made from
+// the same transform (reqat::make_kv_hooks), bit for bit: pre_rope (q times f, k divided by f),
+// pre_rope_backward (the same map), post_rope without the quantizer (k minus the shift).
+TEST(CudaTrainKernels, KvTransformMatchesCpuHooksBitwise) {
+  QUADS_REQUIRE_GPU();
+  for (const auto& [nh, nkv, hd] : {std::tuple{4, 2, 16}, std::tuple{8, 1, 64}, std::tuple{6, 6, 32}}) {
+    model::ModelConfig c;
+    c.num_hidden_layers = 1;
+    c.num_attention_heads = nh;
+    c.num_key_value_heads = nkv;
+    c.head_dim = hd;
+    const int64_t n = 29, kvd = int64_t(nkv) * hd;
+    model::KvTransform t;
+    t.factor = {randn(kvd, 3 + hd)};
+    for (float& f : t.factor[0]) f = 0.25f + std::fabs(f);
+    t.shift = {randn(kvd, 5 + hd)};
+    const model::KvHooks h = reqat::make_kv_hooks(c, t);
+    const auto q = randn(n * nh * hd, 11 + nh), k = randn(n * kvd, 13 + nkv), v = randn(n * kvd, 17);
+    auto cq = q, ck = k, cv = v, bq = q, bk = k;
+    h.pre_rope(0, cq.data(), ck.data(), n);
+    h.pre_rope_backward(0, bq.data(), bk.data(), n);
+    auto sk = k;
+    h.post_rope(0, sk.data(), cv.data(), n);
+    DeviceArray<float> gq = dev(q), gk = dev(k), gs = dev(k), gf = dev(t.factor[0]), gm = dev(t.shift[0]);
+    kern::kv_factor(gq.data(), gk.data(), n, nh, nkv, hd, gf.data(), nullptr);
+    kern::sub_cols(gs.data(), n, kvd, gm.data(), nullptr);
+    device_sync();
+    SCOPED_TRACE(std::to_string(nh) + "/" + std::to_string(nkv) + " heads, hd " + std::to_string(hd));
+    EXPECT_EQ(first_float_mismatch(gq.download(), cq), -1);
+    EXPECT_EQ(first_float_mismatch(gk.download(), ck), -1);
+    EXPECT_EQ(cq, bq) << "the backward's map is the forward's";
+    EXPECT_EQ(ck, bk);
+    EXPECT_EQ(first_float_mismatch(gs.download(), sk), -1);
+    EXPECT_EQ(cv, v) << "without the quantizer the post-RoPE hook leaves V alone";
+    EXPECT_NE(cq, q);
   }
 }
 
