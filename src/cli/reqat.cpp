@@ -66,6 +66,13 @@ std::function<int()> setup(CLI::App& app) {
       std::printf("%s", reqat::to_toml(cfg).c_str());
       return 0;
     }
+#ifdef QUADS_HAVE_CUDA
+    // Here rather than in the backends' factories, whose errors name the RL settings.
+    if ((cfg.eval.device == "cuda" || cfg.train_device == "cuda") && cuda::device_count() == 0)
+      fail("reqat: train_device = \"{}\", eval.device = \"{}\" (--device), but no CUDA device was found (use the "
+           "cpu)",
+           cfg.train_device, cfg.eval.device);
+#endif
     QUADS_CHECK(!o->out.empty(), "reqat: --out is required");
     reqat::RunOptions ro;
     ro.progress = !o->quiet;
