@@ -328,6 +328,10 @@ struct GpuModel::Impl {
   // draws, kern::sample_rows' feed), and the step's device time started at the run's first step.
   bool fed_tokens = false;
   bool in_run = false;  // a decode run's step: the router's error flag is copied once, after the run
+  // step(items, record): every MoE layer's [T, K] expert ids copied here ([layers][T][K]) as the
+  // router writes them; such a step runs eagerly (a graph would replay into a fixed size).
+  bool recording = false;
+  DeviceArray<int32_t> rec_d;
   DeviceArray<unsigned long long> active_d;  // per layer: experts with rows, summed over steps
   // the same for the steps whose experts ran with RAC folded (their RAC blocks are not read again)
   DeviceArray<unsigned long long> active_fold_d;
@@ -1708,7 +1712,8 @@ struct GpuModel::Impl {
     // A decode step with every MoE layer grouped has no host sync: it can be a CUDA graph. The
     // attention context is rounded up to a power of two (it only sizes shared memory), so one
     // graph serves many steps.
-    bool graphable = decode && graphs_on && !graph_failed && !legacy_moe;
+    bool graphable = decode && graphs_on && !graph_failed && !legacy_moe && !recording;
+    int32_t* recp = recording && E > 0 ? grow(rec_d, size_t(cfg.num_hidden_layers) * T * K) : nullptr;
     for (int l = 0; l < cfg.num_hidden_layers && graphable; ++l) graphable = !layers[l].sparse || grouped_now(l, T);
     if (graphable) {
       int64_t c = 256;
@@ -1910,6 +1915,9 @@ struct GpuModel::Impl {
         else
           kern::router_topk_fwd(rlogits.data(), T, E, K, cfg.norm_topk_prob, probs.data(), idx.data(), w.data(), nullptr,
                                 stream);
+        if (recp)
+          QUADS_CUDA_CHECK(cudaMemcpyAsync(recp + size_t(l) * T * K, idx.data(), sizeof(int32_t) * T * K,
+                                           cudaMemcpyDeviceToDevice, stream));
         if (!legacy_moe) {
           if (!one_launch)
             kern::moe_route(idx.data(), T * K, E, ecount.data(), eoff_d.data(), perm.data(), inv.data(),
@@ -2183,8 +2191,13 @@ void GpuModel::copy(int src, int dst) {
   m.len[dst] = m.len[src];
 }
 
-std::vector<float> GpuModel::step(const std::vector<model::StepItem>& items) {
+std::vector<float> GpuModel::step(const std::vector<model::StepItem>& items, model::Routing* record) {
   Impl& m = *impl_;
+  struct Recording {  // also reset when the step throws
+    Impl& m;
+    ~Recording() { m.recording = false; }
+  } rec_flag{m};
+  m.recording = record != nullptr;
   const int64_t nout = m.run(items);
   m.mark_end();
   std::vector<float> out(size_t(nout) * m.cfg.vocab_size);
@@ -2192,6 +2205,19 @@ std::vector<float> GpuModel::step(const std::vector<model::StepItem>& items) {
     QUADS_CUDA_CHECK(cudaMemcpy(out.data(), m.logits.data(), sizeof(float) * out.size(), cudaMemcpyDeviceToHost));
   m.check_route(nout > 0);
   m.add_gpu_time(nout > 0);
+  if (record) {
+    // As model::Model::step: one entry per layer, [T, K] expert ids for the MoE layers, empty for
+    // the dense ones; T the step's tokens in item order.
+    const int L = m.cfg.num_hidden_layers, K = m.cfg.num_experts_per_tok;
+    int64_t T = 0;
+    for (const auto& it : items) T += static_cast<int64_t>(it.tokens.size());
+    record->experts.assign(L, {});
+    std::vector<int32_t> all(m.cfg.num_experts > 0 ? size_t(L) * T * K : 0);
+    if (!all.empty())
+      QUADS_CUDA_CHECK(cudaMemcpy(all.data(), m.rec_d.data(), sizeof(int32_t) * all.size(), cudaMemcpyDeviceToHost));
+    for (int l = 0; l < L; ++l)
+      if (m.cfg.is_sparse(l)) record->experts[l].assign(all.begin() + size_t(l) * T * K, all.begin() + size_t(l + 1) * T * K);
+  }
   return out;
 }
 
@@ -2310,6 +2336,10 @@ class GpuBackend : public rollout::StepBackend {
   void sync(const model::Weights& w) override { m_.sync(w); }
   void reset(int num_slots, int64_t max_len) override { m_.reset_cache(num_slots, max_len); }
   std::vector<float> step(const std::vector<model::StepItem>& items) override { return m_.step(items); }
+  bool records_routing() const override { return true; }
+  std::vector<float> step_record(const std::vector<model::StepItem>& items, model::Routing& record) override {
+    return m_.step(items, &record);
+  }
   std::vector<rollout::Draw> step_sample(const std::vector<model::StepItem>& items,
                                          const std::vector<rollout::SampleJob>& jobs) override {
     return m_.step_sample(items, jobs);

@@ -30,8 +30,10 @@
 // RAC (model/rac.h) with static channels in whole 16-channel blocks: set_rac copies them from a
 // calibrated CPU model; W4A4 linears run the residual through cuda::w4a4_gemm_gather on W's own
 // codes, fake-quant linears through an SGEMM on the gathered W_eff columns.
+// Routing record: step(items, &record) copies each MoE layer's expert ids from the device (as
+// Model::step records them); the RL loop's routing replay takes the rollout's routing from it.
 // Not supported (quads::Error): dynamic RAC, KV hooks (set_kv_transform is their data form),
-// routing replay/record.
+// routing replay (a rollout engine follows its own router).
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -106,7 +108,9 @@ class GpuModel {
 
   // Model::step semantics: logits [rows, V] in item order (every new position of an item with
   // all_logits, else its last one). Slots distinct; a slot may not grow past max_len.
-  std::vector<float> step(const std::vector<model::StepItem>& items);
+  // With `record`, also the expert ids each MoE layer chose for each token (model::Routing, as
+  // Model::step fills it; such a step runs eagerly, not as a CUDA graph).
+  std::vector<float> step(const std::vector<model::StepItem>& items, model::Routing* record = nullptr);
   // The same step, returning the arg-max token of each logits row (computed on the device).
   std::vector<int32_t> step_greedy(const std::vector<model::StepItem>& items);
   // The same step and the draws of `jobs` from its logits (rollout::StepBackend::step_sample):

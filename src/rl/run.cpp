@@ -376,18 +376,21 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
     t = Clock::now();
     model::Routing r_roll;
     std::vector<double> qerr_sum(mc.num_hidden_layers, 0.0), qerr_rows(mc.num_hidden_layers, 0.0);
-    const bool need_roll_routing = R.diagnostics || R.routing_replay;
-    if (need_roll_routing) {
+    // The expert choices come from the rollout's device when its backend records them (the GPU),
+    // else from the CPU forward that also measures the activation error; that error needs the
+    // quantized operands, so it stays a CPU forward on any rollout device.
+    const bool device_routing = engine.backend() && engine.backend()->records_routing();
+    if ((R.routing_replay || R.diagnostics) && (device_routing || !R.diagnostics)) r_roll = engine.routing(seqs.batch);
+    if (R.diagnostics) {
       model::ForwardOptions fo;
-      fo.record = &r_roll;
-      if (R.diagnostics)
-        fo.probe = [&](const model::LinearQ& L, const float* X, const float* Xq, const float*, int64_t M) {
-          if (L.layer < 0 || X == Xq || M == 0) return;
-          num::ErrorStats e = num::error_stats(X, Xq, M, L.in);
-          if (!std::isfinite(e.rel_mse)) return;
-          qerr_sum[L.layer] += e.rel_mse * M;
-          qerr_rows[L.layer] += M;
-        };
+      if (!device_routing) fo.record = &r_roll;
+      fo.probe = [&](const model::LinearQ& L, const float* X, const float* Xq, const float*, int64_t M) {
+        if (L.layer < 0 || X == Xq || M == 0) return;
+        num::ErrorStats e = num::error_stats(X, Xq, M, L.in);
+        if (!std::isfinite(e.rel_mse)) return;
+        qerr_sum[L.layer] += e.rel_mse * M;
+        qerr_rows[L.layer] += M;
+      };
       logits.resize(seqs.batch.ntokens() * V);
       engine.model().forward(seqs.batch, logits.data(), nullptr, fo);
     }

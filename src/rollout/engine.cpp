@@ -348,6 +348,52 @@ void check_decode_run(const std::vector<model::StepItem>& items, const std::vect
   }
 }
 
+std::vector<float> StepBackend::step_record(const std::vector<model::StepItem>&, model::Routing&) {
+  fail("step backend {} does not record routing", name());
+}
+
+model::Routing RolloutEngine::routing(const model::Batch& b, int64_t chunk_tokens) {
+  const model::ModelConfig& cfg = config();
+  model::Routing out;
+  if (!backend_ || !backend_->records_routing()) {
+    std::vector<float> logits(size_t(b.ntokens()) * cfg.vocab_size);
+    model::ForwardOptions fo;
+    fo.record = &out;
+    model().forward(b, logits.data(), nullptr, fo);
+    return out;
+  }
+  out.experts.assign(cfg.num_hidden_layers, {});
+  for (int s0 = 0; s0 < b.nseq();) {
+    int s1 = s0 + 1;
+    int64_t ntok = b.seq_len(s0), max_len = std::max<int64_t>(1, b.seq_len(s0));
+    while (s1 < b.nseq() && ntok + b.seq_len(s1) <= chunk_tokens) {
+      ntok += b.seq_len(s1);
+      max_len = std::max(max_len, b.seq_len(s1));
+      ++s1;
+    }
+    std::vector<model::StepItem> items;
+    for (int s = s0; s < s1; ++s) {
+      if (b.seq_len(s) == 0) continue;  // no tokens, no routing
+      model::StepItem it;
+      it.slot = s - s0;
+      it.tokens.assign(b.tokens.begin() + b.offsets[s], b.tokens.begin() + b.offsets[s + 1]);
+      items.push_back(std::move(it));
+    }
+    if (!items.empty()) {
+      backend_->reset(s1 - s0, max_len);
+      model::Routing part;
+      backend_->step_record(items, part);
+      QUADS_CHECK(static_cast<int>(part.experts.size()) == cfg.num_hidden_layers,
+                  "step backend {} recorded {} layers of routing, the model has {}", backend_->name(),
+                  part.experts.size(), cfg.num_hidden_layers);
+      for (int l = 0; l < cfg.num_hidden_layers; ++l)
+        out.experts[l].insert(out.experts[l].end(), part.experts[l].begin(), part.experts[l].end());
+    }
+    s0 = s1;
+  }
+  return out;
+}
+
 void StepBackend::set_rac(const model::Model&) { fail("step backend {} does not run RAC", name()); }
 void StepBackend::set_kv_transform(const model::KvTransform& t) {
   QUADS_CHECK(t.empty(), "step backend {} does not run a KV-cache transform (ReQAT's KV4 / Q-FIT)", name());

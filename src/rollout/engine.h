@@ -109,6 +109,10 @@ class StepBackend {
   // to run a model with hooks on a backend without one). Default: throws unless t is empty.
   virtual void set_kv_transform(const model::KvTransform& t);
   virtual bool has_kv_transform() const { return false; }
+  // step() that also records each MoE layer's expert choices (as Model::step's `record`).
+  // Default: records_routing() false and step_record throws naming the backend.
+  virtual bool records_routing() const { return false; }
+  virtual std::vector<float> step_record(const std::vector<model::StepItem>& items, model::Routing& record);
 };
 
 // decode_run's preconditions (one token an item, last logits only, job i on row i, n >= 1);
@@ -147,6 +151,13 @@ class RolloutEngine {
     cpu_model_current();
     return *model_;
   }
+  // The rollout model's expert choices for every token of `b` (model::Routing, [T, k] per MoE
+  // layer in b's token order), each sequence run whole as the trainer's forward runs it (teacher
+  // forcing): on the backend when it records routing, whole sequences in steps of at most
+  // chunk_tokens tokens (a longer sequence alone; the backend's cache is reset, and generate()
+  // starts from an empty one anyway), else a forward of the CPU model. Routing replay in the RL
+  // loop replays this into the trainer.
+  model::Routing routing(const model::Batch& b, int64_t chunk_tokens = 8192);
   const model::ModelConfig& config() const { return weights_->cfg; }
   const model::PrecisionConfig& precision() const { return model_->precision(); }
   bool batch_invariant() const { return model_->precision().batch_invariant(); }

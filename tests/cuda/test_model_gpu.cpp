@@ -488,6 +488,96 @@ TEST(CudaModelGpu, KvTransformMatchesCpuHooks) {
   EXPECT_NO_THROW(eng.generate({rq}));
 }
 
+// Routing record (GpuModel::step's `record`, which the RL loop's routing replay reads through
+// RolloutEngine::routing): the expert ids the GPU's routers chose are the CPU model's where the
+// router logits agree. fp32 (FP32 GEMMs on both sides) must give the CPU's choices exactly; bf16 and
+// nvfp4 route from logits that differ in the last bits (see Bf16AndNvfp4LogitsMatchCpu), so a near
+// tie may flip: at most 2% of the entries and 2 more (one flipped tie changes up to two slots). Recording leaves the logits bit for bit as they are; a
+// decode step (a CUDA graph without a record) records eagerly.
+TEST(CudaModelGpu, RoutingRecordMatchesCpu) {
+  QUADS_REQUIRE_GPU();
+  const model::Weights& w = fixture_weights();
+  const int K = w.cfg.num_experts_per_tok;
+  const auto ids = input_ids();
+  const size_t third = ids.size() / 3;
+  std::vector<model::StepItem> items(3);
+  for (int i = 0; i < 3; ++i) {
+    items[i].slot = i;
+    items[i].tokens.assign(ids.begin() + i * third, ids.begin() + (i + 1) * third - 2 * i);  // lengths differ
+  }
+  std::vector<model::StepItem> decode(3);
+  for (int i = 0; i < 3; ++i) {
+    decode[i].slot = i;
+    decode[i].tokens = {static_cast<int32_t>(7 + 11 * i)};
+  }
+  for (const auto& [preset, tol] : std::vector<std::pair<std::string, double>>{{"fp32", 0.0}, {"bf16", 0.02},
+                                                                                {"nvfp4", 0.02}}) {
+    const auto prec = model::PrecisionConfig::preset(preset);
+    model::Weights wm = w;
+    model::Model m(wm, prec);
+    model::KVCache cache(w.cfg, 3);
+    model::Routing want, want_dec;
+    m.step(cache, items, &want);
+    m.step(cache, decode, &want_dec);
+
+    cuda::GpuModel g(w, prec);
+    g.reset_cache(3, static_cast<int64_t>(third) + 8);
+    const std::vector<float> plain = g.step(items);
+    g.reset_cache(3, static_cast<int64_t>(third) + 8);
+    model::Routing got, got_dec;
+    EXPECT_EQ(g.step(items, &got), plain) << preset << ": recording changed the logits";
+    const int64_t graphs0 = g.stats().graph_steps;
+    g.step(decode, &got_dec);
+    EXPECT_EQ(g.stats().graph_steps, graphs0) << preset << ": a recorded step ran as a graph";
+
+    for (const auto& [a, b, what] : {std::tuple{&got, &want, "prefill"}, std::tuple{&got_dec, &want_dec, "decode"}}) {
+      ASSERT_EQ(a->experts.size(), b->experts.size()) << preset;
+      int64_t n = 0, diff = 0;
+      for (size_t l = 0; l < a->experts.size(); ++l) {
+        ASSERT_EQ(a->experts[l].size(), b->experts[l].size()) << preset << " " << what << " layer " << l;
+        if (w.cfg.is_sparse(static_cast<int>(l))) {
+          const int64_t T = what == std::string("prefill") ? 3 * int64_t(third) - 6 : 3;
+          EXPECT_EQ(static_cast<int64_t>(a->experts[l].size()), T * K);
+        }
+        for (size_t j = 0; j < a->experts[l].size(); ++j) {
+          ASSERT_GE(a->experts[l][j], 0);
+          ASSERT_LT(a->experts[l][j], w.cfg.num_experts);
+          diff += a->experts[l][j] != b->experts[l][j];
+          ++n;
+        }
+      }
+      ASSERT_GT(n, 0);
+      std::printf("%s %s: %lld of %lld recorded expert ids differ from the CPU's\n", preset.c_str(), what,
+                  static_cast<long long>(diff), static_cast<long long>(n));
+      EXPECT_LE(double(diff), tol > 0 ? tol * double(n) + 2 : 0.0) << preset << " " << what;
+    }
+  }
+}
+
+// Through the rollout engine (RolloutEngine::routing on the GPU backend): the CPU model's forward
+// routing of a batch of sequences, whole or in chunks (fp32: exactly).
+TEST(CudaModelGpu, EngineRoutingOnTheGpuIsTheCpuForwards) {
+  QUADS_REQUIRE_GPU();
+  const model::Weights& w = fixture_weights();
+  const auto ids = input_ids();
+  std::vector<std::vector<int32_t>> seqs;
+  for (size_t p = 0, n = 3; p + n <= ids.size(); p += n, n += 2) seqs.emplace_back(ids.begin() + p, ids.begin() + p + n);
+  const model::Batch b = model::Batch::of(seqs);
+  const auto prec = model::PrecisionConfig::preset("fp32");
+  rollout::RolloutEngine cpu(w, prec);
+  const model::Routing want = cpu.routing(b);
+  rollout::RolloutEngine eng(w, prec);
+  eng.set_backend(cuda::make_gpu_backend(w, prec));
+  for (int64_t chunk : {int64_t(1), int64_t(12), int64_t(8192)})
+    EXPECT_EQ(eng.routing(b, chunk).experts, want.experts) << "chunk " << chunk;
+  // and the engine still generates afterwards (its next generate() resets the cache)
+  rollout::Request r;
+  r.prompt = seqs[0];
+  r.max_new_tokens = 5;
+  r.sampling.greedy = true;
+  EXPECT_EQ(eng.generate({r})[0].tokens, cpu.generate({r})[0].tokens);
+}
+
 TEST(CudaModelGpu, PrefillAndDecodeAgree) {
   QUADS_REQUIRE_GPU();
   const auto ids = input_ids();

@@ -20,6 +20,7 @@
 #include "rl/run.h"
 #include "rl/sft.h"
 #include "rl_test_util.h"
+#include "rollout/cpu_step_backend.h"
 #include "train/backend.h"
 #include "train/cpu_as_backend.h"
 
@@ -51,6 +52,7 @@ class RlTrainBackend : public ::testing::Test {
   }
   void TearDown() override {
     train::register_gpu_train_backend(nullptr);
+    rl::set_rollout_backend_factory(nullptr);
     fs::remove_all(root_);
   }
   std::string dir(const std::string& n) const { return (root_ / n).string(); }
@@ -128,6 +130,42 @@ void RlTrainBackend::equals_the_cpu_trainer(bool replay) {
   half.resume = true;
   const rl::RunOutcome r_res = rl::run_rl(dev, half);
   EXPECT_EQ(test::deterministic(r_cpu.rows), test::deterministic(r_res.rows));
+}
+
+// rl.device = "cuda" through a rollout backend that records routing (the GPU's RolloutEngine::routing
+// path, here the CPU model behind the StepBackend interface): with routing replay, the rollout's
+// expert choices come from the backend's recorded steps (with or without the diagnostics' CPU
+// forward, which then only measures the activation error), and the run is the CPU run bit for bit.
+TEST_F(RlTrainBackend, RolloutRoutingFromTheStepBackendBitwise) {
+  rl::RunConfig cpu = tiny();
+  cpu.rl.routing_replay = true;
+  rl::run_sft(cpu, dir("base"), false);
+  rl::RunOptions o = options(dir("rl_cpu"), dir("base"));
+  o.mode = "nvfp4";
+  const rl::RunOutcome want = rl::run_rl(cpu, o);
+  for (const bool diagnostics : {true, false}) {
+    rl::RunConfig dev = cpu;
+    dev.rl.device = "cuda";
+    dev.rl.train_device = "cpu";
+    dev.rl.diagnostics = diagnostics;
+    test::StepCalls sc;
+    rl::set_rollout_backend_factory([&sc](const model::Weights& w, const model::PrecisionConfig& p) {
+      return std::make_unique<test::CpuStepBackend>(w, p, &sc);
+    });
+    o.out_dir = dir(diagnostics ? "rl_dev_diag" : "rl_dev");
+    const rl::RunOutcome got = rl::run_rl(dev, o);
+    rl::set_rollout_backend_factory(nullptr);
+    EXPECT_EQ(got.device, "cpu-test");
+    EXPECT_EQ(sc.records, dev.rl.steps) << "one recorded step per RL step (the batch fits one chunk)";
+    std::vector<nlohmann::json> w = test::deterministic(want.rows), g = test::deterministic(got.rows);
+    int mismatch_rows = 0;
+    for (const auto& row : g) mismatch_rows += row.contains("routing_mismatch");
+    EXPECT_EQ(mismatch_rows, dev.rl.steps) << "replay measures the rollout's routing against the trainer's";
+    if (!diagnostics)  // the activation error needs the diagnostics' forward
+      for (auto& row : w)
+        for (const char* k : {"act_qerr", "act_qerr_layers"}) row.erase(k);
+    EXPECT_EQ(w, g) << "diagnostics " << diagnostics;
+  }
 }
 
 TEST_F(RlTrainBackend, ClearErrors) {

@@ -10,6 +10,7 @@
 #include "common/error.h"
 #include "common/fixtures.h"
 #include "model/model.h"
+#include "rollout/cpu_step_backend.h"
 #include "rollout/engine.h"
 
 using namespace quads;
@@ -22,53 +23,8 @@ const model::Weights& weights() {
   return w;
 }
 
-struct Calls {
-  int resets = 0, steps = 0, copies = 0, clears = 0, syncs = 0;
-  int slots = 0;
-  int64_t max_len = 0, max_seen = 0;
-};
-
-// The CPU model behind the backend interface, with a cache that refuses to grow past max_len.
-class CpuBackend : public StepBackend {
- public:
-  CpuBackend(const model::Weights& w, const model::PrecisionConfig& p, Calls* calls)
-      : w_(w), m_(w_, p), calls_(calls) {}
-  std::string name() const override { return "cpu-test"; }
-  void sync(const model::Weights& w) override {
-    w_.data = w.data;
-    m_.sync();
-    ++calls_->syncs;
-  }
-  void reset(int num_slots, int64_t max_len) override {
-    cache_ = std::make_unique<model::KVCache>(w_.cfg, num_slots);
-    calls_->slots = num_slots;
-    calls_->max_len = max_len;
-    ++calls_->resets;
-  }
-  std::vector<float> step(const std::vector<model::StepItem>& items) override {
-    ++calls_->steps;
-    for (const auto& it : items) {
-      const int64_t len = cache_->length(it.slot) + static_cast<int64_t>(it.tokens.size());
-      EXPECT_LE(len, calls_->max_len) << "the engine sized the cache too small";
-      calls_->max_seen = std::max(calls_->max_seen, len);
-    }
-    return m_.step(*cache_, items);
-  }
-  void copy(int src, int dst) override {
-    cache_->copy(src, dst);
-    ++calls_->copies;
-  }
-  void clear(int slot) override {
-    cache_->clear(slot);
-    ++calls_->clears;
-  }
-
- private:
-  model::Weights w_;
-  model::Model m_;
-  Calls* calls_;
-  std::unique_ptr<model::KVCache> cache_;
-};
+using Calls = test::StepCalls;
+using CpuBackend = test::CpuStepBackend;
 
 std::vector<Request> requests() {
   std::vector<Request> r(5);
@@ -204,6 +160,44 @@ TEST(RolloutStepBackend, DecodeRunChecksItsArguments) {
   EXPECT_THROW(b.decode_run(items, jobs, 0), quads::Error);
   jobs.pop_back();
   EXPECT_THROW(b.decode_run(items, jobs, 2), quads::Error);
+}
+
+// The rollout's routing for replay: steps recorded by the backend give the CPU model's forward
+// routing, whole sequences in chunks of at most chunk_tokens tokens (a longer sequence alone, an
+// empty one skipped); a backend that cannot record leaves it to the CPU model.
+TEST(RolloutStepBackend, RoutingFromTheBackendIsTheCpuForwards) {
+  const model::Batch b = model::Batch::of({{1, 2, 3, 4, 5}, {}, {7, 8}, {9, 10, 11, 12, 13, 14, 15, 16, 17}, {20}});
+  const int K = weights().cfg.num_experts_per_tok;
+  for (const std::string preset : {"fp32", "nvfp4"}) {
+    const auto prec = model::PrecisionConfig::preset(preset);
+    RolloutEngine plain(weights(), prec);
+    const model::Routing want = plain.routing(b);
+    ASSERT_EQ(static_cast<int>(want.experts.size()), weights().cfg.num_hidden_layers);
+    int sparse = 0;
+    for (int l = 0; l < weights().cfg.num_hidden_layers; ++l)
+      if (weights().cfg.is_sparse(l)) {
+        EXPECT_EQ(static_cast<int64_t>(want.experts[l].size()), b.ntokens() * K);
+        ++sparse;
+      }
+    ASSERT_GT(sparse, 0);
+    // chunk_tokens -> recorded steps: 1 and 6 split the batch four ways, 8192 keeps it whole
+    for (const auto& [chunk, steps] : std::vector<std::pair<int64_t, int>>{{1, 4}, {6, 4}, {8192, 1}}) {
+      Calls calls;
+      RolloutEngine eng(weights(), prec);
+      eng.set_backend(std::make_unique<CpuBackend>(weights(), prec, &calls));
+      EXPECT_EQ(eng.routing(b, chunk).experts, want.experts) << preset << " chunk " << chunk;
+      EXPECT_EQ(calls.records, steps) << preset << " chunk " << chunk;
+      EXPECT_EQ(calls.steps, 0);
+      EXPECT_EQ(calls.max_seen, 9);  // each reset sized for its chunk's longest sequence (check_room)
+    }
+    Calls calls;
+    RolloutEngine eng(weights(), prec);
+    auto be = std::make_unique<CpuBackend>(weights(), prec, &calls);
+    be->can_record = false;
+    eng.set_backend(std::move(be));
+    EXPECT_EQ(eng.routing(b).experts, want.experts) << preset;
+    EXPECT_EQ(calls.records + calls.steps + calls.resets, 0);
+  }
 }
 
 // With a backend, the engine's CPU model re-quantizes the synced weights when it is next used
