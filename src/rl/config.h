@@ -73,8 +73,8 @@ struct RlSection {
   bool diagnostics = true;       // routing mismatch and per-layer activation error (extra forward)
   std::string device = "cpu";    // cpu | cuda: where the rollout engine runs
   int64_t decode_ahead = 8;      // decode steps a GPU rollout backend call (rollout::EngineOptions)
-  std::string train_device = "auto";  // auto (= device) | cpu | cuda: where the trainer's forward and
-                                      // backward run (the optimizer and the diagnostics: the CPU)
+  std::string train_device = "auto";  // auto (= device) | cpu | cuda: where the trainer's forward,
+                                      // backward and AdamW run
   std::string trainer_device() const { return train_device == "auto" ? device : train_device; }
   bool operator==(const RlSection&) const = default;
 };
