@@ -332,6 +332,19 @@ struct GpuModel::Impl {
   // router writes them; such a step runs eagerly (a graph would replay into a fixed size).
   bool recording = false;
   DeviceArray<int32_t> rec_d;
+  // step(items, ..., act_error): each linear's input against the operand it multiplies, per row on
+  // the device (kern::row_error_sums into probe_sums), read after the step. probe_log: which rows of
+  // probe_sums belong to which linear (q/k/v, and gate/up of row-local experts, share their rows).
+  struct ProbeEntry {
+    const DevLinear* L;
+    size_t at;  // first row in probe_sums
+    int64_t rows;
+  };
+  std::map<std::string, rollout::ActError>* probe_out = nullptr;
+  std::vector<ProbeEntry> probe_log;
+  size_t probe_used = 0;  // rows of probe_sums written this step
+  DeviceArray<double> probe_sums;
+  DeviceArray<float> probe_x;
   DeviceArray<unsigned long long> active_d;  // per layer: experts with rows, summed over steps
   // the same for the steps whose experts ran with RAC folded (their RAC blocks are not read again)
   DeviceArray<unsigned long long> active_fold_d;
@@ -1357,6 +1370,63 @@ struct GpuModel::Impl {
     return a.mode == b.mode && a.in == b.in && a.num.act == b.num.act;
   }
 
+  // The activation error of linear L on X [M, L.in] (a step with act_error): X_eff as the CPU's
+  // operand (fake-quantized, or rounded to BF16) into probe_x, its row sums into probe_sums. Returns
+  // the first row, or SIZE_MAX where L rounds nothing (the CPU's probe skips it too).
+  size_t probe(const DevLinear& L, const float* X, int64_t M) {
+    if (!probe_out || M == 0 || L.layer < 0 || L.num.act.kind == QuantKind::None) return SIZE_MAX;
+    const size_t at = probe_used;
+    QUADS_CHECK(at + size_t(M) <= probe_sums.size() / 2 && size_t(M * L.in) <= probe_x.size(),
+                "GpuModel: activation-error rows exceed their buffers ({} rows, {} of {})", L.name, at + M,
+                probe_sums.size() / 2);
+    if (L.num.act.kind == QuantKind::BF16) {
+      kern::bf16_round(X, probe_x.data(), M * L.in, stream);
+    } else {
+      const num::QConfig& c = L.act_cfg();
+      QUADS_CHECK(c.scheme != num::Scheme::NVFP4 || c.global != num::Global::Static || c.static_amax > 0,
+                  "GpuModel: {} uses a static activation scale but none is set (calibrate it first)", L.name);
+      fake_quantize(X, probe_x.data(), M, L.in, c, stream);
+    }
+    kern::row_error_sums(X, probe_x.data(), M, L.in, probe_sums.data() + 2 * at, stream);
+    probe_used += size_t(M);
+    return at;
+  }
+  void probe_entry(const DevLinear& L, size_t at, int64_t rows) {
+    if (at != SIZE_MAX && rows > 0) probe_log.push_back({&L, at, rows});
+  }
+  // Linears that take the same X (q/k/v; an expert's gate and up): one probe for those that round it alike.
+  void probe_same_x(std::initializer_list<const DevLinear*> ls, const float* X, int64_t M) {
+    if (!probe_out) return;
+    const DevLinear* first = nullptr;
+    size_t at = SIZE_MAX;
+    for (const DevLinear* L : ls) {
+      if (!first || !(L->num.act == first->num.act)) {
+        first = L;
+        at = probe(*L, X, M);
+      }
+      probe_entry(*L, at, M);
+    }
+  }
+  // After the step: the logged rows added up per linear, in row order (num::error_stats' order).
+  void probe_collect() {
+    if (!probe_out) return;
+    std::vector<double> sums(2 * probe_used);
+    if (!sums.empty())
+      QUADS_CUDA_CHECK(cudaMemcpy(sums.data(), probe_sums.data(), sizeof(double) * sums.size(), cudaMemcpyDeviceToHost));
+    for (const ProbeEntry& e : probe_log) {
+      double err = 0, norm = 0;
+      for (int64_t r = 0; r < e.rows; ++r) {
+        err += sums[2 * (e.at + r)];
+        norm += sums[2 * (e.at + r) + 1];
+      }
+      rollout::ActError& a = (*probe_out)[e.L->name];
+      a.layer = e.L->layer;
+      a.sq_err += err;
+      a.sq_norm += norm;
+      a.rows += e.rows;
+    }
+  }
+
   // FP8 with E4M3 activations: codes + scales for the tiles, or X_eff in FP32 for the GEMVs where
   // every GEMM of the operand runs one (need_f: 1 yes, 0 no, -1 when M is at most a GEMV's rows).
   // xb: X's BF16 bits when a fused norm already wrote them (BF16 linears then convert nothing).
@@ -1494,11 +1564,22 @@ struct GpuModel::Impl {
     for (int e = 0; e < nE && fused; ++e) fused = lin[li.mlp + 3 * e].rac_nsel == 0 && lin[li.mlp + 3 * e + 1].rac_nsel == 0;
     Operand all;
     if (shared_in) all = prepare(G0, X, R);
+    // Activation error (a step with act_error): row-local rounding is the same for all rows, so
+    // one probe of X serves every expert's gate and up.
+    const size_t pin = probe_out && shared_in && lin[li.mlp + 1].num.act == G0.num.act ? probe(G0, X, R) : SIZE_MAX;
     for (int e = 0; e < nE; ++e) {
       const int64_t r0 = eoff[e], n = eoff[e + 1] - r0;
       if (n == 0) continue;
       const DevLinear& Lg = lin[li.mlp + 3 * e];
       const DevLinear& Lu = lin[li.mlp + 3 * e + 1];
+      if (probe_out) {
+        if (pin != SIZE_MAX) {
+          probe_entry(Lg, pin + r0, n);
+          probe_entry(Lu, pin + r0, n);
+        } else {
+          probe_same_x({&Lg, &Lu}, X + r0 * H, n);
+        }
+      }
       if (fused) {
         gemm_gu(Lg, Lu, all, r0, n, gp + r0 * 2 * I);
         stats.expert_gemms += 1;
@@ -1522,10 +1603,12 @@ struct GpuModel::Impl {
     const DevLinear& D0 = lin[li.mlp + 2];
     const bool shared_h = li.experts_uniform && D0.num.act.row_local();
     if (shared_h) all = prepare(D0, hp, R);
+    const size_t ph = probe_out && shared_h ? probe(D0, hp, R) : SIZE_MAX;
     for (int e = 0; e < nE; ++e) {
       const int64_t r0 = eoff[e], n = eoff[e + 1] - r0;
       if (n == 0) continue;
       const DevLinear& Ld = lin[li.mlp + 3 * e + 2];
+      if (probe_out) probe_entry(Ld, shared_h ? (ph == SIZE_MAX ? SIZE_MAX : ph + r0) : probe(Ld, hp + r0 * I, n), n);
       if (shared_h) {
         gemm(Ld, all, r0, n, Y + r0 * H);
       } else {
@@ -1699,6 +1782,12 @@ struct GpuModel::Impl {
     grow(nq_scales, size_t(T * std::max(H, qd) / 16 + 1));
     grow(nq_amax, size_t(T + 1));
     grow(nq_frag, size_t(x_frag_bytes(std::max(H, qd), kXFragMaxRows)));  // one size: no regrow under a graph
+    if (probe_out) {  // sized up front: a grow would free rows that queued kernels still write
+      probe_log.clear();
+      probe_used = 0;
+      grow(probe_x, maxop);
+      grow(probe_sums, 2 * size_t(cfg.num_hidden_layers) * size_t(5 * T + 3 * R));
+    }
 
     const float* M = master.data();
     const float scale = static_cast<float>(1.0 / std::sqrt(double(hd)));
@@ -1779,6 +1868,7 @@ struct GpuModel::Impl {
       const LayerIdx& li = layers[l];
       if (!fuse) kern::rmsnorm(xp, M + o.input_norm, T, H, eps, xnp, stream);
       const DevLinear &Lq = lin[li.q], &Lk = lin[li.k], &Lv = lin[li.v], &Lo = lin[li.o];
+      probe_same_x({&Lq, &Lk, &Lv}, xnp, T);
       float* kcl = kc.data() + l * cache_layer;
       float* vcl = vc.data() + l * cache_layer;
       const float* kvf = l < int(kv_factor.size()) && kv_factor[l].size() ? kv_factor[l].data() : nullptr;
@@ -1852,6 +1942,7 @@ struct GpuModel::Impl {
       else
         kern::attention(qp, kcl, vcl, d_slot, d_pos, T, nh, nkv, hd, scale, max_len, max_ctx, decode, ap, stream,
                         attn_tokens);
+      probe_same_x({&Lo}, ap, T);
       if (Lo.mode == GpuLinearMode::W4A4) {
         // the epilogue adds into the residual stream (x + o, the add_inplace it replaces)
         stats.weight_bytes += Lo.bytes();
@@ -1900,6 +1991,7 @@ struct GpuModel::Impl {
       }
       if (li.sparse) {
         const DevLinear& Lr = lin[li.router];
+        probe_same_x({&Lr}, xnp, T);
         const bool router_done = fuse && Lo.mode == GpuLinearMode::W4A4 && router_in_norm(li, T);
         if (!router_done) {
           const Operand orr = prepare(Lr, xnp, T, -1, bf_post(l));
@@ -2191,13 +2283,30 @@ void GpuModel::copy(int src, int dst) {
   m.len[dst] = m.len[src];
 }
 
-std::vector<float> GpuModel::step(const std::vector<model::StepItem>& items, model::Routing* record) {
+std::vector<float> GpuModel::step(const std::vector<model::StepItem>& items, model::Routing* record,
+                                  std::map<std::string, rollout::ActError>* act_error) {
   Impl& m = *impl_;
-  struct Recording {  // also reset when the step throws
+  // A step that measures the activation error takes the plain kernels (every linear's input in
+  // FP32 through prepare(), the experts one by one): fused norms, folded RAC, the grouped experts
+  // and X's fragments never materialize some of those inputs.
+  struct Modes {  // restored when the step ends or throws
     Impl& m;
-    ~Recording() { m.recording = false; }
-  } rec_flag{m};
+    bool fused, legacy, fold, xfrag;
+    ~Modes() {
+      m.recording = false;
+      m.probe_out = nullptr;
+      m.fused_on = fused;
+      m.legacy_moe = legacy;
+      m.rac_fold_on = fold;
+      m.xfrag_on = xfrag;
+    }
+  } modes{m, m.fused_on, m.legacy_moe, m.rac_fold_on, m.xfrag_on};
   m.recording = record != nullptr;
+  if (act_error) {
+    m.probe_out = act_error;
+    m.fused_on = m.rac_fold_on = m.xfrag_on = false;
+    m.legacy_moe = true;
+  }
   const int64_t nout = m.run(items);
   m.mark_end();
   std::vector<float> out(size_t(nout) * m.cfg.vocab_size);
@@ -2205,6 +2314,7 @@ std::vector<float> GpuModel::step(const std::vector<model::StepItem>& items, mod
     QUADS_CUDA_CHECK(cudaMemcpy(out.data(), m.logits.data(), sizeof(float) * out.size(), cudaMemcpyDeviceToHost));
   m.check_route(nout > 0);
   m.add_gpu_time(nout > 0);
+  m.probe_collect();
   if (record) {
     // As model::Model::step: one entry per layer, [T, K] expert ids for the MoE layers, empty for
     // the dense ones; T the step's tokens in item order.
@@ -2336,9 +2446,10 @@ class GpuBackend : public rollout::StepBackend {
   void sync(const model::Weights& w) override { m_.sync(w); }
   void reset(int num_slots, int64_t max_len) override { m_.reset_cache(num_slots, max_len); }
   std::vector<float> step(const std::vector<model::StepItem>& items) override { return m_.step(items); }
-  bool records_routing() const override { return true; }
-  std::vector<float> step_record(const std::vector<model::StepItem>& items, model::Routing& record) override {
-    return m_.step(items, &record);
+  bool inspects(bool) const override { return true; }
+  std::vector<float> step_inspect(const std::vector<model::StepItem>& items, rollout::Inspection& out,
+                                  bool act_error) override {
+    return m_.step(items, &out.routing, act_error ? &out.act_error : nullptr);
   }
   std::vector<rollout::Draw> step_sample(const std::vector<model::StepItem>& items,
                                          const std::vector<rollout::SampleJob>& jobs) override {

@@ -30,11 +30,13 @@
 // RAC (model/rac.h) with static channels in whole 16-channel blocks: set_rac copies them from a
 // calibrated CPU model; W4A4 linears run the residual through cuda::w4a4_gemm_gather on W's own
 // codes, fake-quant linears through an SGEMM on the gathered W_eff columns.
-// Routing record: step(items, &record) copies each MoE layer's expert ids from the device (as
-// Model::step records them); the RL loop's routing replay takes the rollout's routing from it.
+// Inspection (rollout::StepBackend::step_inspect): step(items, &record, &act_error) copies each MoE
+// layer's expert ids from the device (as Model::step records them) and measures each linear's
+// activation error; the RL loop's routing replay and diagnostics read them.
 // Not supported (quads::Error): dynamic RAC, KV hooks (set_kv_transform is their data form),
 // routing replay (a rollout engine follows its own router).
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -109,8 +111,13 @@ class GpuModel {
   // Model::step semantics: logits [rows, V] in item order (every new position of an item with
   // all_logits, else its last one). Slots distinct; a slot may not grow past max_len.
   // With `record`, also the expert ids each MoE layer chose for each token (model::Routing, as
-  // Model::step fills it; such a step runs eagerly, not as a CUDA graph).
-  std::vector<float> step(const std::vector<model::StepItem>& items, model::Routing* record = nullptr);
+  // Model::step fills it; such a step runs eagerly, not as a CUDA graph). With `act_error`, each
+  // decoder linear's activation error added in by module name (rollout::ActError: the sums of
+  // num::error_stats of its input against the operand it multiplies, as the CPU's probe,
+  // rollout::act_error_probe, measures them); such a step runs the plain kernels (no fused norms,
+  // folded RAC or grouped experts: their inputs never exist in FP32), one expert at a time.
+  std::vector<float> step(const std::vector<model::StepItem>& items, model::Routing* record = nullptr,
+                          std::map<std::string, rollout::ActError>* act_error = nullptr);
   // The same step, returning the arg-max token of each logits row (computed on the device).
   std::vector<int32_t> step_greedy(const std::vector<model::StepItem>& items);
   // The same step and the draws of `jobs` from its logits (rollout::StepBackend::step_sample):

@@ -633,6 +633,21 @@ __global__ void bf16_round_vec_kernel(const float* x, float* out, int64_t n) {
 }
 bool aligned_16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// A thread a row: the CPU's order of additions (a diagnostic, not a hot path).
+__global__ void row_error_sums_kernel(const float* x, const float* xq, int64_t rows, int64_t cols, double* out) {
+  pdl_begin();
+  const int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (r >= rows) return;
+  double e = 0, n = 0;
+  for (int64_t c = 0; c < cols; ++c) {
+    const double xv = x[r * cols + c], d = __dsub_rn(xv, double(xq[r * cols + c]));
+    e = __dadd_rn(e, __dmul_rn(d, d));
+    n = __dadd_rn(n, __dmul_rn(xv, xv));
+  }
+  out[2 * r] = e;
+  out[2 * r + 1] = n;
+}
+
 // The better of two (value, index) candidates: NaN never wins (index < 0: none), then the larger
 // value, then the lower index.
 __device__ __forceinline__ bool argmax_better(float v, int64_t i, float bv, int64_t bi) {
@@ -1822,6 +1837,11 @@ void bf16_round(const float* x, float* out, int64_t n, cudaStream_t s) {
     return;
   }
   launch_pdl(bf16_round_kernel, grid_for(n), kThreads, 0, s, x, out, n);
+}
+
+void row_error_sums(const float* x, const float* xq, int64_t rows, int64_t cols, double* out, cudaStream_t s) {
+  if (rows == 0) return;
+  launch_pdl(row_error_sums_kernel, static_cast<int>((rows + 127) / 128), 128, 0, s, x, xq, rows, cols, out);
 }
 
 void argmax_rows(const float* x, int64_t rows, int64_t cols, int32_t* out, cudaStream_t s) {

@@ -227,6 +227,11 @@ void to_bf16(const float* x, uint16_t* out, int64_t n, cudaStream_t s);
 // out = float(bf16(x)) (num::bf16_round); may alias.
 void bf16_round(const float* x, float* out, int64_t n, cudaStream_t s);
 
+// Per row r of x and xq [rows, cols]: out[2r] = sum (x - xq)^2, out[2r + 1] = sum x^2, in double,
+// summed in column order without contraction: num::error_stats' row sums bit for bit (its sq_err
+// and sq_norm are these added over the rows in order). The rollout model's activation error.
+void row_error_sums(const float* x, const float* xq, int64_t rows, int64_t cols, double* out, cudaStream_t s);
+
 // Arg-max of each row of x [rows, cols] (first index on ties; NaN never wins).
 void argmax_rows(const float* x, int64_t rows, int64_t cols, int32_t* out, cudaStream_t s);
 

@@ -594,6 +594,8 @@ ErrorStats error_stats(const float* x, const float* xq, int64_t rows, int64_t co
     norm += row_norm[r];
     st.max_abs = std::max(st.max_abs, row_max[r]);
   }
+  st.sq_err = err;
+  st.sq_norm = norm;
   const double inf = std::numeric_limits<double>::infinity();
   st.rel_mse = norm > 0 ? err / norm : (err > 0 ? inf : 0.0);
   st.sqnr_db = st.rel_mse > 0 ? -10.0 * std::log10(st.rel_mse) : inf;

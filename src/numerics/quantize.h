@@ -179,6 +179,7 @@ struct ErrorStats {
   double rel_mse = 0;      // sum (x-q)^2 / sum x^2 (0 when both are 0, inf when only x is 0)
   double sqnr_db = 0;      // -10 log10(rel_mse) (inf when exact)
   double max_abs = 0;      // max |x - q|
+  double sq_err = 0, sq_norm = 0;  // sum (x-q)^2 and sum x^2: each row summed in column order, then the rows
   std::vector<double> channel_sq_err;   // per column: sum over rows of (x-q)^2
   std::vector<double> channel_sq_norm;  // per column: sum over rows of x^2 (for relative ranking)
 };

@@ -372,27 +372,15 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
     for (const auto& r : res) lp_roll.insert(lp_roll.end(), r.logprobs.begin(), r.logprobs.end());
     const int64_t ntok = seqs.response_tokens();
 
-    // ---- rollout-side diagnostics: expert choices and activation quantization error per layer
+    // ---- rollout-side diagnostics: expert choices and activation quantization error per layer, on
+    // the rollout's device when its backend inspects (the GPU), else one CPU forward
     t = Clock::now();
     model::Routing r_roll;
-    std::vector<double> qerr_sum(mc.num_hidden_layers, 0.0), qerr_rows(mc.num_hidden_layers, 0.0);
-    // The expert choices come from the rollout's device when its backend records them (the GPU),
-    // else from the CPU forward that also measures the activation error; that error needs the
-    // quantized operands, so it stays a CPU forward on any rollout device.
-    const bool device_routing = engine.backend() && engine.backend()->records_routing();
-    if ((R.routing_replay || R.diagnostics) && (device_routing || !R.diagnostics)) r_roll = engine.routing(seqs.batch);
-    if (R.diagnostics) {
-      model::ForwardOptions fo;
-      if (!device_routing) fo.record = &r_roll;
-      fo.probe = [&](const model::LinearQ& L, const float* X, const float* Xq, const float*, int64_t M) {
-        if (L.layer < 0 || X == Xq || M == 0) return;
-        num::ErrorStats e = num::error_stats(X, Xq, M, L.in);
-        if (!std::isfinite(e.rel_mse)) return;
-        qerr_sum[L.layer] += e.rel_mse * M;
-        qerr_rows[L.layer] += M;
-      };
-      logits.resize(seqs.batch.ntokens() * V);
-      engine.model().forward(seqs.batch, logits.data(), nullptr, fo);
+    std::vector<double> qerr_layers;
+    if (R.routing_replay || R.diagnostics) {
+      rollout::Inspection insp = engine.inspect(seqs.batch, R.diagnostics);
+      r_roll = std::move(insp.routing);
+      if (R.diagnostics) qerr_layers = insp.act_qerr_layers(mc.num_hidden_layers);
     }
     const double t_diag = since(t);
 
@@ -572,10 +560,8 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
       row["routing_mismatch_layers"] = route_mm;
     }
     if (R.diagnostics) {
-      std::vector<double> q(mc.num_hidden_layers);
-      for (int l = 0; l < mc.num_hidden_layers; ++l) q[l] = qerr_rows[l] > 0 ? qerr_sum[l] / qerr_rows[l] : 0.0;
-      row["act_qerr"] = mean_of(q);
-      row["act_qerr_layers"] = q;
+      row["act_qerr"] = mean_of(qerr_layers);
+      row["act_qerr_layers"] = qerr_layers;
     }
     row["t_rollout"] = t_rollout;
     row["t_train"] = t_train;

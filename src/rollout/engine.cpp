@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -10,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "common/error.h"
+#include "numerics/quantize.h"
 
 namespace quads::rollout {
 
@@ -348,21 +350,47 @@ void check_decode_run(const std::vector<model::StepItem>& items, const std::vect
   }
 }
 
-std::vector<float> StepBackend::step_record(const std::vector<model::StepItem>&, model::Routing&) {
-  fail("step backend {} does not record routing", name());
+std::vector<float> StepBackend::step_inspect(const std::vector<model::StepItem>&, Inspection&, bool) {
+  fail("step backend {} does not inspect its steps (routing, activation error)", name());
 }
 
-model::Routing RolloutEngine::routing(const model::Batch& b, int64_t chunk_tokens) {
+std::vector<double> Inspection::act_qerr_layers(int layers) const {
+  std::vector<double> sum(layers, 0.0), rows(layers, 0.0);
+  for (const auto& [name, e] : act_error) {
+    if (e.layer < 0 || e.layer >= layers || e.rows == 0) continue;
+    const double rel = e.sq_norm > 0 ? e.sq_err / e.sq_norm : (e.sq_err > 0 ? HUGE_VAL : 0.0);
+    if (!std::isfinite(rel)) continue;
+    sum[e.layer] += rel * static_cast<double>(e.rows);
+    rows[e.layer] += static_cast<double>(e.rows);
+  }
+  for (int l = 0; l < layers; ++l) sum[l] = rows[l] > 0 ? sum[l] / rows[l] : 0.0;
+  return sum;
+}
+
+model::LinearProbe act_error_probe(std::map<std::string, ActError>& out) {
+  return [&out](const model::LinearQ& L, const float* X, const float* Xq, const float*, int64_t M) {
+    if (L.layer < 0 || X == Xq || M == 0) return;
+    const num::ErrorStats e = num::error_stats(X, Xq, M, L.in);
+    ActError& a = out[L.name];
+    a.layer = L.layer;
+    a.sq_err += e.sq_err;
+    a.sq_norm += e.sq_norm;
+    a.rows += M;
+  };
+}
+
+Inspection RolloutEngine::inspect(const model::Batch& b, bool act_error, int64_t chunk_tokens) {
   const model::ModelConfig& cfg = config();
-  model::Routing out;
-  if (!backend_ || !backend_->records_routing()) {
+  Inspection out;
+  if (!backend_ || !backend_->inspects(act_error)) {
     std::vector<float> logits(size_t(b.ntokens()) * cfg.vocab_size);
     model::ForwardOptions fo;
-    fo.record = &out;
+    fo.record = &out.routing;
+    if (act_error) fo.probe = act_error_probe(out.act_error);
     model().forward(b, logits.data(), nullptr, fo);
     return out;
   }
-  out.experts.assign(cfg.num_hidden_layers, {});
+  out.routing.experts.assign(cfg.num_hidden_layers, {});
   for (int s0 = 0; s0 < b.nseq();) {
     int s1 = s0 + 1;
     int64_t ntok = b.seq_len(s0), max_len = std::max<int64_t>(1, b.seq_len(s0));
@@ -373,7 +401,7 @@ model::Routing RolloutEngine::routing(const model::Batch& b, int64_t chunk_token
     }
     std::vector<model::StepItem> items;
     for (int s = s0; s < s1; ++s) {
-      if (b.seq_len(s) == 0) continue;  // no tokens, no routing
+      if (b.seq_len(s) == 0) continue;  // no tokens, nothing to measure
       model::StepItem it;
       it.slot = s - s0;
       it.tokens.assign(b.tokens.begin() + b.offsets[s], b.tokens.begin() + b.offsets[s + 1]);
@@ -381,13 +409,21 @@ model::Routing RolloutEngine::routing(const model::Batch& b, int64_t chunk_token
     }
     if (!items.empty()) {
       backend_->reset(s1 - s0, max_len);
-      model::Routing part;
-      backend_->step_record(items, part);
-      QUADS_CHECK(static_cast<int>(part.experts.size()) == cfg.num_hidden_layers,
+      Inspection part;
+      backend_->step_inspect(items, part, act_error);
+      QUADS_CHECK(static_cast<int>(part.routing.experts.size()) == cfg.num_hidden_layers,
                   "step backend {} recorded {} layers of routing, the model has {}", backend_->name(),
-                  part.experts.size(), cfg.num_hidden_layers);
+                  part.routing.experts.size(), cfg.num_hidden_layers);
       for (int l = 0; l < cfg.num_hidden_layers; ++l)
-        out.experts[l].insert(out.experts[l].end(), part.experts[l].begin(), part.experts[l].end());
+        out.routing.experts[l].insert(out.routing.experts[l].end(), part.routing.experts[l].begin(),
+                                      part.routing.experts[l].end());
+      for (const auto& [name, e] : part.act_error) {
+        ActError& a = out.act_error[name];
+        a.layer = e.layer;
+        a.sq_err += e.sq_err;
+        a.sq_norm += e.sq_norm;
+        a.rows += e.rows;
+      }
     }
     s0 = s1;
   }

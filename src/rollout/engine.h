@@ -26,6 +26,7 @@
 // draws from a counter-based RNG keyed by (seed, position).
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -82,6 +83,29 @@ struct EngineStats {
   double seconds = 0;
 };
 
+// A linear's activation quantization error over the rows it was given: sq_err = sum (x - x_eff)^2 and
+// sq_norm = sum x^2 over its input x, x_eff the operand it multiplies (fake-quantized or rounded to
+// BF16; linears whose input is not rounded have none).
+struct ActError {
+  int layer = -1;
+  double sq_err = 0, sq_norm = 0;
+  int64_t rows = 0;
+};
+
+// What a pass of the rollout model over finished sequences measures (RolloutEngine::inspect): the RL
+// loop's routing replay and diagnostics.
+struct Inspection {
+  model::Routing routing;                     // [T, k] expert ids per MoE layer, in the batch's token order
+  std::map<std::string, ActError> act_error;  // by module name (decoder layers only: not lm_head)
+  // Per layer: the row-weighted mean over its linears of rel_mse = sq_err / sq_norm (0 where both are
+  // 0; a linear whose rel_mse is not finite is left out), 0 for a layer without any.
+  std::vector<double> act_qerr_layers(int layers) const;
+};
+
+// The CPU model's probe (model::ForwardOptions::probe) that adds each linear call's activation
+// error into `out` (what Inspection::act_error holds).
+model::LinearProbe act_error_probe(std::map<std::string, ActError>& out);
+
 // A step backend other than the CPU model (the GPU: cuda::make_gpu_backend in cuda/model_gpu.h).
 // With one set, the engine keeps its scheduling and sampling and calls it instead of
 // model::Model::step on a model::KVCache; without one (the default) nothing changes.
@@ -109,10 +133,11 @@ class StepBackend {
   // to run a model with hooks on a backend without one). Default: throws unless t is empty.
   virtual void set_kv_transform(const model::KvTransform& t);
   virtual bool has_kv_transform() const { return false; }
-  // step() that also records each MoE layer's expert choices (as Model::step's `record`).
-  // Default: records_routing() false and step_record throws naming the backend.
-  virtual bool records_routing() const { return false; }
-  virtual std::vector<float> step_record(const std::vector<model::StepItem>& items, model::Routing& record);
+  // step() that also measures this step into a fresh `out` (RolloutEngine::inspect): the routing
+  // (as Model::step's `record`) and, with act_error, each linear's activation error. Default:
+  // inspects() false and step_inspect throws naming the backend.
+  virtual bool inspects(bool act_error) const { return false; }
+  virtual std::vector<float> step_inspect(const std::vector<model::StepItem>& items, Inspection& out, bool act_error);
 };
 
 // decode_run's preconditions (one token an item, last logits only, job i on row i, n >= 1);
@@ -151,13 +176,13 @@ class RolloutEngine {
     cpu_model_current();
     return *model_;
   }
-  // The rollout model's expert choices for every token of `b` (model::Routing, [T, k] per MoE
-  // layer in b's token order), each sequence run whole as the trainer's forward runs it (teacher
-  // forcing): on the backend when it records routing, whole sequences in steps of at most
+  // The rollout model over every sequence of `b`, each run whole as the trainer's forward runs it
+  // (teacher forcing): its expert choices and, with act_error, each linear's activation error
+  // (Inspection). On the backend when it inspects, whole sequences in steps of at most
   // chunk_tokens tokens (a longer sequence alone; the backend's cache is reset, and generate()
-  // starts from an empty one anyway), else a forward of the CPU model. Routing replay in the RL
-  // loop replays this into the trainer.
-  model::Routing routing(const model::Batch& b, int64_t chunk_tokens = 8192);
+  // starts from an empty one anyway), else one forward of the CPU model. The RL loop's routing
+  // replay and diagnostics read it.
+  Inspection inspect(const model::Batch& b, bool act_error, int64_t chunk_tokens = 8192);
   const model::ModelConfig& config() const { return weights_->cfg; }
   const model::PrecisionConfig& precision() const { return model_->precision(); }
   bool batch_invariant() const { return model_->precision().batch_invariant(); }

@@ -73,6 +73,9 @@ inline uint32_t bits(float f) {
 }
 // Same bits, or both NaN.
 inline bool same_float(float a, float b) { return bits(a) == bits(b) || (std::isnan(a) && std::isnan(b)); }
+inline bool same_double(double a, double b) {
+  return std::memcmp(&a, &b, sizeof a) == 0 || (std::isnan(a) && std::isnan(b));
+}
 
 // Index of the first mismatch of two float arrays (bitwise, NaN == NaN), or -1.
 inline int64_t first_float_mismatch(const std::vector<float>& a, const std::vector<float>& b) {

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <random>
 
 #include <nlohmann/json.hpp>
@@ -21,6 +22,7 @@
 #include "cuda_test_util.h"
 #include "model/model.h"
 #include "model/rac.h"
+#include "numerics/quantize.h"
 #include "reqat/kv_quant.h"
 #include "rollout/engine.h"
 
@@ -276,6 +278,39 @@ TEST(CudaModelKernels, AttentionDecodeSplitMatchesCpu) {
   }
 }
 
+// The activation error's row sums: num::error_stats of each row alone, bit for bit (its sq_err and
+// sq_norm are the rows' sums added in order), NaN and Inf rows included.
+TEST(CudaModelKernels, RowErrorSumsAreTheCpuRowSums) {
+  QUADS_REQUIRE_GPU();
+  for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{1, 16}, {37, 208}, {300, 2048}}) {
+    const auto x = randn(rows * cols, 11 + rows);
+    std::vector<float> xq(x.size());
+    const num::QConfig c = num::QConfig::nvfp4_act();
+    num::fake_quantize(x.data(), xq.data(), rows, cols, c);
+    std::vector<float> xb = x;
+    if (rows > 1) {
+      xb[cols + 3] = std::nanf("");
+      xb[cols + 5] = INFINITY;
+    }
+    auto dx = dev(xb);
+    auto dq = dev(xq);
+    DeviceArray<double> out(2 * rows);
+    cuda::kern::row_error_sums(dx.data(), dq.data(), rows, cols, out.data(), nullptr);
+    const std::vector<double> got = out.download();
+    double err = 0, norm = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const num::ErrorStats e = num::error_stats(xb.data() + r * cols, xq.data() + r * cols, 1, cols);
+      EXPECT_TRUE(cuda::testing::same_double(got[2 * r], e.sq_err)) << rows << "x" << cols << " row " << r;
+      EXPECT_TRUE(cuda::testing::same_double(got[2 * r + 1], e.sq_norm)) << rows << "x" << cols << " row " << r;
+      err += got[2 * r];
+      norm += got[2 * r + 1];
+    }
+    const num::ErrorStats all = num::error_stats(xb.data(), xq.data(), rows, cols);
+    EXPECT_TRUE(cuda::testing::same_double(err, all.sq_err));
+    EXPECT_TRUE(cuda::testing::same_double(norm, all.sq_norm));
+  }
+}
+
 TEST(CudaModelKernels, Bf16ArgmaxEmbedding) {
   QUADS_REQUIRE_GPU();
   auto x = randn(1000, 16, 100.f);
@@ -526,6 +561,16 @@ TEST(CudaModelGpu, RoutingRecordMatchesCpu) {
     g.reset_cache(3, static_cast<int64_t>(third) + 8);
     model::Routing got, got_dec;
     EXPECT_EQ(g.step(items, &got), plain) << preset << ": recording changed the logits";
+    {  // measuring the activation error takes the plain kernels: the same logits to summation order
+      g.reset_cache(3, static_cast<int64_t>(third) + 8);
+      std::map<std::string, rollout::ActError> err;
+      model::Routing r2;
+      const std::vector<float> probed = g.step(items, &r2, &err);
+      EXPECT_LT(rel_l2(probed, plain), preset == "fp32" ? 1e-6 : 2e-3) << preset;
+      EXPECT_EQ(err.empty(), preset == "fp32") << preset;
+      g.reset_cache(3, static_cast<int64_t>(third) + 8);
+      EXPECT_EQ(g.step(items, &got), plain) << preset << ": the fused kernels are back after a measuring step";
+    }
     const int64_t graphs0 = g.stats().graph_steps;
     g.step(decode, &got_dec);
     EXPECT_EQ(g.stats().graph_steps, graphs0) << preset << ": a recorded step ran as a graph";
@@ -554,23 +599,58 @@ TEST(CudaModelGpu, RoutingRecordMatchesCpu) {
   }
 }
 
-// Through the rollout engine (RolloutEngine::routing on the GPU backend): the CPU model's forward
-// routing of a batch of sequences, whole or in chunks (fp32: exactly).
-TEST(CudaModelGpu, EngineRoutingOnTheGpuIsTheCpuForwards) {
+// Through the rollout engine (RolloutEngine::inspect on the GPU backend): the CPU model's forward
+// routing of a batch of sequences, whole or in chunks (fp32: exactly), and each linear's activation
+// error (rel. MSE of its input against its operand) near the CPU probe's: the inputs differ in the
+// last bits (GPU sums), so an E2M1 code (or a BF16 rounding) flips here and there.
+TEST(CudaModelGpu, EngineInspectionOnTheGpuIsTheCpuForwards) {
   QUADS_REQUIRE_GPU();
   const model::Weights& w = fixture_weights();
+  const int L = w.cfg.num_hidden_layers;
   const auto ids = input_ids();
   std::vector<std::vector<int32_t>> seqs;
   for (size_t p = 0, n = 3; p + n <= ids.size(); p += n, n += 2) seqs.emplace_back(ids.begin() + p, ids.begin() + p + n);
   const model::Batch b = model::Batch::of(seqs);
+  for (const auto& [preset, tol] : std::vector<std::pair<std::string, double>>{{"fp32", 0.0}, {"bf16", 0.05},
+                                                                                {"nvfp4", 0.02}, {"fp8", 0.05}}) {
+    const auto prec = model::PrecisionConfig::preset(preset);
+    rollout::RolloutEngine cpu(w, prec);
+    const rollout::Inspection want = cpu.inspect(b, true);
+    rollout::RolloutEngine eng(w, prec);
+    eng.set_backend(cuda::make_gpu_backend(w, prec));
+    for (int64_t chunk : {int64_t(1), int64_t(12), int64_t(8192)}) {
+      const rollout::Inspection got = eng.inspect(b, chunk != 12, chunk);
+      if (preset == "fp32") {
+        EXPECT_EQ(got.routing.experts, want.routing.experts) << "chunk " << chunk;
+      }
+      if (chunk == 12) {
+        EXPECT_TRUE(got.act_error.empty());
+        continue;
+      }
+      ASSERT_EQ(got.act_error.size(), want.act_error.size()) << preset << " chunk " << chunk;
+      double worst = 0;
+      for (const auto& [name, e] : got.act_error) {
+        ASSERT_TRUE(want.act_error.count(name)) << name;
+        const rollout::ActError& c = want.act_error.at(name);
+        EXPECT_EQ(e.layer, c.layer) << name;
+        EXPECT_EQ(e.rows, c.rows) << name;
+        const double rg = e.sq_err / e.sq_norm, rc = c.sq_err / c.sq_norm;
+        worst = std::max(worst, std::fabs(rg - rc) / rc);
+        EXPECT_NEAR(e.sq_norm, c.sq_norm, 5e-3 * c.sq_norm) << name;
+      }
+      const std::vector<double> qg = got.act_qerr_layers(L), qc = want.act_qerr_layers(L);
+      std::printf("%s chunk %lld: act_qerr layer 0 GPU %.6g CPU %.6g; worst linear's rel. MSE off by %.3g\n",
+                  preset.c_str(), static_cast<long long>(chunk), qg[0], qc[0], worst);
+      for (int l = 0; l < L; ++l) EXPECT_NEAR(qg[l], qc[l], tol * qc[l]) << preset << " layer " << l;
+      EXPECT_LE(worst, 0.25) << preset << ": a linear of a few rows moves most where a code flips";
+    }
+  }
+  // and the engine still generates afterwards (its next generate() resets the cache), with the
+  // GPU's fused kernels back (a measuring step restores them)
   const auto prec = model::PrecisionConfig::preset("fp32");
-  rollout::RolloutEngine cpu(w, prec);
-  const model::Routing want = cpu.routing(b);
-  rollout::RolloutEngine eng(w, prec);
+  rollout::RolloutEngine cpu(w, prec), eng(w, prec);
   eng.set_backend(cuda::make_gpu_backend(w, prec));
-  for (int64_t chunk : {int64_t(1), int64_t(12), int64_t(8192)})
-    EXPECT_EQ(eng.routing(b, chunk).experts, want.experts) << "chunk " << chunk;
-  // and the engine still generates afterwards (its next generate() resets the cache)
+  (void)eng.inspect(b, true);
   rollout::Request r;
   r.prompt = seqs[0];
   r.max_new_tokens = 5;

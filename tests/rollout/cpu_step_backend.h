@@ -44,13 +44,31 @@ class CpuStepBackend : public rollout::StepBackend {
     check_room(items);
     return m_.step(*cache_, items);
   }
-  bool records_routing() const override { return can_record; }
-  std::vector<float> step_record(const std::vector<model::StepItem>& items, model::Routing& record) override {
+  // Routing through Model::step's record; with act_error a forward of the items' sequences with the
+  // engine's CPU probe (the engine inspects whole sequences from empty slots).
+  bool inspects(bool act_error) const override { return can_record && (!act_error || can_probe); }
+  std::vector<float> step_inspect(const std::vector<model::StepItem>& items, rollout::Inspection& out,
+                                  bool act_error) override {
     ++calls_->records;
     check_room(items);
-    return m_.step(*cache_, items, &record);
+    if (!act_error) return m_.step(*cache_, items, &out.routing);
+    model::Batch b;
+    for (const auto& it : items) {
+      EXPECT_EQ(cache_->length(it.slot), 0) << "inspected items start from empty slots";
+      b.add(it.tokens);
+    }
+    std::vector<float> logits(size_t(b.ntokens()) * w_.cfg.vocab_size);
+    model::ForwardOptions fo;
+    fo.record = &out.routing;
+    fo.probe = rollout::act_error_probe(out.act_error);
+    m_.forward(b, logits.data(), nullptr, fo);
+    std::vector<float> last;
+    for (int s = 0; s < b.nseq(); ++s)
+      last.insert(last.end(), logits.begin() + (b.offsets[s + 1] - 1) * w_.cfg.vocab_size,
+                  logits.begin() + b.offsets[s + 1] * w_.cfg.vocab_size);
+    return last;
   }
-  bool can_record = true;
+  bool can_record = true, can_probe = true;
   void copy(int src, int dst) override {
     cache_->copy(src, dst);
     ++calls_->copies;

@@ -162,41 +162,80 @@ TEST(RolloutStepBackend, DecodeRunChecksItsArguments) {
   EXPECT_THROW(b.decode_run(items, jobs, 2), quads::Error);
 }
 
-// The rollout's routing for replay: steps recorded by the backend give the CPU model's forward
-// routing, whole sequences in chunks of at most chunk_tokens tokens (a longer sequence alone, an
-// empty one skipped); a backend that cannot record leaves it to the CPU model.
-TEST(RolloutStepBackend, RoutingFromTheBackendIsTheCpuForwards) {
+// RolloutEngine::inspect (the RL loop's routing replay and diagnostics): steps inspected by the
+// backend give the CPU model's forward, whole sequences in chunks of at most chunk_tokens tokens (a
+// longer sequence alone, an empty one skipped): the routing bit for bit, and the activation errors
+// (sums over a linear's rows, whatever the chunks) to double rounding; a backend that cannot
+// inspect leaves it to the CPU model.
+TEST(RolloutStepBackend, InspectionFromTheBackendIsTheCpuForwards) {
   const model::Batch b = model::Batch::of({{1, 2, 3, 4, 5}, {}, {7, 8}, {9, 10, 11, 12, 13, 14, 15, 16, 17}, {20}});
-  const int K = weights().cfg.num_experts_per_tok;
-  for (const std::string preset : {"fp32", "nvfp4"}) {
+  const model::ModelConfig& cfg = weights().cfg;
+  const int K = cfg.num_experts_per_tok, L = cfg.num_hidden_layers;
+  for (const std::string preset : {"fp32", "bf16", "nvfp4"}) {
     const auto prec = model::PrecisionConfig::preset(preset);
     RolloutEngine plain(weights(), prec);
-    const model::Routing want = plain.routing(b);
-    ASSERT_EQ(static_cast<int>(want.experts.size()), weights().cfg.num_hidden_layers);
+    const Inspection want = plain.inspect(b, true);
+    ASSERT_EQ(static_cast<int>(want.routing.experts.size()), L);
     int sparse = 0;
-    for (int l = 0; l < weights().cfg.num_hidden_layers; ++l)
-      if (weights().cfg.is_sparse(l)) {
-        EXPECT_EQ(static_cast<int64_t>(want.experts[l].size()), b.ntokens() * K);
+    for (int l = 0; l < L; ++l)
+      if (cfg.is_sparse(l)) {
+        EXPECT_EQ(static_cast<int64_t>(want.routing.experts[l].size()), b.ntokens() * K);
         ++sparse;
       }
     ASSERT_GT(sparse, 0);
-    // chunk_tokens -> recorded steps: 1 and 6 split the batch four ways, 8192 keeps it whole
+    const std::vector<double> q = want.act_qerr_layers(L);
+    if (preset == "fp32") {
+      EXPECT_TRUE(want.act_error.empty()) << "fp32 rounds no input";
+    } else {
+      // every decoder linear that rounds its input, each over all of its rows
+      for (const auto& [name, e] : want.act_error) {
+        EXPECT_GE(e.layer, 0) << name;
+        EXPECT_GT(e.rows, 0) << name;
+        EXPECT_GT(e.sq_norm, 0) << name;
+      }
+      EXPECT_EQ(want.act_error.at("model.layers.0.self_attn.q_proj").rows, b.ntokens());
+      for (int l = 0; l < L; ++l) EXPECT_GT(q[l], 0) << preset << " layer " << l;
+      if (preset == "nvfp4") {
+        for (int l = 0; l < L; ++l) EXPECT_GT(q[l], 1e-4) << "E2M1's error, not BF16's";
+      }
+    }
+    EXPECT_EQ(plain.inspect(b, false).routing.experts, want.routing.experts);
+    EXPECT_TRUE(plain.inspect(b, false).act_error.empty());
+    // chunk_tokens -> inspected steps: 1 and 6 split the batch four ways, 8192 keeps it whole
     for (const auto& [chunk, steps] : std::vector<std::pair<int64_t, int>>{{1, 4}, {6, 4}, {8192, 1}}) {
       Calls calls;
       RolloutEngine eng(weights(), prec);
       eng.set_backend(std::make_unique<CpuBackend>(weights(), prec, &calls));
-      EXPECT_EQ(eng.routing(b, chunk).experts, want.experts) << preset << " chunk " << chunk;
-      EXPECT_EQ(calls.records, steps) << preset << " chunk " << chunk;
+      for (const bool act : {false, true}) {
+        const Inspection got = eng.inspect(b, act, chunk);
+        EXPECT_EQ(got.routing.experts, want.routing.experts) << preset << " chunk " << chunk;
+        ASSERT_EQ(got.act_error.size(), act ? want.act_error.size() : 0u) << preset << " chunk " << chunk;
+        for (const auto& [name, e] : got.act_error) {
+          const ActError& w = want.act_error.at(name);
+          EXPECT_EQ(e.layer, w.layer);
+          EXPECT_EQ(e.rows, w.rows) << name;
+          EXPECT_NEAR(e.sq_err, w.sq_err, 1e-12 * w.sq_err) << name;
+          EXPECT_NEAR(e.sq_norm, w.sq_norm, 1e-12 * w.sq_norm) << name;
+        }
+        if (act && chunk == 8192) {
+          EXPECT_EQ(got.act_qerr_layers(L), q) << "one chunk: the CPU's sums exactly";
+        }
+      }
+      EXPECT_EQ(calls.records, 2 * steps) << preset << " chunk " << chunk;
       EXPECT_EQ(calls.steps, 0);
       EXPECT_EQ(calls.max_seen, 9);  // each reset sized for its chunk's longest sequence (check_room)
     }
     Calls calls;
     RolloutEngine eng(weights(), prec);
     auto be = std::make_unique<CpuBackend>(weights(), prec, &calls);
-    be->can_record = false;
+    be->can_probe = false;  // routing only: the activation error goes to the CPU model, all of it
     eng.set_backend(std::move(be));
-    EXPECT_EQ(eng.routing(b).experts, want.experts) << preset;
-    EXPECT_EQ(calls.records + calls.steps + calls.resets, 0);
+    EXPECT_EQ(eng.inspect(b, false).routing.experts, want.routing.experts) << preset;
+    EXPECT_EQ(calls.records, 1);
+    const Inspection cpu = eng.inspect(b, true);
+    EXPECT_EQ(cpu.routing.experts, want.routing.experts);
+    EXPECT_EQ(cpu.act_qerr_layers(L), q);
+    EXPECT_EQ(calls.records + calls.steps, 1);
   }
 }
 
