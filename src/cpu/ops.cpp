@@ -333,6 +333,21 @@ void router_topk_forward(const float* logits, int64_t T, int E, int k, bool norm
   }
 }
 
+void router_logsumexp(const float* rlogits, int64_t T, int E, double* z) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* r = rlogits + t * E;
+    const float mx = *std::max_element(r, r + E);
+    double s = 0;
+    for (int e = 0; e < E; ++e) s += std::exp(double(r[e]) - mx);
+    z[t] = mx + std::log(s);
+  }
+}
+
+void router_zloss_backward(const float* probs, const double* g, int64_t T, int E, float* dlog) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int e = 0; e < E; ++e) dlog[t * E + e] += static_cast<float>(g[t] * probs[t * E + e]);
+}
+
 void router_topk_backward(const float* probs, const int32_t* idx, const float* w, const float* dw,
                           const float* dprobs_extra, int64_t T, int E, int k, bool norm_topk, float* dlogits) {
 #pragma omp parallel for schedule(static) if (T * E > kParallelMin)

@@ -50,6 +50,12 @@ void router_topk_forward(const float* logits, int64_t T, int E, int k, bool norm
 void router_topk_backward(const float* probs, const int32_t* idx, const float* w, const float* dw,
                           const float* dprobs_extra, int64_t T, int E, int k, bool norm_topk, float* dlogits);
 
+// Router z-loss (float64): z[t] = logsumexp of rlogits[t, :] (the max in float, then the sum of
+// exp(double(r - max))); its backward adds dlog[t, e] += float(g[t] * probs[t, e]) with
+// g[t] = d(loss)/d(z[t]^2) * 2 z[t] (the router's softmax Jacobian applied to one logsumexp).
+void router_logsumexp(const float* rlogits, int64_t T, int E, double* z);
+void router_zloss_backward(const float* probs, const double* g, int64_t T, int E, float* dlog);
+
 // ---- MoE permutation. Groups the T*k (token, slot) pairs by expert: expert e owns rows
 // offsets[e] .. offsets[e+1] of the permuted order, tokens ascending; perm[r] = t*k + s is the
 // pair at permuted row r, inv[t*k + s] = r.

@@ -226,6 +226,20 @@ class LtGemms {
 struct GpuTrainer::Impl {
   model::ModelConfig cfg;
   model::PrecisionConfig prec;
+  // Router losses (model::ForwardOptions' aux_loss_coef / z_loss_coef), their statistics on the host
+  // per MoE layer (the forward synchronizes there anyway) in model::Model::forward's order and
+  // float64: F_e (selections), P_e (sum of probabilities, token order), z[t] (logsumexp of a
+  // token's router logits). aux_loss / z_loss: the last forward's, unscaled.
+  double aux_coef = 0, z_coef = 0, aux_loss = 0, z_loss = 0;
+  std::vector<double> aux_F, aux_P;           // per expert; after the forward aux_F holds F_e / rows
+  double zsum = 0;
+  int nsparse = 0;
+  std::vector<std::vector<double>> router_z;  // per layer (kept forwards): z[t] for the backward
+  std::vector<float> router_host;             // a layer's [T, E] probabilities or logits
+  std::vector<float> extra_host;
+  std::vector<double> zg_host;
+  DeviceArray<float> extra_d;
+  DeviceArray<double> zg_d;
   model::Layout lay;
   std::vector<Lin> lin;
   using LayerIdx = model::LinearTable::Layer;  // indices into lin (q, k, v consecutive)
@@ -998,6 +1012,12 @@ struct GpuTrainer::Impl {
     if (record) record->experts.assign(cfg.num_hidden_layers, {});
     kept = false;
     collecting = false;
+    aux_F.assign(E, 0.0);
+    aux_P.assign(E, 0.0);
+    zsum = 0;
+    nsparse = 0;
+    aux_loss = z_loss = 0;
+    router_z.assign(cfg.num_hidden_layers, {});
     T = Tn;
     tokens = b.tokens;
     keep_layers = keep;
@@ -1123,6 +1143,8 @@ struct GpuTrainer::Impl {
         }
         a.eoff.assign(heoff.begin(), heoff.end());
         QUADS_CHECK(a.eoff[E] == R, "GpuTrainer: layer {} routed {} rows, expected {}", l, a.eoff[E], R);
+        ++nsparse;
+        if (aux_coef != 0 || z_coef != 0) router_stats(l, rl, a.probs.data(), a.eoff, keep);
         tick(kRoute);
         if (record) {
           record->experts[l].resize(R);
@@ -1180,7 +1202,31 @@ struct GpuTrainer::Impl {
     tick(kOther);
     collect();
     QUADS_CUDA_CHECK(cudaStreamSynchronize(stream));
+    if (nsparse > 0 && T > 0) {  // as model::Model::forward: HF's losses over all MoE layers' tokens
+      const double rows = double(nsparse) * double(T);
+      for (int e = 0; e < E; ++e) {
+        aux_F[e] /= rows;
+        aux_loss += aux_F[e] * (aux_P[e] / rows);
+      }
+      aux_loss *= E;
+      z_loss = zsum / rows;
+    }
     kept = keep;
+  }
+
+  // A MoE layer's router-loss statistics (rl: its router logits, probs: their softmax, [T, E]).
+  void router_stats(int l, const float* rl, const float* probs, const std::vector<int64_t>& eoff, bool keep) {
+    const int E = cfg.num_experts;
+    for (int e = 0; e < E; ++e) aux_F[e] += double(eoff[e + 1] - eoff[e]);
+    router_host.resize(size_t(T) * E);
+    QUADS_CUDA_CHECK(cudaMemcpy(router_host.data(), probs, sizeof(float) * T * E, cudaMemcpyDeviceToHost));
+    for (int64_t t = 0; t < T; ++t)
+      for (int e = 0; e < E; ++e) aux_P[e] += router_host[t * E + e];
+    QUADS_CUDA_CHECK(cudaMemcpy(router_host.data(), rl, sizeof(float) * T * E, cudaMemcpyDeviceToHost));
+    std::vector<double> z(T);
+    cpu::router_logsumexp(router_host.data(), T, E, z.data());
+    for (int64_t t = 0; t < T; ++t) zsum += z[t] * z[t];
+    if (keep) router_z[l] = std::move(z);
   }
 
   // ---- backward from dlogits (device)
@@ -1248,10 +1294,30 @@ struct GpuTrainer::Impl {
         }
         flush_experts();
         kern::moe_scatter_add(dxep, a.inv.data(), T, K, H, dxnp, false, stream);
-        // Router: through the top-k weights (no aux / z loss).
+        // Router: through the top-k weights, plus the aux and z losses (model::Model::backward's terms).
         float* dl = need(dlog, size_t(T * E));
-        kern::router_topk_bwd(a.probs.data(), a.idx.data(), a.w.data(), dwp, nullptr, T, E, K, cfg.norm_topk_prob, dl,
+        const double nrows = double(nsparse) * double(T);
+        const float* extra = nullptr;
+        if (aux_coef != 0) {  // dL/dprobs[t, e] = coef * E * F_e / rows, the same for every token
+          extra_host.resize(size_t(T) * E);
+          for (int e = 0; e < E; ++e) {
+            const float g = static_cast<float>(aux_coef * E * aux_F[e] / nrows);
+            for (int64_t t = 0; t < T; ++t) extra_host[t * E + e] = g;
+          }
+          // stream-ordered: the previous layer's router backward has read the buffer before this copy
+          QUADS_CUDA_CHECK(cudaMemcpyAsync(need(extra_d, extra_host.size()), extra_host.data(),
+                                           sizeof(float) * extra_host.size(), cudaMemcpyHostToDevice, stream));
+          extra = extra_d.data();
+        }
+        kern::router_topk_bwd(a.probs.data(), a.idx.data(), a.w.data(), dwp, extra, T, E, K, cfg.norm_topk_prob, dl,
                               stream);
+        if (z_coef != 0) {
+          zg_host.resize(T);
+          for (int64_t t = 0; t < T; ++t) zg_host[t] = z_coef * 2.0 * router_z[l][t] / nrows;
+          QUADS_CUDA_CHECK(cudaMemcpyAsync(need(zg_d, zg_host.size()), zg_host.data(), sizeof(double) * zg_host.size(),
+                                           cudaMemcpyHostToDevice, stream));
+          kern::router_zloss_bwd(a.probs.data(), zg_d.data(), T, E, dl, stream);
+        }
         const Lin& Lr = lin[li.router];
         linear_bwd(li.router, 1, dl, dy_bf16(Lr, dl, T * E), E, a.op_r, T, dxnp, true);
       } else {
@@ -1360,11 +1426,14 @@ void GpuTrainer::forward(const model::Batch& b, float* logits_host, bool keep, m
 }
 
 void GpuTrainer::set_router_losses(double aux_loss_coef, double z_loss_coef) {
-  QUADS_CHECK(aux_loss_coef == 0 && z_loss_coef == 0,
-              "GpuTrainer: router aux loss {} / z loss {} requested: the GPU trainer implements neither (set both "
-              "coefficients to 0, or train on the CPU)",
-              aux_loss_coef, z_loss_coef);
+  QUADS_CHECK(std::isfinite(aux_loss_coef) && std::isfinite(z_loss_coef),
+              "GpuTrainer: router loss coefficients must be finite (aux {}, z {})", aux_loss_coef, z_loss_coef);
+  impl_->aux_coef = aux_loss_coef;
+  impl_->z_coef = z_loss_coef;
+  impl_->kept = false;  // a kept forward ran without the z statistics
 }
+double GpuTrainer::aux_loss() const { return impl_->aux_loss; }
+double GpuTrainer::z_loss() const { return impl_->z_loss; }
 
 void GpuTrainer::set_kv_transform(const model::KvTransform& t) {
   Impl& m = *impl_;
@@ -1599,6 +1668,10 @@ class GpuTrainBackend : public train::TrainBackend {
   }
   void sync(const model::Weights& w) override { g_.upload(w); }
   void set_kv_transform(const model::KvTransform& t) override { g_.set_kv_transform(t); }
+  void set_router_losses(double aux_loss_coef, double z_loss_coef) override {
+    g_.set_router_losses(aux_loss_coef, z_loss_coef);
+  }
+  RouterLosses router_losses() const override { return {g_.aux_loss(), g_.z_loss()}; }
 
   // AdamW on the device: no gradient or master crosses PCIe in a step.
   bool has_optimizer() const override { return true; }

@@ -46,8 +46,8 @@
 // QUADS_GPU_TRAIN_GROUPED=0 or "per-expert": one GEMM per expert on the trainer's stream.
 // The fast path's GEMMs run through cuBLASLt with an algorithm per shape bucket (train_gpu.cpp,
 // LtGemms); QUADS_GPU_TRAIN_LT=0 uses cublasGemmEx.
-// Not supported (quads::Error): router aux / z losses with non-zero coefficients, KV hooks, RAC,
-// stochastic weight rounding, static activation scales without an amax in the QConfig.
+// Not supported (quads::Error): KV hooks (set_kv_transform is their data form), RAC, stochastic
+// weight rounding, static activation scales without an amax in the QConfig.
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -88,9 +88,15 @@ class GpuTrainer {
   // ForwardOptions::record; replay: routing replay, as ForwardOptions::replay.
   void forward(const model::Batch& b, float* logits_host, bool keep, model::Routing* record = nullptr,
                const model::Routing* replay = nullptr);
-  // Router aux / z losses (model::ForwardOptions): only 0 and 0 (the RL default) are implemented;
-  // anything else throws quads::Error.
+  // Router aux (load-balancing) and z losses, as model::ForwardOptions' aux_loss_coef and
+  // z_loss_coef: from the next forward, backward() adds their gradients (model::Model::backward's
+  // terms) to the one from dlogits. Their statistics go to the host at every MoE layer (a copy of
+  // the router's probabilities and logits): with both 0 (the default) the forward does no such work.
   void set_router_losses(double aux_loss_coef, double z_loss_coef);
+  // The last forward's losses, unscaled (model::Activations::aux_loss / z_loss); 0 while both
+  // coefficients are 0.
+  double aux_loss() const;
+  double z_loss() const;
   // ReQAT's KV-cache transform (model::KvTransform, the data of the CPU model's KvHooks): after the
   // q/k head norms the pre-RoPE factor, after RoPE the key shift and the K/V fake quantization
   // (over all of a forward's rows at once, as the CPU hook); the backward is straight-through for

@@ -1830,6 +1830,18 @@ void router_topk_bwd(const float* probs, const int32_t* idx, const float* w, con
   QUADS_CUDA_LAUNCH_CHECK();
 }
 
+__global__ void router_zloss_bwd_kernel(const float* probs, const double* g, int64_t n, int E, float* dlog) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i < n) dlog[i] = __fadd_rn(dlog[i], __double2float_rn(__dmul_rn(g[i / E], double(probs[i]))));
+}
+
+void router_zloss_bwd(const float* probs, const double* g, int64_t T, int E, float* dlog, cudaStream_t s) {
+  const int64_t n = T * E;
+  if (n == 0) return;
+  router_zloss_bwd_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, s>>>(probs, g, n, E, dlog);
+  QUADS_CUDA_LAUNCH_CHECK();
+}
+
 void moe_combine_fwd(const float* ye, const int32_t* inv, const float* w, int64_t T, int k, int64_t D, float* y,
                      cudaStream_t s) {
   if (T * D == 0) return;

@@ -77,6 +77,9 @@ void moe_route_one(const int32_t* idx, int64_t n, int E, int32_t* counts, int32_
 void router_topk_bwd(const float* probs, const int32_t* idx, const float* w, const float* dw,
                      const float* dprobs_extra, int64_t T, int E, int k, bool norm_topk, float* dlogits,
                      cudaStream_t s);
+// The router z-loss's backward (cpu::router_zloss_backward, bit for bit): dlog[t, e] +=
+// float(g[t] * probs[t, e]), g [T] in double.
+void router_zloss_bwd(const float* probs, const double* g, int64_t T, int E, float* dlog, cudaStream_t s);
 
 // ---- MoE (cpu::moe_combine_forward / moe_combine_backward / moe_scatter_add). perm/inv as
 // cpu::moe_permute (kern::moe_route computes them on the device).

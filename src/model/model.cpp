@@ -436,14 +436,9 @@ struct ModelImpl {
         for (int e = 0; e < E; ++e) aux_P[e] += a.probs[t * E + e];
     }
     if (zsum) {
-      for (int64_t t = 0; t < T; ++t) {
-        const float* r = a.rlogits.data() + t * E;
-        const float mx = *std::max_element(r, r + E);
-        double s = 0;
-        for (int e = 0; e < E; ++e) s += std::exp(double(r[e]) - mx);
-        const double z = mx + std::log(s);
-        *zsum += z * z;
-      }
+      std::vector<double> zt(T);
+      cpu::router_logsumexp(a.rlogits.data(), T, E, zt.data());
+      for (int64_t t = 0; t < T; ++t) *zsum += zt[t] * zt[t];
     }
     // Group the (token, slot) pairs by expert; each expert runs one GEMM over its rows.
     a.eoff.resize(E + 1);
@@ -615,15 +610,10 @@ struct ModelImpl {
     float* dlog = sized(S.dlog, T * E);
     cpu::router_topk_backward(a.probs.data(), a.idx.data(), a.w.data(), dw, extra, T, E, k, c.norm_topk_prob, dlog);
     if (A.z_coef != 0) {
-      for (int64_t t = 0; t < T; ++t) {
-        const float* r = a.rlogits.data() + t * E;
-        const float mx = *std::max_element(r, r + E);
-        double s = 0;
-        for (int e = 0; e < E; ++e) s += std::exp(double(r[e]) - mx);
-        const double z = mx + std::log(s);
-        const double g = A.z_coef * 2.0 * z / nrows;
-        for (int e = 0; e < E; ++e) dlog[t * E + e] += static_cast<float>(g * a.probs[t * E + e]);
-      }
+      std::vector<double> g(T);
+      cpu::router_logsumexp(a.rlogits.data(), T, E, g.data());
+      for (int64_t t = 0; t < T; ++t) g[t] = A.z_coef * 2.0 * g[t] / nrows;
+      cpu::router_zloss_backward(a.probs.data(), g.data(), T, E, dlog);
     }
     const LinearQ& Lr = lin(ix.router);
     cpu::gemm_nn(T, E, H, dlog, E, Weff + Lr.offset, H, dxn2, H, true);

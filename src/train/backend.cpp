@@ -17,6 +17,12 @@ void TrainBackend::set_kv_transform(const model::KvTransform& t) {
               name());
 }
 
+void TrainBackend::set_router_losses(double aux_loss_coef, double z_loss_coef) {
+  QUADS_CHECK(aux_loss_coef == 0 && z_loss_coef == 0,
+              "train backend {} has no router aux / z losses (coefficients {} and {}): train on the cpu or on cuda",
+              name(), aux_loss_coef, z_loss_coef);
+}
+
 double TrainBackend::optimizer_step(AdamW&, double) { fail("train backend {} has no optimizer", name()); }
 void TrainBackend::download(model::Weights&, AdamW*) { fail("train backend {} keeps no masters", name()); }
 void TrainBackend::upload_optimizer(const AdamW&) { fail("train backend {} has no optimizer", name()); }

@@ -34,6 +34,14 @@ class TrainBackend {
   // only.
   virtual void set_kv_transform(const model::KvTransform& t);
 
+  // Router aux / z losses (model::ForwardOptions' coefficients) in the following forwards and
+  // backwards; router_losses() gives the last forward's values, unscaled. A backend without them
+  // accepts 0 and 0 only.
+  virtual void set_router_losses(double aux_loss_coef, double z_loss_coef);
+  struct RouterLosses {
+    double aux = 0, z = 0;
+  };
+  virtual RouterLosses router_losses() const { return {}; }
   // Optional: AdamW where the masters are (a GPU keeps masters, m and v on the device, so a step
   // moves no gradient or weight over PCIe). With has_optimizer(), a caller may run
   //   backward(dlogits, nullptr); optimizer_step(opt, lr);

@@ -545,13 +545,63 @@ TEST(CudaTrain, WeightOperandSetEqualsLaunchChain) {
   EXPECT_EQ(rc.find("in one set"), std::string::npos) << rc;
 }
 
+// The router's aux (load-balancing) and z losses, as model::Model computes them (HF's
+// load_balancing_loss_func over all MoE layers' tokens): their values and every gradient of CE +
+// aux_coef * aux + z_coef * z against the CPU trainer's in fp32, two packed sequences; the
+// coefficients are large enough that the router's gradient moves by far more than the tolerance.
+TEST(CudaTrain, RouterAuxAndZLossesMatchCpu) {
+  QUADS_REQUIRE_GPU();
+  model::Weights w = fixture_weights();
+  const auto ids = input_ids();
+  const model::Batch b = model::Batch::of({std::vector<int32_t>(ids.begin(), ids.begin() + 15),
+                                           std::vector<int32_t>(ids.begin() + 15, ids.end())});
+  const int64_t T = b.ntokens(), V = w.cfg.vocab_size;
+  const double aux_coef = 0.05, z_coef = 0.01;
+  model::Model m(w, model::PrecisionConfig::preset("fp32"));
+  model::ForwardOptions opt;
+  opt.aux_loss_coef = aux_coef;
+  opt.z_loss_coef = z_coef;
+  std::vector<float> logits(T * V), dlogits(T * V), want(w.size(), 0.f), plain(w.size(), 0.f);
+  model::Activations acts;
+  m.forward(b, logits.data(), &acts, opt);
+  const auto targets = train::next_token_targets(b);
+  train::cross_entropy(logits.data(), T, V, targets.data(), nullptr, dlogits.data());
+  m.backward(acts, dlogits.data(), want.data());
+  model::Activations acts0;
+  m.forward(b, logits.data(), &acts0, {});
+  m.backward(acts0, dlogits.data(), plain.data());
+
+  cuda::GpuTrainer g(w, model::PrecisionConfig::preset("fp32"));
+  g.set_router_losses(aux_coef, z_coef);
+  const CpuResult gr = gpu_train_step(g, b);
+  std::printf("router losses: aux GPU %.9f CPU %.9f, z GPU %.9f CPU %.9f\n", g.aux_loss(), acts.aux_loss(),
+              g.z_loss(), acts.z_loss());
+  EXPECT_NEAR(g.aux_loss(), acts.aux_loss(), 1e-6 * acts.aux_loss());
+  EXPECT_NEAR(g.z_loss(), acts.z_loss(), 1e-6 * acts.z_loss());
+  EXPECT_GT(acts.aux_loss(), 0.5);  // E * sum f_e P_e is 1 for a balanced router
+  const GradCompare vc = compare_grads(w.layout, gr.grads, want, true);
+  std::printf("router losses: grads rel L2 vs CPU all %.3g, worst %.3g (%s)\n", vc.all, vc.worst, vc.worst_name.c_str());
+  EXPECT_LT(vc.all, 1e-5);
+  EXPECT_LT(vc.worst, 1e-4);
+  const std::string router = "model.layers.0.mlp.gate.weight";
+  const size_t off = w.layout.at(router).offset, n = w.layout.at(router).numel;
+  const double moved = rel_l2(want.data() + off, plain.data() + off, n), got = rel_l2(gr.grads.data() + off, want.data() + off, n);
+  std::printf("router losses: %s's gradient moves by %.3g with them; GPU vs CPU %.3g\n", router.c_str(), moved, got);
+  EXPECT_GT(moved, 1e-2);
+  EXPECT_LT(got, 1e-4);
+  g.set_router_losses(0, 0);  // and off again: the plain gradient
+  const CpuResult g0 = gpu_train_step(g, b);
+  EXPECT_LT(compare_grads(w.layout, g0.grads, plain, true).all, 1e-5);
+  EXPECT_EQ(g.aux_loss(), 0.0);
+}
+
 TEST(CudaTrain, UnsupportedSettingsAreErrors) {
   QUADS_REQUIRE_GPU();
   model::Weights w = fixture_weights();
   cuda::GpuTrainer g(w, model::PrecisionConfig::preset("bf16"));
   EXPECT_NO_THROW(g.set_router_losses(0, 0));
-  EXPECT_THROW(g.set_router_losses(0.001, 0), Error);
-  EXPECT_THROW(g.set_router_losses(0, 1e-3), Error);
+  EXPECT_THROW(g.set_router_losses(std::nan(""), 0), Error);
+  EXPECT_THROW(g.set_router_losses(0, INFINITY), Error);
   const model::Batch b = model::Batch::of({input_ids()});
   g.forward(b, nullptr, false);
   std::vector<float> dl(b.ntokens() * w.cfg.vocab_size, 0.f);

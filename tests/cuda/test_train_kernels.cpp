@@ -330,6 +330,25 @@ TEST(CudaTrainKernels, RouterMatchesCpu) {
   }
 }
 
+// The router z-loss's backward term: cpu::router_zloss_backward bit for bit (one double product and
+// a float add per element), on top of a router backward's dlogits.
+TEST(CudaTrainKernels, RouterZlossBackwardIsTheCpus) {
+  QUADS_REQUIRE_GPU();
+  for (const auto& [T, E] : std::vector<std::pair<int64_t, int>>{{1, 4}, {37, 64}, {300, 8}}) {
+    std::vector<float> logits = randn(T * E, 5 + T), probs(T * E), dlog = randn(T * E, 7 + T);
+    for (int64_t t = 0; t < T; ++t) cpu::softmax_forward(logits.data() + t * E, 1, E, probs.data() + t * E);
+    std::vector<double> z(T);
+    cpu::router_logsumexp(logits.data(), T, E, z.data());
+    for (int64_t t = 0; t < T; ++t) z[t] *= 0.02 / double(T);
+    DeviceArray<float> dp = dev(probs), dd = dev(dlog);
+    DeviceArray<double> dz(T);
+    dz.upload(z);
+    kern::router_zloss_bwd(dp.data(), dz.data(), T, E, dd.data(), nullptr);
+    cpu::router_zloss_backward(probs.data(), z.data(), T, E, dlog.data());
+    EXPECT_EQ(first_float_mismatch(dd.download(), dlog), -1) << T << " x " << E;
+  }
+}
+
 // ---- MoE combine / scatter on a real permutation (cpu::moe_permute), and SwiGLU's backward.
 TEST(CudaTrainKernels, MoeCombineScatterSwigluMatchCpu) {
   QUADS_REQUIRE_GPU();

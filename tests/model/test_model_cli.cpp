@@ -85,3 +85,39 @@ TEST(ModelCli, GradPrintsTheLossAndWritesEveryGradient) {
   EXPECT_LT(test::rel_l2(got.data(), ref.data(), ref.size()), 1e-4);
   std::filesystem::remove(out);
 }
+
+// --device cuda: on a machine with a GPU, the GPU trainer's loss and gradients (the fixture's, as
+// on the CPU); without one (CI), a clear error naming the device and nothing written.
+TEST(ModelCli, GradOnCudaComputesOrSaysWhyNot) {
+  const std::string out = tmp("grads_cuda.safetensors");
+  std::filesystem::remove(out);
+  int rc = -1;
+  const std::string log =
+      run("grad --device cuda --model " + kModel + " --input-ids " + kModel + "/input_ids.json --out " + out, &rc);
+  if (rc != 0) {
+    EXPECT_NE(log.find("--device cuda"), std::string::npos) << log;
+    EXPECT_FALSE(std::filesystem::exists(out));
+    return;
+  }
+  std::ifstream lf(kModel + "/loss.json");
+  const double want = nlohmann::json::parse(lf)["loss"].get<double>();
+  const size_t at = log.find("loss ");
+  ASSERT_NE(at, std::string::npos) << log;
+  EXPECT_NEAR(std::stod(log.substr(at + 5)), want, 1e-5);
+  const model::Weights w = model::Weights::load(kModel);
+  std::vector<float> got(w.size()), ref(w.size());
+  model::read_hf_tensors({out}, w.cfg, w.layout, got.data(), /*require_all=*/true);
+  model::read_hf_tensors({kModel + "/grads.safetensors"}, w.cfg, w.layout, ref.data(), true);
+  EXPECT_LT(test::rel_l2(got.data(), ref.data(), ref.size()), 1e-4);
+  std::filesystem::remove(out);
+}
+
+// A bad --device is refused by the option parser, naming the option.
+TEST(ModelCli, GradRefusesAnUnknownDevice) {
+  int rc = -1;
+  const std::string log = run("grad --device tpu --model " + kModel + " --input-ids " + kModel + "/input_ids.json --out " +
+                                  tmp("never.safetensors"),
+                              &rc);
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(log.find("--device"), std::string::npos) << log;
+}
