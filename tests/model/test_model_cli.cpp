@@ -42,6 +42,21 @@ std::string tmp(const std::string& name) {
   return (std::filesystem::temp_directory_path() / ("quads_cli_" + std::to_string(::getpid()) + "_" + name)).string();
 }
 
+// `quads grad`'s printed loss and written gradients (then removed) against the fixture's.
+void expect_fixture_grads(const std::string& log, const std::string& out) {
+  std::ifstream lf(kModel + "/loss.json");
+  const double want = nlohmann::json::parse(lf)["loss"].get<double>();
+  const size_t at = log.find("loss ");
+  ASSERT_NE(at, std::string::npos) << log;
+  EXPECT_NEAR(std::stod(log.substr(at + 5)), want, 1e-5);
+  const model::Weights w = model::Weights::load(kModel);
+  std::vector<float> got(w.size()), ref(w.size());
+  model::read_hf_tensors({out}, w.cfg, w.layout, got.data(), /*require_all=*/true);  // per-expert names, F32
+  model::read_hf_tensors({kModel + "/grads.safetensors"}, w.cfg, w.layout, ref.data(), true);
+  EXPECT_LT(test::rel_l2(got.data(), ref.data(), ref.size()), 1e-4);
+  std::filesystem::remove(out);
+}
+
 }  // namespace
 
 TEST(ModelCli, LogitsMatchTheReference) {
@@ -73,17 +88,7 @@ TEST(ModelCli, GradPrintsTheLossAndWritesEveryGradient) {
   int rc = -1;
   const std::string log = run("grad --model " + kModel + " --input-ids " + kModel + "/input_ids.json --out " + out, &rc);
   ASSERT_EQ(rc, 0) << log;
-  std::ifstream lf(kModel + "/loss.json");
-  const double want = nlohmann::json::parse(lf)["loss"].get<double>();
-  const size_t at = log.find("loss ");
-  ASSERT_NE(at, std::string::npos) << log;
-  EXPECT_NEAR(std::stod(log.substr(at + 5)), want, 1e-5);
-  const model::Weights w = model::Weights::load(kModel);
-  std::vector<float> got(w.size()), ref(w.size());
-  model::read_hf_tensors({out}, w.cfg, w.layout, got.data(), /*require_all=*/true);  // per-expert names, F32
-  model::read_hf_tensors({kModel + "/grads.safetensors"}, w.cfg, w.layout, ref.data(), true);
-  EXPECT_LT(test::rel_l2(got.data(), ref.data(), ref.size()), 1e-4);
-  std::filesystem::remove(out);
+  expect_fixture_grads(log, out);
 }
 
 // --device cuda: on a machine with a GPU, the GPU trainer's loss and gradients (the fixture's, as
@@ -99,17 +104,7 @@ TEST(ModelCli, GradOnCudaComputesOrSaysWhyNot) {
     EXPECT_FALSE(std::filesystem::exists(out));
     return;
   }
-  std::ifstream lf(kModel + "/loss.json");
-  const double want = nlohmann::json::parse(lf)["loss"].get<double>();
-  const size_t at = log.find("loss ");
-  ASSERT_NE(at, std::string::npos) << log;
-  EXPECT_NEAR(std::stod(log.substr(at + 5)), want, 1e-5);
-  const model::Weights w = model::Weights::load(kModel);
-  std::vector<float> got(w.size()), ref(w.size());
-  model::read_hf_tensors({out}, w.cfg, w.layout, got.data(), /*require_all=*/true);
-  model::read_hf_tensors({kModel + "/grads.safetensors"}, w.cfg, w.layout, ref.data(), true);
-  EXPECT_LT(test::rel_l2(got.data(), ref.data(), ref.size()), 1e-4);
-  std::filesystem::remove(out);
+  expect_fixture_grads(log, out);
 }
 
 // A bad --device is refused by the option parser, naming the option.
