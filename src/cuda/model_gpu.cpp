@@ -1419,11 +1419,7 @@ struct GpuModel::Impl {
         err += sums[2 * (e.at + r)];
         norm += sums[2 * (e.at + r) + 1];
       }
-      rollout::ActError& a = (*probe_out)[e.L->name];
-      a.layer = e.L->layer;
-      a.sq_err += err;
-      a.sq_norm += norm;
-      a.rows += e.rows;
+      (*probe_out)[e.L->name].add(e.L->layer, err, norm, e.rows);
     }
   }
 

@@ -371,11 +371,7 @@ model::LinearProbe act_error_probe(std::map<std::string, ActError>& out) {
   return [&out](const model::LinearQ& L, const float* X, const float* Xq, const float*, int64_t M) {
     if (L.layer < 0 || X == Xq || M == 0) return;
     const num::ErrorStats e = num::error_stats(X, Xq, M, L.in);
-    ActError& a = out[L.name];
-    a.layer = L.layer;
-    a.sq_err += e.sq_err;
-    a.sq_norm += e.sq_norm;
-    a.rows += M;
+    out[L.name].add(L.layer, e.sq_err, e.sq_norm, M);
   };
 }
 
@@ -417,13 +413,7 @@ Inspection RolloutEngine::inspect(const model::Batch& b, bool act_error, int64_t
       for (int l = 0; l < cfg.num_hidden_layers; ++l)
         out.routing.experts[l].insert(out.routing.experts[l].end(), part.routing.experts[l].begin(),
                                       part.routing.experts[l].end());
-      for (const auto& [name, e] : part.act_error) {
-        ActError& a = out.act_error[name];
-        a.layer = e.layer;
-        a.sq_err += e.sq_err;
-        a.sq_norm += e.sq_norm;
-        a.rows += e.rows;
-      }
+      for (const auto& [name, e] : part.act_error) out.act_error[name].add(e.layer, e.sq_err, e.sq_norm, e.rows);
     }
     s0 = s1;
   }

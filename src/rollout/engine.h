@@ -90,6 +90,12 @@ struct ActError {
   int layer = -1;
   double sq_err = 0, sq_norm = 0;
   int64_t rows = 0;
+  void add(int l, double err, double norm, int64_t n) {
+    layer = l;
+    sq_err += err;
+    sq_norm += norm;
+    rows += n;
+  }
 };
 
 // What a pass of the rollout model over finished sequences measures (RolloutEngine::inspect): the RL
