@@ -83,7 +83,10 @@ std::vector<TrainStepLog> train_sft(model::Model& m, const std::vector<rl::SftEx
     gpu->set_kv_transform(spec.kv);
   }
   if (device) *device = gpu ? gpu->name() : "cpu";
-  std::vector<float> grads(gpu ? 0 : w.size());
+  // AdamW where the masters are: the backend's own (the GPU trainer), else the host's on gradients
+  // the backend adds into `grads`, the new masters synced to it after each step.
+  const bool dev_opt = gpu && gpu->has_optimizer();
+  std::vector<float> grads(dev_opt ? 0 : w.size());
   std::vector<float> logits, dlogits, H;
   model::Activations acts;
   std::vector<TrainStepLog> log;
@@ -114,9 +117,14 @@ std::vector<TrainStepLog> train_sft(model::Model& m, const std::vector<rl::SftEx
     }
     L.loss = L.ce + L.sem;
     L.lr = lr_at(spec, s);
-    if (gpu) {  // clipping and AdamW where the masters are (the GPU trainer has its optimizer)
+    if (dev_opt) {
       gpu->backward(dlogits.data(), nullptr);
       L.grad_norm = gpu->optimizer_step(opt, L.lr);
+    } else if (gpu) {
+      std::fill(grads.begin(), grads.end(), 0.f);
+      gpu->backward(dlogits.data(), grads.data());
+      L.grad_norm = opt.step(w.data.data(), grads.data(), L.lr);
+      gpu->sync(w);
     } else {
       std::fill(grads.begin(), grads.end(), 0.f);
       m.backward(acts, dlogits.data(), grads.data());
@@ -129,10 +137,8 @@ std::vector<TrainStepLog> train_sft(model::Model& m, const std::vector<rl::SftEx
     if (bar) bar->update(s + 1, {{"loss", L.loss}, {"H", L.mean_entropy}, {"lr", L.lr}});
   }
   if (bar) bar->finish();
-  if (gpu) {
-    gpu->download(w, nullptr);
-    m.sync();
-  }
+  if (dev_opt) gpu->download(w, nullptr);
+  if (gpu) m.sync();
   return log;
 }
 

@@ -35,7 +35,9 @@ struct TrainSpec {
   bool progress = true;
   // cpu: model::Model's forward and backward, train::AdamW here. cuda: the GPU trainer
   // (train::gpu_train_backend_factory) in the model's precision, AdamW on the device, the masters
-  // back to the model at the end; the losses (CE, SEM) stay here, on the logits it returns.
+  // back to the model at the end (a backend without an optimizer: AdamW here on the gradients it
+  // returns, the masters synced to it after each step); the losses (CE, SEM) stay here, on the
+  // logits it returns.
   std::string device = "cpu";
   // The model's KV hooks as data (reqat::make_kv_transform), for the cuda device, which cannot call
   // them; it must be empty exactly when the model has no hooks.
