@@ -1118,7 +1118,7 @@ struct GpuTrainer::Impl {
       if (li.sparse) {
         const int64_t R = T * K;
         const Lin& Lr = lin[li.router];
-        float* rl = need(dlog, size_t(T * E));  // router logits: scratch (no z-loss)
+        float* rl = need(dlog, size_t(T * E));  // router logits: scratch (router_stats reads them first)
         a.op_r = make_op(Lr, a.xn2.data(), T, a.f_r, a.b_r);
         linear_fwd(li.router, 1, a.op_r, T, rl, E);
         tick(kOther);

@@ -524,7 +524,7 @@ TEST(CudaModelGpu, KvTransformMatchesCpuHooks) {
 }
 
 // Routing record (GpuModel::step's `record`, which the RL loop's routing replay reads through
-// RolloutEngine::routing): the expert ids the GPU's routers chose are the CPU model's where the
+// RolloutEngine::inspect): the expert ids the GPU's routers chose are the CPU model's where the
 // router logits agree. fp32 (FP32 GEMMs on both sides) must give the CPU's choices exactly; bf16 and
 // nvfp4 route from logits that differ in the last bits (see Bf16AndNvfp4LogitsMatchCpu), so a near
 // tie may flip: at most 2% of the entries and 2 more (one flipped tie changes up to two slots). Recording leaves the logits bit for bit as they are; a

@@ -156,7 +156,7 @@ TEST_F(CudaRl, QuadsRolloutsOnGpu) {
 // Routing replay with the trainer on the GPU: it routes each token to the experts the rollout chose,
 // as the CPU trainer does (the reference model's replay is checked bit for bit through the backend
 // double on the CPU: RlTrainBackend.RoutingReplayThroughTheBackendBitwise). Without diagnostics the
-// rollout's choices come from the GPU rollout model (RolloutEngine::routing through
+// rollout's choices come from the GPU rollout model (RolloutEngine::inspect through
 // GpuModel::step's record), not from a CPU forward.
 TEST_F(CudaRl, RoutingReplayWithTheGpuTrainer) {
   QUADS_REQUIRE_GPU();

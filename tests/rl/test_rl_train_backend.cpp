@@ -132,7 +132,7 @@ void RlTrainBackend::equals_the_cpu_trainer(bool replay) {
   EXPECT_EQ(test::deterministic(r_cpu.rows), test::deterministic(r_res.rows));
 }
 
-// rl.device = "cuda" through a rollout backend that records routing (the GPU's RolloutEngine::routing
+// rl.device = "cuda" through a rollout backend that records routing (the GPU's RolloutEngine::inspect
 // path, here the CPU model behind the StepBackend interface): with routing replay, the rollout's
 // expert choices come from the backend's recorded steps (with or without the diagnostics' CPU
 // forward, which then only measures the activation error), and the run is the CPU run bit for bit.
