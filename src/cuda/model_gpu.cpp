@@ -345,6 +345,12 @@ struct GpuModel::Impl {
   size_t probe_used = 0;  // rows of probe_sums written this step
   DeviceArray<double> probe_sums;
   DeviceArray<float> probe_x;
+  // rac_energy(items, energy): static RAC's calibration pass. Each linear with quantized activations
+  // adds its residual energy per input channel into energy_d from energy_at[i] on (SIZE_MAX: none),
+  // starting from the caller's sums, so the rows add up in the CPU forward's order over the chunks.
+  std::map<std::string, std::vector<double>>* energy_out = nullptr;
+  std::vector<size_t> energy_at;
+  DeviceArray<double> energy_d;
   DeviceArray<unsigned long long> active_d;  // per layer: experts with rows, summed over steps
   // the same for the steps whose experts ran with RAC folded (their RAC blocks are not read again)
   DeviceArray<unsigned long long> active_fold_d;
@@ -1394,8 +1400,28 @@ struct GpuModel::Impl {
   void probe_entry(const DevLinear& L, size_t at, int64_t rows) {
     if (at != SIZE_MAX && rows > 0) probe_log.push_back({&L, at, rows});
   }
+  // The residual energy of the linears `ls`, which take X [M, in] (a calibration step): X_eff as the
+  // CPU's operand into probe_x (once for those that round X alike), then model::rac_energy's sums.
+  void energy_probe(std::initializer_list<const DevLinear*> ls, const float* X, int64_t M) {
+    const DevLinear* first = nullptr;
+    for (const DevLinear* L : ls) {
+      const size_t at = energy_at[size_t(L - lin.data())];
+      if (at == SIZE_MAX || M == 0) continue;
+      if (!first || !(L->num.act == first->num.act)) {
+        first = L;
+        const num::QConfig& c = L->act_cfg();
+        QUADS_CHECK(c.scheme != num::Scheme::NVFP4 || c.global != num::Global::Static || c.static_amax > 0,
+                    "GpuModel: {} uses a static activation scale but none is set (calibrate it first)", L->name);
+        QUADS_CHECK(size_t(M * L->in) <= probe_x.size(), "GpuModel: RAC calibration rows exceed their buffer ({})",
+                    L->name);
+        fake_quantize(X, probe_x.data(), M, L->in, c, stream);
+      }
+      kern::rac_energy(X, probe_x.data(), M, L->in, energy_d.data() + at, stream);
+    }
+  }
   // Linears that take the same X (q/k/v; an expert's gate and up): one probe for those that round it alike.
   void probe_same_x(std::initializer_list<const DevLinear*> ls, const float* X, int64_t M) {
+    if (energy_out) energy_probe(ls, X, M);
     if (!probe_out) return;
     const DevLinear* first = nullptr;
     size_t at = SIZE_MAX;
@@ -1568,7 +1594,7 @@ struct GpuModel::Impl {
       if (n == 0) continue;
       const DevLinear& Lg = lin[li.mlp + 3 * e];
       const DevLinear& Lu = lin[li.mlp + 3 * e + 1];
-      if (probe_out) {
+      if (probe_out || energy_out) {
         if (pin != SIZE_MAX) {
           probe_entry(Lg, pin + r0, n);
           probe_entry(Lu, pin + r0, n);
@@ -1605,6 +1631,7 @@ struct GpuModel::Impl {
       if (n == 0) continue;
       const DevLinear& Ld = lin[li.mlp + 3 * e + 2];
       if (probe_out) probe_entry(Ld, shared_h ? (ph == SIZE_MAX ? SIZE_MAX : ph + r0) : probe(Ld, hp + r0 * I, n), n);
+      if (energy_out) energy_probe({&Ld}, hp + r0 * I, n);
       if (shared_h) {
         gemm(Ld, all, r0, n, Y + r0 * H);
       } else {
@@ -1784,6 +1811,7 @@ struct GpuModel::Impl {
       grow(probe_x, maxop);
       grow(probe_sums, 2 * size_t(cfg.num_hidden_layers) * size_t(5 * T + 3 * R));
     }
+    if (energy_out) grow(probe_x, maxop);
 
     const float* M = master.data();
     const float scale = static_cast<float>(1.0 / std::sqrt(double(hd)));
@@ -2052,6 +2080,7 @@ struct GpuModel::Impl {
       kern::rmsnorm(xsp, M + lay.final_norm, nout, H, eps, xfp, stream);
     }
     const DevLinear& Llm = lin[lm_head];
+    if (energy_out) energy_probe({&Llm}, xfp, nout);
     const Operand olm = prepare(Llm, xfp, nout, -1, final_in_layers ? bf_final : nullptr);
     gemm(Llm, olm, 0, nout, lg);
     };
@@ -2178,6 +2207,28 @@ void GpuModel::sync(const model::Weights& w) {
   m.master.upload(w.data);
   m.requantize();
   m.clear_graphs();
+}
+
+void GpuModel::sync_device(const model::DeviceWeights& w) {
+  Impl& m = *impl_;
+  QUADS_CHECK(w.device == "cuda" && w.data != nullptr,
+              "GpuModel::sync_device: the masters are in {} memory, not this GPU's", w.device.empty() ? "no" : w.device);
+  QUADS_CHECK(w.size == m.lay.total, "GpuModel::sync_device: {} floats given, the model's layout has {}", w.size,
+              m.lay.total);
+  // The producer (a GpuTrainer) may have queued its last writes on its own stream.
+  QUADS_CUDA_CHECK(cudaDeviceSynchronize());
+  QUADS_CUDA_CHECK(
+      cudaMemcpyAsync(m.master.data(), w.data, sizeof(float) * m.lay.total, cudaMemcpyDeviceToDevice, m.stream));
+  m.requantize();
+  m.clear_graphs();
+}
+
+void GpuModel::download(model::Weights& w) const {
+  Impl& m = *impl_;
+  QUADS_CHECK(w.data.size() == m.lay.total, "GpuModel::download: the weights hold {} floats, the model's layout {}",
+              w.data.size(), m.lay.total);
+  QUADS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  QUADS_CUDA_CHECK(cudaMemcpy(w.data.data(), m.master.data(), sizeof(float) * m.lay.total, cudaMemcpyDeviceToHost));
 }
 
 void GpuModel::randomize(uint64_t seed, float stddev) {
@@ -2327,6 +2378,68 @@ std::vector<float> GpuModel::step(const std::vector<model::StepItem>& items, mod
   return out;
 }
 
+void GpuModel::rac_energy(const std::vector<model::StepItem>& items, std::map<std::string, std::vector<double>>& energy) {
+  Impl& m = *impl_;
+  for (const DevLinear& L : m.lin)
+    QUADS_CHECK(L.rac_nsel == 0, "GpuModel::rac_energy: {} runs RAC; the calibration pass measures the model without it "
+                "(set_rac with a model without channels first)", L.name);
+  // Each linear with quantized activations gets its slice of energy_d, starting from the caller's sums.
+  m.energy_at.assign(m.lin.size(), SIZE_MAX);
+  size_t total = 0;
+  bool head = false;
+  for (size_t i = 0; i < m.lin.size(); ++i) {
+    const DevLinear& L = m.lin[i];
+    if (L.num.act.kind != QuantKind::Quant) continue;
+    m.energy_at[i] = total;
+    total += size_t(L.in);
+    head |= int(i) == m.lm_head;
+  }
+  std::vector<double> host(total, 0.0);
+  for (size_t i = 0; i < m.lin.size(); ++i) {
+    if (m.energy_at[i] == SIZE_MAX) continue;
+    auto it = energy.find(m.lin[i].name);
+    if (it == energy.end()) continue;
+    QUADS_CHECK(int64_t(it->second.size()) == m.lin[i].in, "GpuModel::rac_energy: energy[{}] holds {} channels, not {}",
+                m.lin[i].name, it->second.size(), m.lin[i].in);
+    std::copy(it->second.begin(), it->second.end(), host.begin() + m.energy_at[i]);
+  }
+  m.energy_d.upload(host);
+  // The plain kernels, as a step with act_error: fused norms, grouped experts and X's fragments
+  // never hold some linears' inputs in FP32.
+  struct Modes {  // restored when the step ends or throws
+    Impl& m;
+    bool fused, legacy, fold, xfrag;
+    ~Modes() {
+      m.energy_out = nullptr;
+      m.fused_on = fused;
+      m.legacy_moe = legacy;
+      m.rac_fold_on = fold;
+      m.xfrag_on = xfrag;
+    }
+  } modes{m, m.fused_on, m.legacy_moe, m.rac_fold_on, m.xfrag_on};
+  m.energy_out = &energy;
+  m.fused_on = m.rac_fold_on = m.xfrag_on = false;
+  m.legacy_moe = true;
+  // The CPU's forward multiplies every row by lm_head; the step does so for the rows it returns.
+  std::vector<model::StepItem> all;
+  if (head) {
+    all = items;
+    for (auto& it : all) it.all_logits = true;
+  }
+  const int64_t nout = m.run(head ? all : items);
+  m.mark_end();
+  m.check_route(nout > 0);
+  m.add_gpu_time(nout > 0);
+  if (total) {
+    QUADS_CUDA_CHECK(cudaMemcpy(host.data(), m.energy_d.data(), sizeof(double) * total, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < m.lin.size(); ++i)
+      if (m.energy_at[i] != SIZE_MAX) {
+        const auto from = host.begin() + m.energy_at[i];
+        energy[m.lin[i].name].assign(from, from + m.lin[i].in);
+      }
+  }
+}
+
 std::vector<int32_t> GpuModel::step_greedy(const std::vector<model::StepItem>& items) {
   Impl& m = *impl_;
   const int64_t nout = m.run(items);
@@ -2463,6 +2576,15 @@ class GpuBackend : public rollout::StepBackend {
     kv_ = !t.empty();
   }
   bool has_kv_transform() const override { return kv_; }
+  bool calibrates_rac() const override { return true; }
+  void step_rac_energy(const std::vector<model::StepItem>& items,
+                       std::map<std::string, std::vector<double>>& energy) override {
+    m_.rac_energy(items, energy);
+  }
+  // One process, one GPU: a "cuda" address is this device's.
+  bool syncs_from(const model::DeviceWeights& w) const override { return !w.empty() && w.device == "cuda"; }
+  void sync_device(const model::DeviceWeights& w) override { m_.sync_device(w); }
+  void download(model::Weights& w) const override { m_.download(w); }
 
  private:
   GpuModel m_;

@@ -28,7 +28,7 @@
 // MoE: router softmax + top-k on the device; the [T, k] expert ids are copied to the host, where
 // cpu::moe_permute groups the rows by expert (the CPU twin itself); one GEMM per active expert.
 // RAC (model/rac.h) with static channels in whole 16-channel blocks: set_rac copies them from a
-// calibrated CPU model; W4A4 linears run the residual through cuda::w4a4_gemm_gather on W's own
+// CPU model calibrated there or on this GPU (rac_energy, RolloutEngine::calibrate_rac); W4A4 linears run the residual through cuda::w4a4_gemm_gather on W's own
 // codes, fake-quant linears through an SGEMM on the gathered W_eff columns.
 // Inspection (rollout::StepBackend::step_inspect): step(items, &record, &act_error) copies each MoE
 // layer's expert ids from the device (as Model::step records them) and measures each linear's
@@ -80,6 +80,11 @@ class GpuModel {
 
   // Uploads the float32 master weights (same config and layout) and re-quantizes every linear.
   void sync(const model::Weights& w);
+  // sync() from masters already in this GPU's memory (a GpuTrainer's, model::DeviceWeights with
+  // device "cuda"): a device-to-device copy, then the same re-quantization.
+  void sync_device(const model::DeviceWeights& w);
+  // The float32 masters to the host (w: this model's layout).
+  void download(model::Weights& w) const;
   // Random weights generated on the device (benchmarks: no host copy of a large model): matrices
   // N(0, stddev), norm weights 1; then re-quantizes.
   void randomize(uint64_t seed, float stddev = 0.02f);
@@ -118,6 +123,12 @@ class GpuModel {
   // folded RAC or grouped experts: their inputs never exist in FP32), one expert at a time.
   std::vector<float> step(const std::vector<model::StepItem>& items, model::Routing* record = nullptr,
                           std::map<std::string, rollout::ActError>* act_error = nullptr);
+  // Static RAC's calibration pass (rollout::StepBackend::step_rac_energy): the step with RAC off
+  // (throws while any linear has channels) and the plain kernels, as with act_error, adding each
+  // quantized-activation linear's residual energy per input channel (model::rac_energy, through
+  // kern::rac_energy: bit for bit on the same inputs) into energy[name], starting from the sums
+  // there; lm_head over every row when it has them (all_logits).
+  void rac_energy(const std::vector<model::StepItem>& items, std::map<std::string, std::vector<double>>& energy);
   // The same step, returning the arg-max token of each logits row (computed on the device).
   std::vector<int32_t> step_greedy(const std::vector<model::StepItem>& items);
   // The same step and the draws of `jobs` from its logits (rollout::StepBackend::step_sample):

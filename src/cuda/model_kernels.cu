@@ -648,6 +648,20 @@ __global__ void row_error_sums_kernel(const float* x, const float* xq, int64_t r
   out[2 * r + 1] = n;
 }
 
+// A thread a column, the rows in order (model::rac_energy's order); neighbouring threads read
+// neighbouring columns of a row.
+__global__ void rac_energy_kernel(const float* x, const float* xq, int64_t rows, int64_t cols, double* energy) {
+  pdl_begin();
+  const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (c >= cols) return;
+  double e = energy[c];
+  for (int64_t r = 0; r < rows; ++r) {
+    const double d = __dsub_rn(double(x[r * cols + c]), double(xq[r * cols + c]));
+    e = __dadd_rn(e, __dmul_rn(d, d));
+  }
+  energy[c] = e;
+}
+
 // The better of two (value, index) candidates: NaN never wins (index < 0: none), then the larger
 // value, then the lower index.
 __device__ __forceinline__ bool argmax_better(float v, int64_t i, float bv, int64_t bi) {
@@ -1842,6 +1856,11 @@ void bf16_round(const float* x, float* out, int64_t n, cudaStream_t s) {
 void row_error_sums(const float* x, const float* xq, int64_t rows, int64_t cols, double* out, cudaStream_t s) {
   if (rows == 0) return;
   launch_pdl(row_error_sums_kernel, static_cast<int>((rows + 127) / 128), 128, 0, s, x, xq, rows, cols, out);
+}
+
+void rac_energy(const float* x, const float* xq, int64_t rows, int64_t cols, double* energy, cudaStream_t s) {
+  if (rows == 0 || cols == 0) return;
+  launch_pdl(rac_energy_kernel, static_cast<int>((cols + 127) / 128), 128, 0, s, x, xq, rows, cols, energy);
 }
 
 void argmax_rows(const float* x, int64_t rows, int64_t cols, int32_t* out, cudaStream_t s) {

@@ -231,6 +231,9 @@ void bf16_round(const float* x, float* out, int64_t n, cudaStream_t s);
 // summed in column order without contraction: num::error_stats' row sums bit for bit (its sq_err
 // and sq_norm are these added over the rows in order). The rollout model's activation error.
 void row_error_sums(const float* x, const float* xq, int64_t rows, int64_t cols, double* out, cudaStream_t s);
+// energy[c] += (x - xq)[r, c]^2 over the rows r in order, in double without contraction:
+// model::rac_energy bit for bit. Static RAC's calibration pass on the GPU.
+void rac_energy(const float* x, const float* xq, int64_t rows, int64_t cols, double* energy, cudaStream_t s);
 
 // Arg-max of each row of x [rows, cols] (first index on ties; NaN never wins).
 void argmax_rows(const float* x, int64_t rows, int64_t cols, int32_t* out, cudaStream_t s);

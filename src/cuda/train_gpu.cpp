@@ -1420,6 +1420,12 @@ void GpuTrainer::download(model::Weights& w) const {
   QUADS_CUDA_CHECK(cudaMemcpy(w.data.data(), m.master.data(), sizeof(float) * m.lay.total, cudaMemcpyDeviceToHost));
 }
 
+model::DeviceWeights GpuTrainer::device_masters() const {
+  Impl& m = *impl_;
+  QUADS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  return {m.master.data(), m.lay.total, "cuda"};
+}
+
 void GpuTrainer::forward(const model::Batch& b, float* logits_host, bool keep, model::Routing* record,
                          const model::Routing* replay) {
   impl_->forward(b, logits_host, keep, record, replay);
@@ -1687,6 +1693,7 @@ class GpuTrainBackend : public train::TrainBackend {
   void upload_optimizer(const train::AdamW& opt) override {
     if (opt.t > 0) g_.set_adam_state(opt.m, opt.v);
   }
+  model::DeviceWeights device_masters() override { return g_.device_masters(); }
 
  private:
   GpuTrainer g_;

@@ -81,6 +81,10 @@ class GpuTrainer {
   void upload(const model::Weights& w);
   // Device masters to the host (w must have this model's config and layout).
   void download(model::Weights& w) const;
+  // The device masters as they are once the trainer's queued work ends (it waits for it), for
+  // another engine on this GPU (cuda::GpuModel::sync_device): valid until the next upload or
+  // AdamW step.
+  model::DeviceWeights device_masters() const;
 
   // model::Model::forward over a packed batch (positions restart per sequence; attention never
   // crosses sequences). logits [T, V] to the host when non-null (else they stay on the device).

@@ -155,9 +155,20 @@ int rac_calibrate(Model& m, const Batch& calib, const RacConfig& cfg) {
   };
   std::vector<float> logits(static_cast<size_t>(calib.ntokens()) * m.config().vocab_size);
   m.forward(calib, logits.data(), nullptr, opt);
+  return rac_assign(m, energy, cfg);
+}
+
+int rac_assign(Model& m, const std::vector<std::vector<double>>& energy, const RacConfig& cfg) {
+  std::vector<LinearQ>& lin = m.linears();
+  QUADS_CHECK(energy.size() == lin.size(), "RAC: energies for {} linears given, the model has {}", energy.size(),
+              lin.size());
+  rac_clear(m);
+  if (cfg.ratio <= 0) return 0;
   int n = 0;
   for (size_t i = 0; i < lin.size(); ++i) {
     if (energy[i].empty()) continue;
+    QUADS_CHECK(static_cast<int64_t>(energy[i].size()) == lin[i].in, "RAC: {} channels of energy for {} ({} inputs)",
+                energy[i].size(), lin[i].name, lin[i].in);
     const int64_t count = rac_count(lin[i].in, cfg.ratio);
     if (count == 0) continue;
     lin[i].rac_channels = rac_select(energy[i].data(), lin[i].in, count, cfg.granularity);

@@ -67,6 +67,12 @@ void rac_apply(const LinearQ& L, const float* X, const float* X_eff, int64_t M, 
 // and cfg.residual; call it after every Model::sync of the rollout model. Dynamic: only marks the
 // linears (rac_dynamic_count); `calib` is not used. Returns the number of linears with RAC.
 int rac_calibrate(Model& m, const Batch& calib, const RacConfig& cfg);
+// Static RAC's selection from measured energies: energy[i] (position i in m.linears(); empty for a
+// linear without RAC) sums each input channel's residual energy over the calibration rows; every
+// linear with energy gets its top rac_count(in, cfg.ratio) channels and cfg.residual, the others
+// none. What rac_calibrate does after its forward; a GPU calibration pass feeds it too
+// (rollout::RolloutEngine::calibrate_rac). Returns the number of linears with RAC.
+int rac_assign(Model& m, const std::vector<std::vector<double>>& energy, const RacConfig& cfg);
 void rac_clear(Model& m);
 
 }  // namespace quads::model

@@ -117,6 +117,16 @@ class Weights {
   const float* ptr(const std::string& name) const { return data.data() + layout.at(name).offset; }
 };
 
+// Float32 masters in a Weights layout that live in a device's memory (a GPU trainer's), handed to
+// another engine on the same device without a copy through the host (rollout::RolloutEngine::
+// sync_device). `device` names the memory ("cuda"); an empty one means the holder has none.
+struct DeviceWeights {
+  const float* data = nullptr;  // device address, valid until the holder next changes its masters
+  size_t size = 0;              // floats
+  std::string device;
+  bool empty() const { return data == nullptr || device.empty(); }
+};
+
 // Reads tensors with HF names (per-expert or fused, as Weights::load accepts) from the given
 // safetensors files into `dst`, a buffer with `layout`. Used by Weights::load and to read
 // gradient files. With require_all, a parameter missing from the files is an error; with

@@ -250,9 +250,8 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
   model::Batch calib;
   for (auto& seq : src.calibration(16)) calib.add(std::move(seq));
 
-  // rl.device = "cuda": both engines step on the GPU; their CPU models stay synced (RAC calibration,
-  // diagnostics).
-  rollout::StepBackend* gpu = nullptr;
+  // rl.device = "cuda": both engines step on the GPU, where the RAC calibration and the diagnostics
+  // run too; their CPU models are brought up to date only if something asks for them.
   std::string device = "cpu";
   if (R.device == "cuda") {
     QUADS_CHECK(!spec.rac || !rac.dynamic,
@@ -261,7 +260,6 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
                 "rl.device = \"cuda\" compensates whole 16-channel blocks only (quads.granularity = \"{}\"; mode {})",
                 cfg.quads.granularity, opt.mode);
     std::unique_ptr<rollout::StepBackend> b = rollout_backend_factory()(base_w, engine.precision());
-    gpu = b.get();
     device = b->name();
     engine.set_backend(std::move(b));
     engine32.set_backend(rollout_backend_factory()(base_w, engine32.precision()));
@@ -295,14 +293,24 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
     rows.push_back(std::move(row));
   };
 
+  // With dev_opt the masters live on the trainer's device: W (host) is fetched only when something
+  // needs it (a host sync, a checkpoint), and an engine whose backend shares that device syncs from
+  // it directly (no host round trip; RolloutEngine::sync_device).
+  bool w_stale = false;
+  auto sync_engine = [&](rollout::RolloutEngine& e) {
+    if (dev_opt && e.sync_device(gtrain->device_masters())) return;
+    if (w_stale) {
+      gtrain->download(W, nullptr);
+      w_stale = false;
+    }
+    e.sync(W);
+  };
   double t_sync = 0;
   auto sync = [&] {
     const auto t = Clock::now();
-    engine.sync(W);
-    if (spec.rac) {
-      model::rac_calibrate(engine.model(), calib, rac);
-      if (gpu) gpu->set_rac(engine.model());
-    }
+    sync_engine(engine);
+    // Static RAC ranks on the rollout's device when its backend can (the GPU), else on the CPU model.
+    if (spec.rac) engine.calibrate_rac(calib, rac);
     t_sync = since(t);
   };
 
@@ -310,7 +318,7 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
     const auto t = Clock::now();
     SourceEval er = evaluate_source(engine, src, R.max_new_tokens, R.eval_temperature,
                                     mix(static_cast<uint64_t>(opt.seed), 0xE7A1));
-    engine32.sync(W);
+    sync_engine(engine32);
     SourceEval e32 = evaluate_source(engine32, src, R.max_new_tokens, R.eval_temperature,
                                      mix(static_cast<uint64_t>(opt.seed), 0xE7A1));
     nlohmann::json row = {{metric::kKind, "eval"},
@@ -525,11 +533,7 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
       else trainer.sync();  // W_eff of the new masters (bf16 rounding or the QAT weights)
       t_sync += since(ts);
     }
-    if (dev_opt) {  // the new masters for the rollout engines' sync
-      const auto ts = Clock::now();
-      gtrain->download(W, nullptr);
-      t_sync += since(ts);
-    }
+    if (dev_opt) w_stale = true;  // the new masters are on the device
     if (!R.routing_replay || !r_train.experts.empty()) route_mm = routing_mismatch(r_roll, r_train, K);
     const double t_train = since(t);
 
@@ -577,7 +581,8 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
       ck.step = done;
       ck.elapsed = elapsed();
       ck.rows = rows;
-      if (dev_opt) gtrain->download(W, &adam);  // AdamW's moments (the masters are current)
+      if (dev_opt) gtrain->download(W, &adam);  // the masters and AdamW's moments
+      w_stale = false;
       save_checkpoint(opt.out_dir, W, adam, ck, opt.mode, opt.seed);
     }
     if (bar) bar->update(done, {{"reward", last_reward}, {"gap", last_gap}, {"pass1", last_pass1}});
@@ -596,6 +601,7 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
     ck.elapsed = elapsed();
     ck.rows = rows;
     if (dev_opt) gtrain->download(W, &adam);
+    w_stale = false;
     save_checkpoint(opt.out_dir, W, adam, ck, opt.mode, opt.seed);
   }
   if (bar) {

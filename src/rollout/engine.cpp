@@ -63,6 +63,7 @@ void RolloutEngine::sync(const model::Weights& master) {
 void RolloutEngine::sync(const float* master, size_t n) {
   QUADS_CHECK(n == weights_->data.size(), "rollout sync: {} floats given, the model has {}", n, weights_->data.size());
   std::memcpy(weights_->data.data(), master, n * sizeof(float));
+  host_stale_ = false;
   if (backend_) {
     model_stale_ = true;
     backend_->sync(*weights_);
@@ -70,6 +71,14 @@ void RolloutEngine::sync(const float* master, size_t n) {
     model_->sync();
     model_stale_ = false;
   }
+}
+
+bool RolloutEngine::sync_device(const model::DeviceWeights& master) {
+  if (!backend_ || master.empty() || master.size != weights_->data.size() || !backend_->syncs_from(master)) return false;
+  backend_->sync_device(master);
+  host_stale_ = true;
+  model_stale_ = true;
+  return true;
 }
 
 namespace {
@@ -375,18 +384,12 @@ model::LinearProbe act_error_probe(std::map<std::string, ActError>& out) {
   };
 }
 
-Inspection RolloutEngine::inspect(const model::Batch& b, bool act_error, int64_t chunk_tokens) {
-  const model::ModelConfig& cfg = config();
-  Inspection out;
-  if (!backend_ || !backend_->inspects(act_error)) {
-    std::vector<float> logits(size_t(b.ntokens()) * cfg.vocab_size);
-    model::ForwardOptions fo;
-    fo.record = &out.routing;
-    if (act_error) fo.probe = act_error_probe(out.act_error);
-    model().forward(b, logits.data(), nullptr, fo);
-    return out;
-  }
-  out.routing.experts.assign(cfg.num_hidden_layers, {});
+namespace {
+
+// Whole sequences of `b` in steps of at most chunk_tokens tokens (a longer sequence alone), each
+// chunk on a freshly reset cache: fn(items) runs one step; sequences without tokens are skipped.
+void for_each_chunk(StepBackend& be, const model::Batch& b, int64_t chunk_tokens,
+                    const std::function<void(const std::vector<model::StepItem>&)>& fn) {
   for (int s0 = 0; s0 < b.nseq();) {
     int s1 = s0 + 1;
     int64_t ntok = b.seq_len(s0), max_len = std::max<int64_t>(1, b.seq_len(s0));
@@ -404,21 +407,78 @@ Inspection RolloutEngine::inspect(const model::Batch& b, bool act_error, int64_t
       items.push_back(std::move(it));
     }
     if (!items.empty()) {
-      backend_->reset(s1 - s0, max_len);
-      Inspection part;
-      backend_->step_inspect(items, part, act_error);
-      QUADS_CHECK(static_cast<int>(part.routing.experts.size()) == cfg.num_hidden_layers,
-                  "step backend {} recorded {} layers of routing, the model has {}", backend_->name(),
-                  part.routing.experts.size(), cfg.num_hidden_layers);
-      for (int l = 0; l < cfg.num_hidden_layers; ++l)
-        out.routing.experts[l].insert(out.routing.experts[l].end(), part.routing.experts[l].begin(),
-                                      part.routing.experts[l].end());
-      for (const auto& [name, e] : part.act_error) out.act_error[name].add(e.layer, e.sq_err, e.sq_norm, e.rows);
+      be.reset(s1 - s0, max_len);
+      fn(items);
     }
     s0 = s1;
   }
+}
+
+}  // namespace
+
+Inspection RolloutEngine::inspect(const model::Batch& b, bool act_error, int64_t chunk_tokens) {
+  const model::ModelConfig& cfg = config();
+  Inspection out;
+  if (!backend_ || !backend_->inspects(act_error)) {
+    std::vector<float> logits(size_t(b.ntokens()) * cfg.vocab_size);
+    model::ForwardOptions fo;
+    fo.record = &out.routing;
+    if (act_error) fo.probe = act_error_probe(out.act_error);
+    model().forward(b, logits.data(), nullptr, fo);
+    return out;
+  }
+  out.routing.experts.assign(cfg.num_hidden_layers, {});
+  for_each_chunk(*backend_, b, chunk_tokens, [&](const std::vector<model::StepItem>& items) {
+    Inspection part;
+    backend_->step_inspect(items, part, act_error);
+    QUADS_CHECK(static_cast<int>(part.routing.experts.size()) == cfg.num_hidden_layers,
+                "step backend {} recorded {} layers of routing, the model has {}", backend_->name(),
+                part.routing.experts.size(), cfg.num_hidden_layers);
+    for (int l = 0; l < cfg.num_hidden_layers; ++l)
+      out.routing.experts[l].insert(out.routing.experts[l].end(), part.routing.experts[l].begin(),
+                                    part.routing.experts[l].end());
+    for (const auto& [name, e] : part.act_error) out.act_error[name].add(e.layer, e.sq_err, e.sq_norm, e.rows);
+  });
   return out;
 }
+
+int RolloutEngine::calibrate_rac(const model::Batch& calib, const model::RacConfig& cfg, int64_t chunk_tokens) {
+  if (!backend_ || !backend_->calibrates_rac() || cfg.dynamic || cfg.ratio <= 0) {
+    const int n = model::rac_calibrate(model(), calib, cfg);
+    if (backend_) backend_->set_rac(*model_);
+    return n;
+  }
+  // The CPU model's linears carry the selection (names, widths, numerics: no weights needed, so
+  // its re-quantization stays deferred); the backend runs the pass with RAC off.
+  model::rac_clear(*model_);
+  backend_->set_rac(*model_);
+  std::map<std::string, std::vector<double>> by_name;
+  for_each_chunk(*backend_, calib, chunk_tokens,
+                 [&](const std::vector<model::StepItem>& items) { backend_->step_rac_energy(items, by_name); });
+  const std::vector<model::LinearQ>& lin = model_->linears();
+  std::vector<std::vector<double>> energy(lin.size());
+  for (size_t i = 0; i < lin.size(); ++i) {
+    if (lin[i].num.act.kind != model::QuantKind::Quant) continue;
+    auto it = by_name.find(lin[i].name);
+    // A linear the pass never reached (an expert no calibration token chose) has zero energy, as
+    // on the CPU.
+    energy[i] = it != by_name.end() ? std::move(it->second) : std::vector<double>(lin[i].in, 0.0);
+    QUADS_CHECK(static_cast<int64_t>(energy[i].size()) == lin[i].in,
+                "step backend {} measured {} channels of RAC energy for {}, it has {} inputs", backend_->name(),
+                energy[i].size(), lin[i].name, lin[i].in);
+  }
+  const int n = model::rac_assign(*model_, energy, cfg);
+  backend_->set_rac(*model_);
+  return n;
+}
+
+void StepBackend::step_rac_energy(const std::vector<model::StepItem>&, std::map<std::string, std::vector<double>>&) {
+  fail("step backend {} does not calibrate RAC", name());
+}
+void StepBackend::sync_device(const model::DeviceWeights& w) {
+  fail("step backend {} cannot sync from {} memory", name(), w.device.empty() ? "(no)" : w.device);
+}
+void StepBackend::download(model::Weights&) const { fail("step backend {} cannot give its weights back", name()); }
 
 void StepBackend::set_rac(const model::Model&) { fail("step backend {} does not run RAC", name()); }
 void StepBackend::set_kv_transform(const model::KvTransform& t) {

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "model/model.h"
+#include "model/rac.h"
 #include "rollout/sampler.h"
 
 namespace quads::rollout {
@@ -144,6 +145,20 @@ class StepBackend {
   // inspects() false and step_inspect throws naming the backend.
   virtual bool inspects(bool act_error) const { return false; }
   virtual std::vector<float> step_inspect(const std::vector<model::StepItem>& items, Inspection& out, bool act_error);
+  // Static RAC's calibration pass on the backend (RolloutEngine::calibrate_rac): step() with RAC
+  // off that adds each linear's residual energy (model::rac_energy of its input against the operand
+  // it multiplies, rows in the CPU forward's order: experts one after another) into energy[name],
+  // for every linear whose activations are quantized (QuantKind::Quant); absent names start at 0.
+  // Default: calibrates_rac() false and step_rac_energy throws naming the backend.
+  virtual bool calibrates_rac() const { return false; }
+  virtual void step_rac_energy(const std::vector<model::StepItem>& items,
+                               std::map<std::string, std::vector<double>>& energy);
+  // Masters handed over in the backend's own memory (a GPU trainer's, model::DeviceWeights): with
+  // syncs_from(w), sync_device(w) is sync() without the host, and download() gives the masters back
+  // (the engine's host copy, when it needs one). Default: syncs_from false, the others throw.
+  virtual bool syncs_from(const model::DeviceWeights& w) const { return false; }
+  virtual void sync_device(const model::DeviceWeights& w);
+  virtual void download(model::Weights& w) const;
 };
 
 // decode_run's preconditions (one token an item, last logits only, job i on row i, n >= 1);
@@ -166,6 +181,12 @@ class RolloutEngine {
   // must have the same configuration (the error names the first difference).
   void sync(const model::Weights& master);
   void sync(const float* master, size_t n);  // a flat buffer in this model's layout
+  // The masters from device memory (a GPU trainer's, TrainBackend::device_masters) straight into
+  // the backend when it syncs_from() them: returns false, changing nothing, when it cannot (no
+  // backend, another device, another layout); the caller then syncs from the host. The engine's
+  // host copy (and the CPU model) is fetched back from the backend only when next needed (model(),
+  // set_backend, a CPU step).
+  bool sync_device(const model::DeviceWeights& master);
 
   // Generates every request; results in request order. Throws quads::Error naming the request
   // for an empty prompt, a token id outside the vocabulary or invalid sampling parameters.
@@ -189,6 +210,12 @@ class RolloutEngine {
   // starts from an empty one anyway), else one forward of the CPU model. The RL loop's routing
   // replay and diagnostics read it.
   Inspection inspect(const model::Batch& b, bool act_error, int64_t chunk_tokens = 8192);
+  // Static RAC (model/rac.h) for the current weights: ranks each W4A4 linear's input channels on
+  // `calib` and sets them on the CPU model and the backend. On a backend that calibrates_rac() the
+  // calibration pass runs there (chunks as inspect()), with the same selection on the host
+  // (model::rac_assign); else model::rac_calibrate on the CPU model, then set_rac on the backend.
+  // Returns the number of linears with RAC.
+  int calibrate_rac(const model::Batch& calib, const model::RacConfig& cfg, int64_t chunk_tokens = 8192);
   const model::ModelConfig& config() const { return weights_->cfg; }
   const model::PrecisionConfig& precision() const { return model_->precision(); }
   bool batch_invariant() const { return model_->precision().batch_invariant(); }
@@ -197,7 +224,10 @@ class RolloutEngine {
 
   // Runs the steps on `b` from now on (nullptr: back to the CPU model). sync() syncs both (the CPU
   // model when it is next used).
-  void set_backend(std::unique_ptr<StepBackend> b) { backend_ = std::move(b); }
+  void set_backend(std::unique_ptr<StepBackend> b) {
+    host_current();
+    backend_ = std::move(b);
+  }
   StepBackend* backend() const { return backend_.get(); }
 
  private:
@@ -205,7 +235,15 @@ class RolloutEngine {
   std::unique_ptr<model::Weights> weights_;
   std::unique_ptr<model::Model> model_;
   mutable bool model_stale_ = false;  // weights_ changed since model_ last quantized them
+  mutable bool host_stale_ = false;   // weights_ behind the backend's (sync_device): download first
+  void host_current() const {
+    if (!host_stale_) return;
+    backend_->download(*weights_);
+    host_stale_ = false;
+    model_stale_ = true;
+  }
   void cpu_model_current() const {
+    host_current();
     if (!model_stale_) return;
     model_->sync();
     model_stale_ = false;

@@ -56,6 +56,11 @@ class TrainBackend {
   virtual void download(model::Weights& w, AdamW* opt);
   // AdamW's m and v to the backend (resume); the masters go with sync().
   virtual void upload_optimizer(const AdamW& opt);
+  // With has_optimizer(): the masters where they live (device memory), for an engine on the same
+  // device to sync from without the host (rollout::RolloutEngine::sync_device). Valid until the
+  // next optimizer_step or sync; the backend's queued work on them has finished. Empty when the
+  // masters are not in device memory (the default).
+  virtual model::DeviceWeights device_masters() { return {}; }
 };
 
 // Makes a trainer backend for weights w in precision p (a trainer preset: fp32, bf16, qat, ...).

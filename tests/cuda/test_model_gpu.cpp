@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <random>
 
@@ -308,6 +309,33 @@ TEST(CudaModelKernels, RowErrorSumsAreTheCpuRowSums) {
     const num::ErrorStats all = num::error_stats(xb.data(), xq.data(), rows, cols);
     EXPECT_TRUE(cuda::testing::same_double(err, all.sq_err));
     EXPECT_TRUE(cuda::testing::same_double(norm, all.sq_norm));
+  }
+}
+
+// Static RAC's channel energies (kern::rac_energy): model::rac_energy bit for bit, added onto the
+// sums already there (the calibration pass's chunks), NaN / Inf columns included.
+TEST(CudaModelKernels, RacEnergyIsTheCpus) {
+  QUADS_REQUIRE_GPU();
+  for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{1, 16}, {37, 208}, {300, 2048}}) {
+    const auto x = randn(rows * cols, 5 + rows);
+    std::vector<float> xq(x.size());
+    num::fake_quantize(x.data(), xq.data(), rows, cols, num::QConfig::nvfp4_act());
+    std::vector<float> xb = x;
+    if (rows > 1) {
+      xb[cols + 3] = std::nanf("");
+      xb[5] = INFINITY;
+    }
+    std::vector<double> want(cols);
+    for (int64_t c = 0; c < cols; ++c) want[c] = 0.25 * double(c);  // earlier chunks' sums
+    auto dx = dev(xb);
+    auto dq = dev(xq);
+    DeviceArray<double> e;
+    e.upload(want);
+    model::rac_energy(xb.data(), xq.data(), rows, cols, want.data());
+    cuda::kern::rac_energy(dx.data(), dq.data(), rows, cols, e.data(), nullptr);
+    const std::vector<double> got = e.download();
+    for (int64_t c = 0; c < cols; ++c)
+      ASSERT_TRUE(cuda::testing::same_double(got[c], want[c])) << rows << "x" << cols << " column " << c;
   }
 }
 
@@ -656,6 +684,125 @@ TEST(CudaModelGpu, EngineInspectionOnTheGpuIsTheCpuForwards) {
   r.max_new_tokens = 5;
   r.sampling.greedy = true;
   EXPECT_EQ(eng.generate({r})[0].tokens, cpu.generate({r})[0].tokens);
+}
+
+// Static RAC calibrated on the GPU (GpuModel::rac_energy, RolloutEngine::calibrate_rac): every
+// linear's channel energies are the CPU forward's within the two devices' rounding of X, the
+// selections differ from the CPU's at most at the threshold (a block in one and not the other has
+// nearly the threshold's energy), the engine selects from the GPU's energies exactly, and the GPU
+// then generates what the CPU does with its own calibration.
+TEST(CudaModelGpu, RacCalibratedOnTheGpuIsTheCpus) {
+  QUADS_REQUIRE_GPU();
+  const model::Weights& w = fixture_weights();
+  const auto ids = input_ids();
+  std::vector<std::vector<int32_t>> seqs;
+  for (size_t p = 0, n = 3; p + n <= ids.size(); p += n, n += 2) seqs.emplace_back(ids.begin() + p, ids.begin() + p + n);
+  const model::Batch b = model::Batch::of(seqs);
+  const auto prec = model::PrecisionConfig::preset("nvfp4");
+  const model::RacConfig rc;  // half the channels, whole blocks, NVFP4 residual
+
+  // The CPU's energies (rac_calibrate's probe) and the GPU's over the same rows, one step.
+  model::Weights wm = w;
+  model::Model m(wm, prec);
+  std::map<std::string, std::vector<double>> cpu_e, gpu_e;
+  model::ForwardOptions fo;
+  fo.probe = [&](const model::LinearQ& L, const float* X, const float* X_eff, const float*, int64_t M) {
+    if (L.num.act.kind != model::QuantKind::Quant) return;
+    auto& e = cpu_e[L.name];
+    if (e.empty()) e.assign(L.in, 0.0);
+    model::rac_energy(X, X_eff, M, L.in, e.data());
+  };
+  std::vector<float> logits(size_t(b.ntokens()) * w.cfg.vocab_size);
+  m.forward(b, logits.data(), nullptr, fo);
+  cuda::GpuModel g(w, prec);
+  g.reset_cache(b.nseq(), 64);
+  std::vector<model::StepItem> items;
+  for (int q = 0; q < b.nseq(); ++q) {
+    model::StepItem it;
+    it.slot = q;
+    it.tokens = seqs[q];
+    items.push_back(it);
+  }
+  g.rac_energy(items, gpu_e);
+  ASSERT_EQ(gpu_e.size(), cpu_e.size());
+  double worst_total = 0;
+  int linears = 0, blocks = 0, boundary = 0;
+  for (const auto& [name, ec] : cpu_e) {
+    ASSERT_TRUE(gpu_e.count(name)) << name;
+    const std::vector<double>& eg = gpu_e.at(name);
+    ASSERT_EQ(eg.size(), ec.size()) << name;
+    double tc = 0, tg = 0;
+    for (size_t j = 0; j < ec.size(); ++j) {
+      tc += ec[j];
+      tg += eg[j];
+    }
+    if (tc == 0) {  // an expert no token chose
+      EXPECT_EQ(tg, 0) << name;
+      continue;
+    }
+    worst_total = std::max(worst_total, std::fabs(tg - tc) / tc);
+    const int64_t in = int64_t(ec.size()), count = model::rac_count(in, rc.ratio);
+    const auto sc = model::rac_select(ec.data(), in, count, rc.granularity);
+    const auto sg = model::rac_select(eg.data(), in, count, rc.granularity);
+    ++linears;
+    // block energies on the CPU; the threshold is the smallest selected one
+    std::vector<double> be(in / 16, 0.0);
+    for (int64_t j = 0; j < in; ++j) be[j / 16] += ec[j];
+    double thr = INFINITY;
+    for (size_t i = 0; i < sc.size(); i += 16) thr = std::min(thr, be[sc[i] / 16]);
+    std::vector<int32_t> diff;
+    std::set_symmetric_difference(sc.begin(), sc.end(), sg.begin(), sg.end(), std::back_inserter(diff));
+    blocks += int(sc.size() / 16);
+    for (size_t i = 0; i < diff.size(); i += 16) {
+      ++boundary;
+      EXPECT_NEAR(be[diff[i] / 16], thr, 0.1 * thr) << name << ": block " << diff[i] / 16 << " chosen on one side only";
+    }
+  }
+  std::printf("RAC energies: %d linears, worst total off by %.3g; %d of %d selected blocks differ (at the threshold)\n",
+              linears, worst_total, boundary / 2, blocks);
+  EXPECT_GT(linears, 0);
+  EXPECT_LT(worst_total, 0.02);
+  EXPECT_LE(boundary, blocks / 10) << "most selections must agree";
+
+  // The engine: one chunk is the step above (its selection exactly), chunks of 12 tokens nearly.
+  rollout::RolloutEngine eng(w, prec), cpu(w, prec);
+  eng.set_backend(cuda::make_gpu_backend(w, prec));
+  const int n0 = cpu.calibrate_rac(b, rc);
+  for (const int64_t chunk : {int64_t(8192), int64_t(12)}) {
+    EXPECT_EQ(eng.calibrate_rac(b, rc, chunk), n0);
+    for (const model::LinearQ& L : eng.model().linears()) {
+      if (!gpu_e.count(L.name)) {
+        EXPECT_TRUE(L.rac_channels.empty()) << L.name;
+        continue;
+      }
+      const auto want = model::rac_select(gpu_e.at(L.name).data(), L.in, model::rac_count(L.in, rc.ratio), rc.granularity);
+      if (chunk == 8192) {
+        EXPECT_EQ(L.rac_channels, want) << L.name;
+      }
+      EXPECT_EQ(L.rac_channels.size(), want.size()) << L.name;
+    }
+  }
+  (void)eng.calibrate_rac(b, rc);
+  rollout::RolloutEngine norac(w, prec);
+  norac.set_backend(cuda::make_gpu_backend(w, prec));
+  rollout::Request r;
+  r.prompt = seqs[1];
+  r.max_new_tokens = 6;
+  r.sampling.greedy = true;
+  const rollout::Result got = eng.generate({r})[0], want = cpu.generate({r})[0], off = norac.generate({r})[0];
+  // compared while the sequences agree (a near-tie may flip a greedy token between devices)
+  auto max_gap = [](const rollout::Result& x, const rollout::Result& y) {
+    double d = 0;
+    for (size_t i = 0; i < x.tokens.size() && i < y.tokens.size(); ++i) {
+      d = std::max(d, double(std::fabs(x.logprobs[i] - y.logprobs[i])));
+      if (x.tokens[i] != y.tokens[i]) break;
+    }
+    return d;
+  };
+  const double d_cpu = max_gap(got, want), d_off = max_gap(got, off);
+  std::printf("greedy log-probs with GPU-calibrated RAC: max |GPU - CPU| %.3g, |with - without RAC| %.3g\n", d_cpu,
+              d_off);
+  EXPECT_LT(d_cpu, 0.25 * d_off) << "RAC must move the log-probs more than the devices differ";
 }
 
 TEST(CudaModelGpu, PrefillAndDecodeAgree) {

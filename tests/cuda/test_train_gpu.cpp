@@ -16,6 +16,7 @@
 
 #include "common/error.h"
 #include "common/fixtures.h"
+#include "cuda/model_gpu.h"
 #include "cuda/train_gpu.h"
 #include "cuda_test_util.h"
 #include "model/model.h"
@@ -26,6 +27,7 @@
 #include "rl/char_tokenizer.h"
 #include "rl/run.h"
 #include "rl/tasks.h"
+#include "rollout/engine.h"
 #include "train/adamw.h"
 #include "train/losses.h"
 
@@ -417,6 +419,60 @@ TEST(CudaTrain, BackendAdapterEqualsDirectCalls) {
   be->sync(w);
   be->forward(b, l2.data(), false);
   EXPECT_EQ(cuda::testing::first_float_mismatch(l1, l2), -1);
+}
+
+// The GPU trainer's masters straight into a GPU rollout engine (RolloutEngine::sync_device, the RL
+// loop's weight sync with both on the GPU): after an AdamW step on the device the rollout model
+// generates bit for bit what a sync through the host gives, and its host copy (the CPU model) comes
+// back from the device when asked for. GpuModel refuses memory that is not a GPU's or another layout.
+TEST(CudaTrain, RolloutEngineSyncsFromTheTrainersMasters) {
+  QUADS_REQUIRE_GPU();
+  const model::Weights& w = fixture_weights();
+  const auto ids = input_ids();
+  const model::Batch b = model::Batch::of({ids});
+  const int64_t T = b.ntokens(), V = w.cfg.vocab_size;
+  auto be = cuda::make_gpu_trainer(w, model::PrecisionConfig::preset("qat"));
+  ASSERT_TRUE(be->has_optimizer());
+  train::AdamWConfig ac;
+  ac.lr = 1e-2;
+  train::AdamW opt(w.size(), ac, train::AdamW::decay_mask(w.layout));
+  std::vector<float> logits(T * V), dl(T * V);
+  be->forward(b, logits.data(), true);
+  const auto targets = train::next_token_targets(b);
+  train::cross_entropy(logits.data(), T, V, targets.data(), nullptr, dl.data());
+  be->backward(dl.data(), nullptr);
+  be->optimizer_step(opt);
+  const model::DeviceWeights dm = be->device_masters();
+  ASSERT_FALSE(dm.empty());
+  EXPECT_EQ(dm.size, w.size());
+  EXPECT_EQ(dm.device, "cuda");
+  model::Weights host = w;
+  be->download(host, nullptr);
+  ASSERT_GT(rel_l2(host.data, w.data), 1e-5) << "the step must move the masters for this test to mean anything";
+
+  const auto prec = model::PrecisionConfig::preset("nvfp4");
+  rollout::RolloutEngine via_host(w, prec), via_dev(w, prec);
+  via_host.set_backend(cuda::make_gpu_backend(w, prec));
+  via_dev.set_backend(cuda::make_gpu_backend(w, prec));
+  via_host.sync(host);
+  ASSERT_TRUE(via_dev.sync_device(be->device_masters()));
+  rollout::Request r;
+  r.prompt.assign(ids.begin(), ids.begin() + 6);
+  r.max_new_tokens = 8;
+  r.sampling.temperature = 0.8;
+  r.seed = 7;
+  const rollout::Result a = via_host.generate({r})[0], d = via_dev.generate({r})[0];
+  EXPECT_EQ(d.tokens, a.tokens);
+  EXPECT_EQ(d.logprobs, a.logprobs);
+  model::StepItem it;
+  it.tokens = r.prompt;
+  model::KVCache c1(w.cfg, 1), c2(w.cfg, 1);
+  rollout::RolloutEngine cpu(host, prec);
+  EXPECT_EQ(via_dev.model().step(c1, {it}), cpu.model().step(c2, {it})) << "the CPU model of the fetched masters";
+
+  cuda::GpuModel g(w, prec);
+  EXPECT_THROW(g.sync_device({host.data.data(), host.data.size(), "cpu"}), Error);
+  EXPECT_THROW(g.sync_device({dm.data, dm.size - 1, "cuda"}), Error);
 }
 
 // A short SFT loop (forward, device CE + backward, device AdamW) lowers the loss and follows the

@@ -6,11 +6,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "model/model.h"
+#include "model/rac.h"
 #include "model/weights.h"
 #include "rollout/engine.h"
 
@@ -18,6 +20,7 @@ namespace quads::test {
 
 struct StepCalls {
   int resets = 0, steps = 0, copies = 0, clears = 0, syncs = 0, records = 0;
+  int energy_steps = 0, device_syncs = 0, downloads = 0, rac_sets = 0;
   int slots = 0;
   int64_t max_len = 0, max_seen = 0;
 };
@@ -69,6 +72,51 @@ class CpuStepBackend : public rollout::StepBackend {
     return last;
   }
   bool can_record = true, can_probe = true;
+  // Static RAC: channels copied by name from the calibrated model; the calibration pass is a
+  // forward of the items' sequences with a probe that adds model::rac_energy (RAC must be off).
+  void set_rac(const model::Model& calibrated) override {
+    for (const model::LinearQ& src : calibrated.linears()) {
+      model::LinearQ* dst = nullptr;
+      for (model::LinearQ& L : m_.linears())
+        if (L.name == src.name) dst = &L;
+      EXPECT_NE(dst, nullptr) << src.name;
+      if (!dst) continue;
+      dst->rac_channels = src.rac_channels;
+      dst->rac_quant = src.rac_quant;
+    }
+    ++calls_->rac_sets;
+  }
+  bool can_calibrate = true;
+  bool calibrates_rac() const override { return can_calibrate; }
+  void step_rac_energy(const std::vector<model::StepItem>& items,
+                       std::map<std::string, std::vector<double>>& energy) override {
+    ++calls_->energy_steps;
+    check_room(items);
+    for (const model::LinearQ& L : m_.linears()) EXPECT_TRUE(L.rac_channels.empty()) << "RAC on in the pass: " << L.name;
+    model::Batch b;
+    for (const auto& it : items) b.add(it.tokens);
+    std::vector<float> logits(size_t(b.ntokens()) * w_.cfg.vocab_size);
+    model::ForwardOptions fo;
+    fo.probe = [&](const model::LinearQ& L, const float* X, const float* X_eff, const float*, int64_t M) {
+      if (L.num.act.kind != model::QuantKind::Quant) return;
+      std::vector<double>& e = energy[L.name];
+      if (e.empty()) e.assign(L.in, 0.0);
+      model::rac_energy(X, X_eff, M, L.in, e.data());
+    };
+    m_.forward(b, logits.data(), nullptr, fo);
+  }
+  // "Device memory" here is a host buffer that the test names "host-test".
+  bool syncs_from(const model::DeviceWeights& w) const override { return !w.empty() && w.device == "host-test"; }
+  void sync_device(const model::DeviceWeights& w) override {
+    EXPECT_EQ(w.size, w_.data.size());
+    std::copy(w.data, w.data + w.size, w_.data.begin());
+    m_.sync();
+    ++calls_->device_syncs;
+  }
+  void download(model::Weights& w) const override {
+    w.data = w_.data;
+    ++calls_->downloads;
+  }
   void copy(int src, int dst) override {
     cache_->copy(src, dst);
     ++calls_->copies;

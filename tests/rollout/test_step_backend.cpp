@@ -265,3 +265,115 @@ TEST(RolloutStepBackend, SyncReachesTheBackend) {
     EXPECT_EQ(eng.generate({r})[0].tokens, ref0.generate({r})[0].tokens) << preset;
   }
 }
+
+// Masters handed over in the backend's memory (RolloutEngine::sync_device, what the RL loop does
+// with a GPU trainer's): the backend syncs from them without the host, the engine's host copy and
+// CPU model are fetched back from the backend only when used, and engines or memories that cannot
+// take them say so (false) without changing anything.
+TEST(RolloutStepBackend, SyncFromDeviceMemoryFetchesTheHostCopyOnlyWhenUsed) {
+  for (const std::string preset : {"fp32", "nvfp4"}) {
+    const auto prec = model::PrecisionConfig::preset(preset);
+    model::Weights w2 = weights();
+    for (auto& x : w2.data) x *= 0.5f;
+    const model::DeviceWeights dev{w2.data.data(), w2.data.size(), "host-test"};
+    RolloutEngine cpu_only(weights(), prec);
+    EXPECT_FALSE(cpu_only.sync_device(dev)) << "no backend";
+
+    Calls calls;
+    RolloutEngine eng(weights(), prec);
+    eng.set_backend(std::make_unique<CpuBackend>(weights(), prec, &calls));
+    EXPECT_FALSE(eng.sync_device({w2.data.data(), w2.data.size(), "cuda"})) << "another memory";
+    EXPECT_FALSE(eng.sync_device({w2.data.data(), w2.data.size() - 1, "host-test"})) << "another layout";
+    EXPECT_FALSE(eng.sync_device({})) << "nothing";
+    EXPECT_EQ(calls.device_syncs, 0);
+    ASSERT_TRUE(eng.sync_device(dev));
+    EXPECT_EQ(calls.device_syncs, 1);
+    EXPECT_EQ(calls.syncs, 0);
+
+    RolloutEngine ref(w2, prec);
+    const Request r = requests()[4];
+    EXPECT_EQ(eng.generate({r})[0].logprobs, ref.generate({r})[0].logprobs) << preset;
+    EXPECT_EQ(calls.downloads, 0) << "generation on the backend needs no host copy";
+    model::StepItem it;
+    it.tokens = r.prompt;
+    model::KVCache c1(w2.cfg, 1), c2(w2.cfg, 1);
+    EXPECT_EQ(eng.model().step(c1, {it}), ref.model().step(c2, {it})) << preset << ": the CPU model, fetched";
+    EXPECT_EQ(calls.downloads, 1);
+    (void)eng.model();
+    EXPECT_EQ(calls.downloads, 1) << "fetched once";
+
+    // Back to the first weights through the backend; dropping the backend fetches them first.
+    const model::Weights& w1 = weights();
+    ASSERT_TRUE(eng.sync_device({w1.data.data(), w1.data.size(), "host-test"}));
+    eng.set_backend(nullptr);
+    EXPECT_EQ(calls.downloads, 2);
+    RolloutEngine ref1(w1, prec);
+    EXPECT_EQ(eng.generate({r})[0].logprobs, ref1.generate({r})[0].logprobs) << preset << ": the CPU path after it";
+  }
+}
+
+// Static RAC calibrated on the backend (RolloutEngine::calibrate_rac: the energy pass there in
+// chunks, the selection on the host) picks the CPU calibration's channels, and the backend then
+// generates what the CPU engine with those channels generates. A backend that cannot calibrate
+// gets the CPU model's channels.
+TEST(RolloutStepBackend, RacCalibratedOnTheBackendIsTheCpuCalibration) {
+  const auto prec = model::PrecisionConfig::preset("nvfp4");
+  const model::Batch calib =
+      model::Batch::of({{1, 2, 3, 4, 5, 6, 7}, {40, 41}, {9, 10, 11, 12, 13, 14, 15, 16, 17}, {20, 21, 22}});
+  model::RacConfig rc;
+  rc.ratio = 0.25;
+  RolloutEngine plain(weights(), prec);
+  const int n0 = plain.calibrate_rac(calib, rc);
+  ASSERT_GT(n0, 0);
+  std::map<std::string, std::vector<int32_t>> want;
+  bool ranked = false;  // some linear's choice is not simply its first channels
+  for (const model::LinearQ& L : plain.model().linears()) {
+    if (L.rac_channels.empty()) continue;
+    want[L.name] = L.rac_channels;
+    for (size_t i = 0; i < L.rac_channels.size(); ++i) ranked |= L.rac_channels[i] != static_cast<int32_t>(i);
+  }
+  ASSERT_EQ(static_cast<int>(want.size()), n0);
+  ASSERT_TRUE(ranked);
+  Request r = requests()[0];
+  r.max_new_tokens = 12;
+  const Result ref = plain.generate({r})[0];
+
+  for (const auto& [chunk, steps] : std::vector<std::pair<int64_t, int>>{{1, 4}, {10, 3}, {8192, 1}}) {
+    for (const bool on_backend : {true, false}) {
+      Calls calls;
+      RolloutEngine eng(weights(), prec);
+      auto be = std::make_unique<CpuBackend>(weights(), prec, &calls);
+      be->can_calibrate = on_backend;
+      eng.set_backend(std::move(be));
+      EXPECT_EQ(eng.calibrate_rac(calib, rc, chunk), n0) << "chunk " << chunk;
+      EXPECT_EQ(calls.energy_steps, on_backend ? steps : 0) << "chunk " << chunk;
+      EXPECT_EQ(calls.rac_sets, on_backend ? 2 : 1) << "off for the pass, then the channels";
+      const Result got = eng.generate({r})[0];
+      EXPECT_EQ(got.tokens, ref.tokens) << "chunk " << chunk << (on_backend ? " on the backend" : " on the CPU");
+      EXPECT_EQ(got.logprobs, ref.logprobs);
+      int n = 0;
+      for (const model::LinearQ& L : eng.model().linears()) {
+        if (L.rac_channels.empty()) continue;
+        ++n;
+        EXPECT_EQ(L.rac_channels, want.at(L.name)) << L.name << " chunk " << chunk;
+        EXPECT_EQ(L.rac_quant, rc.residual) << L.name;
+      }
+      EXPECT_EQ(n, n0);
+    }
+  }
+  // Bad energies are refused naming the linear.
+  model::Weights wm = weights();
+  model::Model m(wm, prec);
+  std::vector<std::vector<double>> e(m.linears().size());
+  size_t q = 0;
+  while (q < e.size() && m.linears()[q].num.act.kind != model::QuantKind::Quant) ++q;
+  ASSERT_LT(q, e.size());
+  e[q].assign(m.linears()[q].in + 1, 1.0);
+  try {
+    model::rac_assign(m, e, rc);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find(m.linears()[q].name), std::string::npos) << err.what();
+  }
+  EXPECT_THROW(model::rac_assign(m, {}, rc), Error);
+}
