@@ -255,8 +255,8 @@ std::string report_markdown(const ojson& summary, const std::string& config_toml
   std::string md = "# quads comparison\n\n";
   md += fmt::format("{} seed{} per mode{}.\n\n", n, n == 1 ? "" : "s", n > 1 ? "; cells are mean ± std over seeds" : "");
   if (summary.contains("device"))
-    md += fmt::format("Rollouts and evaluation ran on: {}; the trainer's forward, backward and AdamW on: {} (the "
-                      "static-RAC calibration runs on the CPU).\n\n",
+    md += fmt::format("Rollouts and evaluation ran on: {} (the static-RAC calibration too); the trainer's forward, "
+                      "backward and AdamW on: {}.\n\n",
                       summary["device"].get<std::string>(), summary.value("train_device", std::string("cpu")));
   md += "| mode | base pass@1 | final pass@1 | best pass@1 | mean abs logp gap | max abs logp gap | collapsed | seconds |\n";
   md += "|---|---|---|---|---|---|---|---|\n";
