@@ -4,9 +4,13 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <mutex>
+#include <thread>
+#include <utility>
 #include <optional>
 #include <sstream>
 
@@ -56,22 +60,24 @@ struct Checkpoint {
   std::vector<nlohmann::json> rows;
 };
 
-void save_checkpoint(const std::string& run_dir, const model::Weights& w, const train::AdamW& opt,
-                     const Checkpoint& c, const std::string& mode, int64_t seed) {
+// m, v and t are AdamW's state (its moments and step count).
+void save_checkpoint(const std::string& run_dir, const model::Weights& w, const std::vector<float>& m,
+                     const std::vector<float>& v, int64_t t, const Checkpoint& c, const std::string& mode,
+                     int64_t seed) {
   const std::string dst = run_dir + "/checkpoint", tmp = run_dir + "/checkpoint.tmp", old = run_dir + "/checkpoint.old";
   fs::remove_all(tmp);
   fs::create_directories(tmp);
   w.save(tmp);
-  const int64_t n = static_cast<int64_t>(opt.m.size());
+  const int64_t n = static_cast<int64_t>(m.size());
   io::write_safetensors(tmp + "/optimizer.safetensors",
-                    {io::TensorData::from_f32("adamw.m", {n}, opt.m.data()),
-                     io::TensorData::from_f32("adamw.v", {n}, opt.v.data())},
-                    {{"adamw.t", std::to_string(opt.t)}});
+                    {io::TensorData::from_f32("adamw.m", {n}, m.data()),
+                     io::TensorData::from_f32("adamw.v", {n}, v.data())},
+                    {{"adamw.t", std::to_string(t)}});
   nlohmann::json st = {{"step", c.step},
                        {"mode", mode},
                        {"seed", seed},
                        {"elapsed_s", c.elapsed},
-                       {"adamw_t", opt.t},
+                       {"adamw_t", t},
                        // Every random draw is keyed by (seed, step): the step IS the RNG state.
                        {"rng", {{"scheme", "counter(seed, step)"}, {"seed", seed}, {"next_step", c.step}}},
                        {"rows", c.rows}};
@@ -82,6 +88,46 @@ void save_checkpoint(const std::string& run_dir, const model::Weights& w, const 
   fs::rename(tmp, dst);
   fs::remove_all(old);
 }
+
+// One checkpoint write at a time on a thread of its own: the masters and AdamW's moments are
+// gigabytes, fsync'ed (configs/gpu.toml: 2.9 GB, ~6 s), which an RL step need not wait for when the
+// host buffers stay untouched until the next checkpoint (AdamW on the trainer's device, rollouts
+// synced from there). wait() joins and rethrows a failed write; the caller waits before it touches
+// the buffers again and before the run returns.
+class CheckpointWriter {
+ public:
+  CheckpointWriter() = default;
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+  ~CheckpointWriter() {
+    if (t_.joinable()) t_.join();
+    if (err_) {  // unwinding from another error: this one can only be reported
+      try {
+        std::rethrow_exception(err_);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "rl: a checkpoint write failed: %s\n", e.what());
+      }
+    }
+  }
+  void start(std::function<void()> job) {
+    wait();
+    t_ = std::thread([this, job = std::move(job)] {
+      try {
+        job();
+      } catch (...) {
+        err_ = std::current_exception();
+      }
+    });
+  }
+  void wait() {
+    if (t_.joinable()) t_.join();
+    if (err_) std::rethrow_exception(std::exchange(err_, nullptr));
+  }
+
+ private:
+  std::thread t_;
+  std::exception_ptr err_;
+};
 
 bool load_checkpoint(const std::string& run_dir, model::Weights& w, train::AdamW& opt, Checkpoint& c,
                      const std::string& mode, int64_t seed) {
@@ -297,13 +343,27 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
   // needs it (a host sync, a checkpoint), and an engine whose backend shares that device syncs from
   // it directly (no host round trip; RolloutEngine::sync_device).
   bool w_stale = false;
+  CheckpointWriter writer;
   auto sync_engine = [&](rollout::RolloutEngine& e) {
     if (dev_opt && e.sync_device(gtrain->device_masters())) return;
     if (w_stale) {
+      writer.wait();  // it may still be writing W
       gtrain->download(W, nullptr);
       w_stale = false;
     }
     e.sync(W);
+  };
+  // ck's step, elapsed and rows are set. With dev_opt the host holds the masters and moments only
+  // for checkpoints, so an intermediate one is written in the background.
+  auto checkpoint = [&](bool background) {
+    writer.wait();
+    if (dev_opt) gtrain->download(W, &adam);  // the masters and AdamW's moments
+    w_stale = false;
+    auto job = [&W, &adam, c = ck, t = adam.t, dir = opt.out_dir, mode = opt.mode, seed = opt.seed] {
+      save_checkpoint(dir, W, adam.m, adam.v, t, c, mode, seed);
+    };
+    if (background && dev_opt) writer.start(std::move(job));
+    else job();
   };
   double t_sync = 0;
   auto sync = [&] {
@@ -581,12 +641,11 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
       ck.step = done;
       ck.elapsed = elapsed();
       ck.rows = rows;
-      if (dev_opt) gtrain->download(W, &adam);  // the masters and AdamW's moments
-      w_stale = false;
-      save_checkpoint(opt.out_dir, W, adam, ck, opt.mode, opt.seed);
+      checkpoint(true);
     }
     if (bar) bar->update(done, {{"reward", last_reward}, {"gap", last_gap}, {"pass1", last_pass1}});
   }
+  writer.wait();
   int64_t done = std::max(ck.step, last);
   if (last == steps && done == steps) {
     // Final evaluation (unless the last step already had one) and checkpoint.
@@ -600,9 +659,7 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
     ck.step = steps;
     ck.elapsed = elapsed();
     ck.rows = rows;
-    if (dev_opt) gtrain->download(W, &adam);
-    w_stale = false;
-    save_checkpoint(opt.out_dir, W, adam, ck, opt.mode, opt.seed);
+    checkpoint(false);
   }
   if (bar) {
     bar->update(done, {{"reward", last_reward}, {"gap", last_gap}, {"pass1", last_pass1}});

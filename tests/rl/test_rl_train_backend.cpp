@@ -168,6 +168,47 @@ TEST_F(RlTrainBackend, RolloutRoutingFromTheStepBackendBitwise) {
   }
 }
 
+// Both sides on "the device" (rl.device and rl.train_device = "cuda", AdamW on the trainer's
+// backend), as on a GPU: the rollout engines sync from the trainer's masters without the host, the
+// static-RAC calibration runs on the rollout backend, intermediate checkpoints are written in the
+// background; the run, and a run resumed from one of those checkpoints, are the CPU run bit for bit.
+TEST_F(RlTrainBackend, RolloutsAndTrainerOnTheBackendsBitwise) {
+  optimizer_ = true;
+  rl::RunConfig cpu = tiny();
+  rl::run_sft(cpu, dir("base"), false);
+  const rl::RunOutcome want = rl::run_rl(cpu, options(dir("rl_cpu"), dir("base")));
+  rl::RunConfig dev = cpu;
+  dev.rl.device = "cuda";
+  dev.rl.train_device = "cuda";
+  test::StepCalls sc;
+  rl::set_rollout_backend_factory([&sc](const model::Weights& w, const model::PrecisionConfig& p) {
+    return std::make_unique<test::CpuStepBackend>(w, p, &sc);
+  });
+  const rl::RunOutcome got = rl::run_rl(dev, options(dir("rl_dev"), dir("base")));
+  EXPECT_EQ(got.device, "cpu-test");
+  EXPECT_EQ(got.train_device, "cpu-as-backend");
+  EXPECT_EQ(test::deterministic(want.rows), test::deterministic(got.rows));
+  // a sync a step for the rollout engine, one an evaluation for the fp32 engine (every eval_every
+  // steps and the final one, which syncs the rollout engine too), none through the host
+  const int64_t evals = (dev.rl.steps + dev.rl.eval_every - 1) / dev.rl.eval_every + 1;
+  EXPECT_EQ(sc.device_syncs, dev.rl.steps + 1 + evals);
+  EXPECT_EQ(sc.syncs, 0);
+  EXPECT_EQ(sc.downloads, 0) << "nothing needed the engines' host copies";
+  EXPECT_GT(sc.energy_steps, 0) << "quads calibrates RAC on the rollout backend";
+  const model::Weights c = model::Weights::load(dir("rl_cpu") + "/checkpoint");
+  const model::Weights d = model::Weights::load(dir("rl_dev") + "/checkpoint");
+  EXPECT_EQ(0, std::memcmp(c.data.data(), d.data.data(), c.data.size() * sizeof(float)));
+
+  rl::RunOptions half = options(dir("rl_dev_resumed"), dir("base"));
+  half.stop_after = 2;  // ends on the checkpoint of step 2, written in the background
+  rl::run_rl(dev, half);
+  half.stop_after = -1;
+  half.resume = true;
+  const rl::RunOutcome res = rl::run_rl(dev, half);
+  rl::set_rollout_backend_factory(nullptr);
+  EXPECT_EQ(test::deterministic(want.rows), test::deterministic(res.rows));
+}
+
 TEST_F(RlTrainBackend, ClearErrors) {
   rl::RunConfig cfg = tiny();
   cfg.rl.train_device = "cuda";

@@ -62,6 +62,12 @@ class CpuAsBackend : public train::TrainBackend {
     opt_.v = host.v;
     opt_.t = host.t;
   }
+  // With its optimizer the masters "live on the device": a host buffer that rollout backends of
+  // the tests take as "host-test" memory (test::CpuStepBackend::syncs_from).
+  model::DeviceWeights device_masters() override {
+    if (!optimizer_) return {};
+    return {w_.data.data(), w_.data.size(), "host-test"};
+  }
 
  private:
   model::Weights w_;
