@@ -2330,30 +2330,42 @@ void GpuModel::copy(int src, int dst) {
   m.len[dst] = m.len[src];
 }
 
-std::vector<float> GpuModel::step(const std::vector<model::StepItem>& items, model::Routing* record,
-                                  std::map<std::string, rollout::ActError>* act_error) {
-  Impl& m = *impl_;
-  // A step that measures the activation error takes the plain kernels (every linear's input in
-  // FP32 through prepare(), the experts one by one): fused norms, folded RAC, the grouped experts
-  // and X's fragments never materialize some of those inputs.
-  struct Modes {  // restored when the step ends or throws
-    Impl& m;
-    bool fused, legacy, fold, xfrag;
-    ~Modes() {
-      m.recording = false;
-      m.probe_out = nullptr;
-      m.fused_on = fused;
-      m.legacy_moe = legacy;
-      m.rac_fold_on = fold;
-      m.xfrag_on = xfrag;
-    }
-  } modes{m, m.fused_on, m.legacy_moe, m.rac_fold_on, m.xfrag_on};
-  m.recording = record != nullptr;
-  if (act_error) {
-    m.probe_out = act_error;
+namespace {
+
+// A step that measures what the linears are given (the activation error, RAC's energies) takes the
+// plain kernels: every linear's input in FP32 through prepare(), the experts one by one; fused
+// norms, folded RAC, the grouped experts and X's fragments never materialize some of those inputs.
+// Restores the kernel modes and drops the step's measuring outputs when it ends or throws.
+struct MeasuringStep {
+  GpuModel::Impl& m;
+  bool fused, legacy, fold, xfrag;
+  MeasuringStep(GpuModel::Impl& g, bool plain)
+      : m(g), fused(g.fused_on), legacy(g.legacy_moe), fold(g.rac_fold_on), xfrag(g.xfrag_on) {
+    if (!plain) return;
     m.fused_on = m.rac_fold_on = m.xfrag_on = false;
     m.legacy_moe = true;
   }
+  ~MeasuringStep() {
+    m.recording = false;
+    m.probe_out = nullptr;
+    m.energy_out = nullptr;
+    m.fused_on = fused;
+    m.legacy_moe = legacy;
+    m.rac_fold_on = fold;
+    m.xfrag_on = xfrag;
+  }
+  MeasuringStep(const MeasuringStep&) = delete;
+  MeasuringStep& operator=(const MeasuringStep&) = delete;
+};
+
+}  // namespace
+
+std::vector<float> GpuModel::step(const std::vector<model::StepItem>& items, model::Routing* record,
+                                  std::map<std::string, rollout::ActError>* act_error) {
+  Impl& m = *impl_;
+  const MeasuringStep guard(m, act_error != nullptr);
+  m.recording = record != nullptr;
+  m.probe_out = act_error;
   const int64_t nout = m.run(items);
   m.mark_end();
   std::vector<float> out(size_t(nout) * m.cfg.vocab_size);
@@ -2404,22 +2416,8 @@ void GpuModel::rac_energy(const std::vector<model::StepItem>& items, std::map<st
     std::copy(it->second.begin(), it->second.end(), host.begin() + m.energy_at[i]);
   }
   m.energy_d.upload(host);
-  // The plain kernels, as a step with act_error: fused norms, grouped experts and X's fragments
-  // never hold some linears' inputs in FP32.
-  struct Modes {  // restored when the step ends or throws
-    Impl& m;
-    bool fused, legacy, fold, xfrag;
-    ~Modes() {
-      m.energy_out = nullptr;
-      m.fused_on = fused;
-      m.legacy_moe = legacy;
-      m.rac_fold_on = fold;
-      m.xfrag_on = xfrag;
-    }
-  } modes{m, m.fused_on, m.legacy_moe, m.rac_fold_on, m.xfrag_on};
+  const MeasuringStep guard(m, true);
   m.energy_out = &energy;
-  m.fused_on = m.rac_fold_on = m.xfrag_on = false;
-  m.legacy_moe = true;
   // The CPU's forward multiplies every row by lm_head; the step does so for the rows it returns.
   std::vector<model::StepItem> all;
   if (head) {

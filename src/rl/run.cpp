@@ -9,10 +9,10 @@
 #include <fstream>
 #include <functional>
 #include <mutex>
-#include <thread>
-#include <utility>
 #include <optional>
 #include <sstream>
+#include <thread>
+#include <utility>
 
 #include "common/error.h"
 #include "common/progress.h"
