@@ -28,8 +28,9 @@
 // MoE: router softmax + top-k on the device; the [T, k] expert ids are copied to the host, where
 // cpu::moe_permute groups the rows by expert (the CPU twin itself); one GEMM per active expert.
 // RAC (model/rac.h) with static channels in whole 16-channel blocks: set_rac copies them from a
-// CPU model calibrated there or on this GPU (rac_energy, RolloutEngine::calibrate_rac); W4A4 linears run the residual through cuda::w4a4_gemm_gather on W's own
-// codes, fake-quant linears through an SGEMM on the gathered W_eff columns.
+// CPU model calibrated there or on this GPU (rac_energy, RolloutEngine::calibrate_rac); W4A4
+// linears run the residual through cuda::w4a4_gemm_gather on W's own codes, fake-quant linears
+// through an SGEMM on the gathered W_eff columns.
 // Inspection (rollout::StepBackend::step_inspect): step(items, &record, &act_error) copies each MoE
 // layer's expert ids from the device (as Model::step records them) and measures each linear's
 // activation error; the RL loop's routing replay and diagnostics read them.
