@@ -176,12 +176,15 @@ struct Model::Index {
   int lm_head = -1;
 };
 
-Model::Model(Weights& w, const PrecisionConfig& p) : w_(&w), prec_(p), index_(std::make_unique<Index>()) {
+Model::Model(Weights& w, const PrecisionConfig& p) : Model(w, p, Quantize::Now) {}
+
+Model::Model(Weights& w, const PrecisionConfig& p, Quantize when)
+    : w_(&w), prec_(p), index_(std::make_unique<Index>()) {
   w_->cfg.validate("model config");
   QUADS_CHECK(w_->data.size() == w_->layout.total, "model weights hold {} floats, the layout needs {}", w_->data.size(),
               w_->layout.total);
   build_linears();
-  sync();
+  if (when == Quantize::Now) sync();
 }
 
 Model::~Model() = default;
@@ -248,7 +251,10 @@ struct ModelImpl {
   const float* Weff;   // effective weights
 
   explicit ModelImpl(Model& model)
-      : m(model), c(model.w_->cfg), lay(model.w_->layout), W(model.w_->data.data()), Weff(model.weff_.data()) {}
+      : m(model), c(model.w_->cfg), lay(model.w_->layout), W(model.w_->data.data()), Weff(model.weff_.data()) {
+    QUADS_CHECK(model.weff_.size() == model.w_->data.size(),
+                "model: its weights are not quantized yet (built with Quantize::Later: sync() first)");
+  }
 
   const LinearQ& lin(int i) const { return m.linears_[i]; }
   const Model::Index::Lin& idx(int l) const { return m.index_->layers[l]; }

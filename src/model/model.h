@@ -154,6 +154,11 @@ class Model {
   // Wraps `w` (not owned: it must outlive the model; the optimizer updates it in place) and
   // syncs the effective weights.
   explicit Model(Weights& w, const PrecisionConfig& p = PrecisionConfig::preset("fp32"));
+  // Quantize::Later builds the linears (names, numerics: what RAC's selection and the GPU backends
+  // read) without the effective weights, for a model that may never run (the CPU twin of a GPU
+  // engine or trainer); forward and step refuse to run before sync().
+  enum class Quantize : uint8_t { Now, Later };
+  Model(Weights& w, const PrecisionConfig& p, Quantize when);
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;

@@ -248,14 +248,16 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
                    info.value("skipped_bad_lines", 0), info.value("skipped_long_prompts", 0), opt.out_dir.c_str());
   }
 
-  // Trainer: float32 masters in the trainer's numerics. Reference: the base, frozen.
+  // Trainer: float32 masters in the trainer's numerics. Reference: the base, frozen. With the
+  // trainer on the GPU their CPU models only carry the layout (never quantized, never run).
+  const auto cpu_models = R.trainer_device() == "cuda" ? model::Model::Quantize::Later : model::Model::Quantize::Now;
   model::Weights W = base_w;
-  model::Model trainer(W, trainer_precision(spec));
+  model::Model trainer(W, trainer_precision(spec), cpu_models);
   std::optional<model::Weights> ref_w;
   std::optional<model::Model> ref;
   if (R.kl_coef > 0) {
     ref_w.emplace(base_w);
-    ref.emplace(*ref_w, trainer_precision(spec));
+    ref.emplace(*ref_w, trainer_precision(spec), cpu_models);
   }
   train::AdamWConfig ac;
   ac.lr = R.lr;
@@ -320,8 +322,8 @@ RunOutcome run_rl(const RunConfig& cfg, const RunOptions& opt) {
   // Resume.
   Checkpoint ck;
   if (opt.resume && load_checkpoint(opt.out_dir, W, adam, ck, opt.mode, opt.seed)) {
-    trainer.sync();
     if (gtrain) gtrain->sync(W);
+    else trainer.sync();
     if (dev_opt) gtrain->upload_optimizer(adam);
   }
   const double elapsed0 = ck.elapsed;

@@ -43,7 +43,9 @@ RolloutEngine::RolloutEngine(const model::Weights& master, const model::Precisio
 
 RolloutEngine::RolloutEngine(model::Weights&& weights, const model::PrecisionConfig& p, const EngineOptions& o)
     : options(o), weights_(std::make_unique<model::Weights>(std::move(weights))) {
-  model_ = std::make_unique<model::Model>(*weights_, p);
+  // Quantized when first used: an engine that steps on a backend may never need its CPU model.
+  model_ = std::make_unique<model::Model>(*weights_, p, model::Model::Quantize::Later);
+  model_stale_ = true;
   // Batch invariance rests on the row-invariant GEMMs (see the top of engine.h).
   model_->forward_gemm = model::GemmMode::RowInvariant;
 }

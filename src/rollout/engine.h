@@ -172,7 +172,7 @@ std::vector<Draw> decode_stepwise(
 
 class RolloutEngine {
  public:
-  // Copies `master` (config and float32 weights) and quantizes it in precision `p`.
+  // Copies `master` (config and float32 weights); its CPU model in precision `p` is quantized when first used.
   RolloutEngine(const model::Weights& master, const model::PrecisionConfig& p, const EngineOptions& o = {});
   // Takes the weights over (no copy): for a command-line run that loads a checkpoint once.
   RolloutEngine(model::Weights&& weights, const model::PrecisionConfig& p, const EngineOptions& o = {});
@@ -192,9 +192,9 @@ class RolloutEngine {
   // for an empty prompt, a token id outside the vocabulary or invalid sampling parameters.
   std::vector<Result> generate(const std::vector<Request>& requests);
 
-  // The CPU model (RAC calibration, diagnostics). With a backend, sync() leaves its re-quantization
-  // to the first use after it: an RL step that neither calibrates nor runs diagnostics on it skips
-  // the work (the whole model quantized on the host, each step).
+  // The CPU model (RAC calibration, diagnostics). It is quantized when first used, and with a
+  // backend sync() leaves its re-quantization to the first use after it: an engine or an RL step
+  // that never runs it on the CPU skips the work (the whole model quantized on the host).
   const model::Model& model() const {
     cpu_model_current();
     return *model_;

@@ -82,6 +82,32 @@ TEST(Precision, SyncRequantizesAfterAWeightUpdate) {
   EXPECT_EQ(std::memcmp(fq.data(), m.effective_weights() + L->offset, fq.size() * 4), 0);
 }
 
+// Quantize::Later (the CPU twin of a GPU engine or trainer): the same linears, no effective weights
+// until sync(), a forward or step before it is an error, and after it the model is Quantize::Now's.
+TEST(Precision, ModelQuantizedLaterRunsOnlyAfterSync) {
+  const ModelConfig c = config();
+  Weights w = Weights::random(c, 5, 0.1f);
+  const auto p = PrecisionConfig::preset("nvfp4");
+  Model now(w, p);
+  Model later(w, p, Model::Quantize::Later);
+  ASSERT_EQ(later.linears().size(), now.linears().size());
+  for (size_t i = 0; i < now.linears().size(); ++i) {
+    EXPECT_EQ(later.linears()[i].name, now.linears()[i].name);
+    EXPECT_TRUE(later.linears()[i].num == now.linears()[i].num) << now.linears()[i].name;
+  }
+  const Batch b = Batch::of({{1, 2, 3, 4}, {5, 6}});
+  std::vector<float> a(b.ntokens() * c.vocab_size), z(a.size());
+  EXPECT_THROW(later.forward(b, z.data()), Error);
+  KVCache cache(c, 1);
+  StepItem it;
+  it.tokens = {1, 2, 3};
+  EXPECT_THROW(later.step(cache, {it}), Error);
+  later.sync();
+  now.forward(b, a.data());
+  later.forward(b, z.data());
+  EXPECT_EQ(std::memcmp(a.data(), z.data(), a.size() * 4), 0);
+}
+
 TEST(Precision, W4A4IsExactEmulation) {
   const ModelConfig c = config();
   Weights w = Weights::random(c, 13, 0.1f);
