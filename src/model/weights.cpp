@@ -442,12 +442,23 @@ void Weights::save(const std::string& dir, const SaveOptions& opt) const {
   for (size_t s = 0; s < n; ++s) {
     const std::string fname =
         n == 1 ? std::string("model.safetensors") : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, n);
-    std::vector<io::TensorData> tensors;
+    // Streamed tensor by tensor: F32 straight from the masters, BF16 through one tensor's copy, so
+    // a save never holds a second copy of a shard (a checkpoint of a large model would double it).
+    std::vector<io::TensorSpec> specs;
     for (const ParamInfo* p : shards[s]) {
-      tensors.push_back(io::TensorData::from_f32(p->name, p->shape, data.data() + p->offset, dt));
+      specs.push_back({p->name, dt, p->shape});
       weight_map[p->name] = fname;
     }
-    io::write_safetensors((fs::path(dir) / fname).string(), tensors, {{"format", "pt"}});
+    io::SafeTensorsWriter out((fs::path(dir) / fname).string(), std::move(specs), {{"format", "pt"}});
+    for (const ParamInfo* p : shards[s]) {
+      if (dt == io::DType::F32) {
+        out.write(p->name, data.data() + p->offset, p->numel * sizeof(float));
+      } else {
+        const io::TensorData t = io::TensorData::from_f32(p->name, p->shape, data.data() + p->offset, dt);
+        out.write(p->name, t.bytes.data(), t.bytes.size());
+      }
+    }
+    out.commit();
     names.push_back(fname);
   }
   if (n > 1) {

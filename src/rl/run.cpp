@@ -69,10 +69,12 @@ void save_checkpoint(const std::string& run_dir, const model::Weights& w, const 
   fs::create_directories(tmp);
   w.save(tmp);
   const int64_t n = static_cast<int64_t>(m.size());
-  io::write_safetensors(tmp + "/optimizer.safetensors",
-                    {io::TensorData::from_f32("adamw.m", {n}, m.data()),
-                     io::TensorData::from_f32("adamw.v", {n}, v.data())},
-                    {{"adamw.t", std::to_string(t)}});
+  io::SafeTensorsWriter ow(tmp + "/optimizer.safetensors",
+                           {{"adamw.m", io::DType::F32, {n}}, {"adamw.v", io::DType::F32, {n}}},
+                           {{"adamw.t", std::to_string(t)}});
+  ow.write("adamw.m", m.data(), m.size() * sizeof(float));  // from the buffers: no copy of the moments
+  ow.write("adamw.v", v.data(), v.size() * sizeof(float));
+  ow.commit();
   nlohmann::json st = {{"step", c.step},
                        {"mode", mode},
                        {"seed", seed},
