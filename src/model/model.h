@@ -172,7 +172,8 @@ class Model {
   // Recomputes every linear's W_eff from the master weights: quantize once. Call after loading,
   // after each optimizer step (QAT) and at each weight sync of the rollout engine.
   void sync();
-  // The effective weights (same layout as weights().data; only linear weights are meaningful).
+  // The effective weights (same layout as weights().data; only linear weights are meaningful);
+  // none (nullptr) before the first sync() of a Quantize::Later model.
   const float* effective_weights() const { return weff_.data(); }
   std::vector<LinearQ>& linears() { return linears_; }
   const std::vector<LinearQ>& linears() const { return linears_; }

@@ -172,7 +172,8 @@ std::vector<Draw> decode_stepwise(
 
 class RolloutEngine {
  public:
-  // Copies `master` (config and float32 weights); its CPU model in precision `p` is quantized when first used.
+  // Copies `master` (config and float32 weights); its CPU model in precision `p` is quantized when
+  // first used.
   RolloutEngine(const model::Weights& master, const model::PrecisionConfig& p, const EngineOptions& o = {});
   // Takes the weights over (no copy): for a command-line run that loads a checkpoint once.
   RolloutEngine(model::Weights&& weights, const model::PrecisionConfig& p, const EngineOptions& o = {});
