@@ -287,6 +287,11 @@ struct GpuTrainer::Impl {
   std::vector<DeviceArray<float>> kv_f, kv_m;
   bool kv_quant = false;
   num::QConfig kv_qc;
+  // capture_attention: the forward copies each layer's attention inputs here and runs no KV transform
+  train::AttentionInputs* capture = nullptr;
+  // attention_mse's buffers
+  DeviceArray<float> c_q, c_k, c_v, c_wq, c_wk, c_wv, c_ref, c_out, c_lse, c_pq, c_pk, c_pv, c_po, c_tf;
+  DeviceArray<double> c_sums;
   DeviceArray<uint16_t> b_lm;
   Opnd op_lm;
   // Scratch of one layer at a time.
@@ -956,6 +961,122 @@ struct GpuTrainer::Impl {
 
   // ---- forward
 
+  // seq0 and RoPE's tables for T packed tokens with these sequence offsets (positions restart in
+  // every sequence; seq0[t] = the first token of t's sequence). Synchronous copies: the stream is
+  // idle between calls (every call ends with a sync).
+  void set_positions(const std::vector<int64_t>& offsets) {
+    const int hd = cfg.head_dim;
+    std::vector<int64_t> pos(T);
+    std::vector<int32_t> hseq0(T);
+    for (size_t s = 0; s + 1 < offsets.size(); ++s)
+      for (int64_t t = offsets[s]; t < offsets[s + 1]; ++t) {
+        pos[t] = t - offsets[s];
+        hseq0[t] = static_cast<int32_t>(offsets[s]);
+      }
+    std::vector<float> hcos(T * hd / 2), hsin(T * hd / 2);
+    cpu::rope_tables(pos.data(), T, hd, cfg.rope_theta, hcos.data(), hsin.data());
+    QUADS_CUDA_CHECK(cudaStreamSynchronize(stream));
+    seq0.upload(hseq0);
+    cosb.upload(hcos);
+    sinb.upload(hsin);
+  }
+
+  void download_async(const float* src, int64_t n, std::vector<float>* dst) {
+    dst->resize(size_t(n));
+    QUADS_CUDA_CHECK(cudaMemcpyAsync(dst->data(), src, size_t(n) * sizeof(float), cudaMemcpyDeviceToHost, stream));
+  }
+
+  // The exact FP32 causal attention of T packed tokens (seq0, set_positions), zero-padded where
+  // head_dim is not a kernel's (attn_hd); out [T, nh, hd].
+  void attend_exact(const float* q, const float* k, const float* v, float* out) {
+    const int nh = cfg.num_attention_heads, nkv = cfg.num_key_value_heads, hd = cfg.head_dim, hdp = attn_hd();
+    const float scale = static_cast<float>(1.0 / std::sqrt(double(hd)));
+    float* lse = need(c_lse, size_t(T * nh));
+    if (hdp == hd) return kern::attention_train_fwd(q, k, v, seq0.data(), T, nh, nkv, hd, scale, out, lse, stream);
+    kern::copy_cols(q, T * nh, hd, need(c_pq, size_t(T * nh * hdp)), hdp, stream);
+    kern::copy_cols(k, T * nkv, hd, need(c_pk, size_t(T * nkv * hdp)), hdp, stream);
+    kern::copy_cols(v, T * nkv, hd, need(c_pv, size_t(T * nkv * hdp)), hdp, stream);
+    kern::attention_train_fwd(c_pq.data(), c_pk.data(), c_pv.data(), seq0.data(), T, nh, nkv, hdp, scale,
+                              need(c_po, size_t(T * nh * hdp)), lse, stream);
+    kern::copy_cols(c_po.data(), T * nh, hdp, out, hd, stream);
+  }
+
+  // reqat::attention_mse_cpu's arithmetic, with the trainer's kernels (the transform's order of
+  // forward(): factor, RoPE, shift, K and V fake-quantized); each candidate's error is summed per
+  // (token, head) row in double on the device and over the rows on the host.
+  std::vector<double> attention_mse(const train::AttentionInputs& in, int l, const std::vector<train::KvCandidate>& cands,
+                                    const num::QConfig* kvq) {
+    const int nh = cfg.num_attention_heads, nkv = cfg.num_key_value_heads, hd = cfg.head_dim;
+    const int64_t qd = cfg.q_dim(), kvd = cfg.kv_dim();
+    QUADS_CHECK(l >= 0 && l < int(in.q.size()) && in.k.size() == in.q.size() && in.v.size() == in.q.size(),
+                "GpuTrainer::attention_mse: layer {} not in the capture ({} layers)", l, in.q.size());
+    QUADS_CHECK(!in.offsets.empty() && in.offsets.front() == 0 && in.offsets.back() == in.T,
+                "GpuTrainer::attention_mse: the capture's offsets do not cover its {} tokens", in.T);
+    QUADS_CHECK(int64_t(in.q[l].size()) == in.T * qd && int64_t(in.k[l].size()) == in.T * kvd &&
+                    int64_t(in.v[l].size()) == in.T * kvd,
+                "GpuTrainer::attention_mse: layer {}'s q/k/v sizes do not match {} tokens", l, in.T);
+    for (const train::KvCandidate& c : cands)
+      QUADS_CHECK((c.factor.empty() || int64_t(c.factor.size()) == kvd) && (c.shift.empty() || int64_t(c.shift.size()) == kvd),
+                  "GpuTrainer::attention_mse: a candidate's factor / shift has {} / {} values, kv_dim is {}",
+                  c.factor.size(), c.shift.size(), kvd);
+    kept = false;  // the buffers below are not the kept forward's, but T and the positions change
+    T = in.T;
+    if (T == 0 || cands.empty()) return std::vector<double>(cands.size(), 0.0);
+    set_positions(in.offsets);
+    // Every candidate's factor and shift in one upload: [cands][2][kvd].
+    std::vector<float> tf(cands.size() * 2 * size_t(kvd), 0.f);
+    for (size_t i = 0; i < cands.size(); ++i) {
+      std::copy(cands[i].factor.begin(), cands[i].factor.end(), tf.begin() + (2 * i) * kvd);
+      std::copy(cands[i].shift.begin(), cands[i].shift.end(), tf.begin() + (2 * i + 1) * kvd);
+    }
+    c_tf.upload(tf);
+    c_q.upload(in.q[l]);
+    c_k.upload(in.k[l]);
+    c_v.upload(in.v[l]);
+    const size_t nq = size_t(T * qd), nk = size_t(T * kvd);
+    float *wq = need(c_wq, nq), *wk = need(c_wk, nk), *wv = need(c_wv, nk);
+    auto d2d = [&](float* dst, const float* src, size_t n) {
+      QUADS_CUDA_CHECK(cudaMemcpyAsync(dst, src, n * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+    };
+    d2d(wq, c_q.data(), nq);
+    d2d(wk, c_k.data(), nk);
+    kern::rope_fwd(wq, T, nh, hd, cosb.data(), sinb.data(), stream);
+    kern::rope_fwd(wk, T, nkv, hd, cosb.data(), sinb.data(), stream);
+    attend_exact(wq, wk, c_v.data(), need(c_ref, nq));
+    const int64_t rows = T * nh;
+    const size_t chunk = 32;  // candidates a download
+    double* sums = need(c_sums, chunk * 2 * size_t(rows));
+    std::vector<double> hs(chunk * 2 * size_t(rows)), mse(cands.size());
+    for (size_t c0 = 0; c0 < cands.size(); c0 += chunk) {
+      const size_t c1 = std::min(cands.size(), c0 + chunk);
+      for (size_t i = c0; i < c1; ++i) {
+        d2d(wq, c_q.data(), nq);
+        d2d(wk, c_k.data(), nk);
+        d2d(wv, c_v.data(), nk);
+        if (!cands[i].factor.empty()) kern::kv_factor(wq, wk, T, nh, nkv, hd, c_tf.data() + (2 * i) * kvd, stream);
+        kern::rope_fwd(wq, T, nh, hd, cosb.data(), sinb.data(), stream);
+        kern::rope_fwd(wk, T, nkv, hd, cosb.data(), sinb.data(), stream);
+        if (!cands[i].shift.empty()) kern::sub_cols(wk, T, kvd, c_tf.data() + (2 * i + 1) * kvd, stream);
+        if (kvq) {
+          fake_quantize(wk, wk, T * nkv, hd, *kvq, stream);
+          fake_quantize(wv, wv, T * nkv, hd, *kvq, stream);
+        }
+        float* out = need(c_out, nq);
+        attend_exact(wq, wk, wv, out);
+        kern::row_error_sums(out, c_ref.data(), rows, hd, sums + (i - c0) * 2 * rows, stream);
+      }
+      QUADS_CUDA_CHECK(cudaMemcpyAsync(hs.data(), sums, (c1 - c0) * 2 * rows * sizeof(double), cudaMemcpyDeviceToHost,
+                                       stream));
+      QUADS_CUDA_CHECK(cudaStreamSynchronize(stream));
+      for (size_t i = c0; i < c1; ++i) {
+        double e = 0;
+        for (int64_t r = 0; r < rows; ++r) e += hs[(i - c0) * 2 * rows + 2 * r];
+        mse[i] = e / static_cast<double>(T * qd);
+      }
+    }
+    return mse;
+  }
+
   // The head_dim the attention kernels run at: theirs need a multiple of 32 (train_kernels.h), so
   // smaller or ragged heads (the test fixtures' 16) run zero-padded; zero channels add exact zeros
   // to every score and leave the real output and gradient channels unchanged.
@@ -1032,27 +1153,13 @@ struct GpuTrainer::Impl {
     if (resid.size() < nres) resid.resize(nres);
     for (size_t i = 0; i < nres; ++i) need(resid[i], size_t(T * H));
 
-    // Positions restart in every sequence; seq0[t] = the first token of t's sequence.
-    std::vector<int64_t> pos(T);
-    std::vector<int32_t> hseq0(T);
-    for (int s = 0; s < b.nseq(); ++s)
-      for (int64_t t = b.offsets[s]; t < b.offsets[s + 1]; ++t) {
-        pos[t] = t - b.offsets[s];
-        hseq0[t] = static_cast<int32_t>(b.offsets[s]);
-      }
-    std::vector<float> hcos(T * hd / 2), hsin(T * hd / 2);
-    cpu::rope_tables(pos.data(), T, hd, cfg.rope_theta, hcos.data(), hsin.data());
-    // Synchronous copies: the stream is idle between calls (every call ends with a sync).
-    QUADS_CUDA_CHECK(cudaStreamSynchronize(stream));
-    seq0.upload(hseq0);
+    set_positions(b.offsets);
     attn_tc_fwd = attn_tc;
     if (attn_tc_fwd) {
       if (!atc) atc = std::make_unique<AttentionTc>();
       atc->plan(b.offsets);
     }
     tok_d.upload(b.tokens);
-    cosb.upload(hcos);
-    sinb.upload(hsin);
     if (keep) {
       std::vector<int32_t> order(T), starts(T + 1), ids(T);
       kern::embedding_bwd_plan(b.tokens.data(), T, order.data(), starts.data(), ids.data(), &emb_nuniq);
@@ -1084,12 +1191,18 @@ struct GpuTrainer::Impl {
       kern::rmsnorm_fwd(a.q_raw.data(), M + o.q_norm, T * nh, hd, eps, need(a.q, T * qd), need(a.inv_q, T * nh), stream);
       kern::rmsnorm_fwd(a.k_raw.data(), M + o.k_norm, T * nkv, hd, eps, need(a.k, T * kvd), need(a.inv_k, T * nkv),
                         stream);
-      const float* kvf = l < int(kv_f.size()) && kv_f[l].size() ? kv_f[l].data() : nullptr;
+      if (capture) {  // ordered before this buffer's next use on the stream; the caller syncs
+        download_async(a.q.data(), T * qd, &capture->q[l]);
+        download_async(a.k.data(), T * kvd, &capture->k[l]);
+        download_async(a.v.data(), T * kvd, &capture->v[l]);
+      }
+      const bool kvt = !capture;
+      const float* kvf = kvt && l < int(kv_f.size()) && kv_f[l].size() ? kv_f[l].data() : nullptr;
       if (kvf) kern::kv_factor(a.q.data(), a.k.data(), T, nh, nkv, hd, kvf, stream);
       kern::rope_fwd(a.q.data(), T, nh, hd, cosb.data(), sinb.data(), stream);
       kern::rope_fwd(a.k.data(), T, nkv, hd, cosb.data(), sinb.data(), stream);
-      if (l < int(kv_m.size()) && kv_m[l].size()) kern::sub_cols(a.k.data(), T, kvd, kv_m[l].data(), stream);
-      if (kv_quant) {  // K and V as the cache would hold them; the attention and its backward read these
+      if (kvt && l < int(kv_m.size()) && kv_m[l].size()) kern::sub_cols(a.k.data(), T, kvd, kv_m[l].data(), stream);
+      if (kvt && kv_quant) {  // K and V as the cache would hold them; the attention and its backward read these
         fake_quantize(a.k.data(), a.k.data(), T * nkv, hd, kv_qc, stream);
         fake_quantize(a.v.data(), a.v.data(), T * nkv, hd, kv_qc, stream);
       }
@@ -1452,6 +1565,32 @@ void GpuTrainer::set_kv_transform(const model::KvTransform& t) {
   m.kept = false;  // a kept forward ran without it
 }
 
+void GpuTrainer::capture_attention(const model::Batch& b, train::AttentionInputs* out) {
+  Impl& m = *impl_;
+  QUADS_CHECK(out != nullptr, "GpuTrainer::capture_attention: no output");
+  const int L = m.cfg.num_hidden_layers;
+  *out = {};
+  out->q.resize(L);
+  out->k.resize(L);
+  out->v.resize(L);
+  out->offsets = b.offsets;
+  out->T = b.ntokens();
+  m.capture = out;
+  try {
+    m.forward(b, nullptr, false, nullptr, nullptr);
+  } catch (...) {
+    m.capture = nullptr;
+    throw;
+  }
+  m.capture = nullptr;
+  QUADS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+}
+
+std::vector<double> GpuTrainer::attention_mse(const train::AttentionInputs& in, int l,
+                                              const std::vector<train::KvCandidate>& cands, const num::QConfig* kv) {
+  return impl_->attention_mse(in, l, cands, kv);
+}
+
 void GpuTrainer::backward(const float* dlogits_host, float* grads_host) {
   Impl& m = *impl_;
   QUADS_CHECK(m.kept, "GpuTrainer::backward: the last forward did not keep its activations (keep = true)");
@@ -1674,6 +1813,11 @@ class GpuTrainBackend : public train::TrainBackend {
   }
   void sync(const model::Weights& w) override { g_.upload(w); }
   void set_kv_transform(const model::KvTransform& t) override { g_.set_kv_transform(t); }
+  void capture_attention(const model::Batch& b, train::AttentionInputs* out) override { g_.capture_attention(b, out); }
+  std::vector<double> attention_mse(const train::AttentionInputs& in, int l, const std::vector<train::KvCandidate>& cands,
+                                    const num::QConfig* kv) override {
+    return g_.attention_mse(in, l, cands, kv);
+  }
   void set_router_losses(double aux_loss_coef, double z_loss_coef) override {
     g_.set_router_losses(aux_loss_coef, z_loss_coef);
   }

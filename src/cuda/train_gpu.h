@@ -107,6 +107,13 @@ class GpuTrainer {
   // the post-RoPE part and the factor's diagonal map for the pre-RoPE one. An empty transform
   // removes it. Applies from the next forward.
   void set_kv_transform(const model::KvTransform& t);
+  // Q-FIT's calibration (train::TrainBackend's): every layer's attention inputs of a forward of b
+  // (run without the KV transform; logits stay on the device), and for layer l of such a capture
+  // the attention's MSE under each candidate against the float32 attention, on the exact FP32
+  // attention kernels whatever the trainer's attention setting. Both end a kept forward.
+  void capture_attention(const model::Batch& b, train::AttentionInputs* out);
+  std::vector<double> attention_mse(const train::AttentionInputs& in, int l, const std::vector<train::KvCandidate>& cands,
+                                    const num::QConfig* kv);
   // From dL/dlogits [T, V] (host) of the last kept forward: adds the gradient of every parameter
   // to the device gradients; with grads_host (weights layout), this call's gradient is also ADDED
   // to it (a download of the whole gradient).

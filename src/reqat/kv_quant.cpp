@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 
 #include "common/error.h"
 #include "cpu/ops.h"
@@ -86,12 +87,12 @@ std::vector<float> shift_values(const std::vector<float>& shift, double beta) {
   return m;
 }
 
-// q [n, nh, hd] *= f of its kv head; k [n, nkv, hd] /= f.
+// q [n, nh, hd] *= f of its kv head (q may be null); k [n, nkv, hd] /= f.
 void apply_scale(float* q, float* k, int64_t n, int nh, int nkv, int hd, const float* f) {
   const int group = nh / nkv;
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < n; ++t) {
-    for (int h = 0; h < nh; ++h) {
+    for (int h = 0; q && h < nh; ++h) {
       float* qr = q + (t * nh + h) * hd;
       const float* fr = f + static_cast<int64_t>(h / group) * hd;
       for (int j = 0; j < hd; ++j) qr[j] *= fr[j];
@@ -225,24 +226,63 @@ AttnCapture capture_attention_inputs(model::Model& m, const model::Batch& calib)
 
 namespace {
 
+// RoPE's tables for a capture's positions (restarting in every sequence).
+struct RopeTables {
+  std::vector<float> cos, sin;  // [T, hd/2]
+  RopeTables(const model::ModelConfig& c, const AttnCapture& cap) {
+    std::vector<int64_t> pos(cap.T);
+    for (size_t s = 0; s + 1 < cap.offsets.size(); ++s)
+      for (int64_t t = cap.offsets[s]; t < cap.offsets[s + 1]; ++t) pos[t] = t - cap.offsets[s];
+    cos.resize(cap.T * (c.head_dim / 2));
+    sin.resize(cap.T * (c.head_dim / 2));
+    cpu::rope_tables(pos.data(), cap.T, c.head_dim, c.rope_theta, cos.data(), sin.data());
+  }
+};
+
+void check_capture(const model::ModelConfig& c, const AttnCapture& cap, int l) {
+  QUADS_CHECK(l >= 0 && l < static_cast<int>(cap.q.size()) && cap.k.size() == cap.q.size() &&
+                  cap.v.size() == cap.q.size(),
+              "Q-FIT: layer {} not in the capture ({} layers)", l, cap.q.size());
+  QUADS_CHECK(!cap.offsets.empty() && cap.offsets.front() == 0 && cap.offsets.back() == cap.T,
+              "Q-FIT: the capture's sequence offsets do not cover its {} tokens", cap.T);
+  QUADS_CHECK(static_cast<int64_t>(cap.q[l].size()) == cap.T * c.q_dim() &&
+                  static_cast<int64_t>(cap.k[l].size()) == cap.T * c.kv_dim() &&
+                  static_cast<int64_t>(cap.v[l].size()) == cap.T * c.kv_dim(),
+              "Q-FIT: layer {} of the capture holds q/k/v of {}/{}/{} floats, {} tokens need {}/{}/{}", l,
+              cap.q[l].size(), cap.k[l].size(), cap.v[l].size(), cap.T, cap.T * c.q_dim(), cap.T * c.kv_dim(),
+              cap.T * c.kv_dim());
+}
+
+// The mean over the capture's tokens of layer l's keys divided by `factor` (empty: none) and
+// rotated: the shift a candidate subtracts, times beta.
+std::vector<float> rotated_key_mean(const model::ModelConfig& c, const AttnCapture& cap, int l, const RopeTables& rt,
+                                    const std::vector<float>& factor) {
+  const int64_t T = cap.T, kvd = c.kv_dim();
+  std::vector<float> k = cap.k[l];
+  if (!factor.empty())
+    apply_scale(nullptr, k.data(), T, c.num_attention_heads, c.num_key_value_heads, c.head_dim, factor.data());
+  cpu::rope_forward(k.data(), T, c.num_key_value_heads, c.head_dim, rt.cos.data(), rt.sin.data());
+  std::vector<double> mean(kvd, 0.0);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t ch = 0; ch < kvd; ++ch) mean[ch] += k[t * kvd + ch];
+  std::vector<float> shift(kvd);
+  for (int64_t ch = 0; ch < kvd; ++ch) shift[ch] = static_cast<float>(T ? mean[ch] / T : 0.0);
+  return shift;
+}
+
+// One layer's attention on the host: the float32 reference and the error of each candidate.
 struct LayerCalib {
   const model::ModelConfig& c;
   const AttnCapture& cap;
   int l;
-  std::vector<float> cos, sin;  // [T, hd/2]
-  std::vector<float> ref;       // float32 attention output [T, nh, hd]
+  const RopeTables& rt;
+  std::vector<float> ref;  // float32 attention output [T, nh, hd]
 
-  LayerCalib(const model::ModelConfig& cfg, const AttnCapture& cp, int layer) : c(cfg), cap(cp), l(layer) {
-    const int64_t T = cap.T;
-    std::vector<int64_t> pos(T);
-    for (size_t s = 0; s + 1 < cap.offsets.size(); ++s)
-      for (int64_t t = cap.offsets[s]; t < cap.offsets[s + 1]; ++t) pos[t] = t - cap.offsets[s];
-    cos.resize(T * (c.head_dim / 2));
-    sin.resize(T * (c.head_dim / 2));
-    cpu::rope_tables(pos.data(), T, c.head_dim, c.rope_theta, cos.data(), sin.data());
+  LayerCalib(const model::ModelConfig& cfg, const AttnCapture& cp, int layer, const RopeTables& tables)
+      : c(cfg), cap(cp), l(layer), rt(tables) {
     std::vector<float> q = cap.q[l], k = cap.k[l];
-    cpu::rope_forward(q.data(), T, c.num_attention_heads, c.head_dim, cos.data(), sin.data());
-    cpu::rope_forward(k.data(), T, c.num_key_value_heads, c.head_dim, cos.data(), sin.data());
+    cpu::rope_forward(q.data(), cap.T, c.num_attention_heads, c.head_dim, rt.cos.data(), rt.sin.data());
+    cpu::rope_forward(k.data(), cap.T, c.num_key_value_heads, c.head_dim, rt.cos.data(), rt.sin.data());
     ref = attend(q.data(), k.data(), cap.v[l].data());
   }
 
@@ -260,28 +300,19 @@ struct LayerCalib {
     return out;
   }
 
-  // Mean of the rotated, scaled keys; then the MSE with K shifted and K, V quantized.
-  double mse(const std::vector<float>& s, double alpha, double beta, const KvQuantConfig& kv,
-             std::vector<float>* shift_out) const {
+  // Factor, RoPE, shift, K and V quantized: the order of the KV hooks (make_kv_hooks).
+  double mse(const train::KvCandidate& cand, const num::QConfig* kv) const {
     const int nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
     const int64_t T = cap.T, kvd = c.kv_dim();
+    QUADS_CHECK((cand.factor.empty() || static_cast<int64_t>(cand.factor.size()) == kvd) &&
+                    (cand.shift.empty() || static_cast<int64_t>(cand.shift.size()) == kvd),
+                "Q-FIT: a candidate's factor / shift has {} / {} values, kv_dim is {}", cand.factor.size(),
+                cand.shift.size(), kvd);
     std::vector<float> q = cap.q[l], k = cap.k[l], v = cap.v[l];
-    if (!s.empty() && alpha != 0) {
-      std::vector<float> f = scale_factors(s, alpha);
-      apply_scale(q.data(), k.data(), T, nh, nkv, hd, f.data());
-    }
-    cpu::rope_forward(q.data(), T, nh, hd, cos.data(), sin.data());
-    cpu::rope_forward(k.data(), T, nkv, hd, cos.data(), sin.data());
-    std::vector<double> mean(kvd, 0.0);
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t ch = 0; ch < kvd; ++ch) mean[ch] += k[t * kvd + ch];
-    std::vector<float> shift(kvd);
-    for (int64_t ch = 0; ch < kvd; ++ch) shift[ch] = static_cast<float>(T ? mean[ch] / T : 0.0);
-    if (shift_out) *shift_out = shift;
-    std::vector<float> m;
-    if (beta != 0) m = shift_values(shift, beta);
-    num::QConfig qc = kv.qconfig();
-    apply_post(k.data(), v.data(), T, kvd, hd, m.empty() ? nullptr : m.data(), kv.enabled ? &qc : nullptr);
+    if (!cand.factor.empty()) apply_scale(q.data(), k.data(), T, nh, nkv, hd, cand.factor.data());
+    cpu::rope_forward(q.data(), T, nh, hd, rt.cos.data(), rt.sin.data());
+    cpu::rope_forward(k.data(), T, nkv, hd, rt.cos.data(), rt.sin.data());
+    apply_post(k.data(), v.data(), T, kvd, hd, cand.shift.empty() ? nullptr : cand.shift.data(), kv);
     std::vector<float> out = attend(q.data(), k.data(), v.data());
     double e = 0;
     for (size_t i = 0; i < out.size(); ++i) {
@@ -314,46 +345,104 @@ std::vector<double> default_grid() {
   return g;
 }
 
-}  // namespace
-
-double qfit_attention_mse(const model::ModelConfig& cfg, const AttnCapture& cap, int l, const std::vector<float>& scale,
-                          double alpha, double beta, const KvQuantConfig& kv, std::vector<float>* shift_out) {
-  QUADS_CHECK(l >= 0 && l < static_cast<int>(cap.q.size()), "Q-FIT: layer {} not in the capture", l);
-  LayerCalib lc(cfg, cap, l);
-  return lc.mse(scale, alpha, beta, kv, shift_out);
+// The candidate of (alpha, beta) for a layer with scale s; `mean` is rotated_key_mean at alpha.
+train::KvCandidate candidate(const std::vector<float>& s, double alpha, double beta, const std::vector<float>& mean) {
+  train::KvCandidate k;
+  if (!s.empty() && alpha != 0) k.factor = scale_factors(s, alpha);
+  if (beta != 0) k.shift = shift_values(mean, beta);
+  return k;
 }
 
-QFit calibrate_qfit(model::Model& m, const model::Batch& calib, const QFitOptions& opt, std::vector<QFitGrid>* grids) {
-  const model::ModelConfig& c = m.config();
-  QUADS_CHECK(calib.ntokens() > 0, "Q-FIT: empty calibration batch");
-  QUADS_CHECK(c.head_dim % 2 == 0, "Q-FIT: head_dim {} must be even (RoPE pairs)", c.head_dim);
+// The search, wherever the MSEs are computed: eval(l, candidates) gives layer l's MSE of each.
+using EvalFn = std::function<std::vector<double>(int, const std::vector<train::KvCandidate>&)>;
+QFit search(const model::ModelConfig& c, const AttnCapture& cap, const QFitOptions& opt, std::vector<QFitGrid>* grids,
+            const EvalFn& eval) {
   const std::vector<double> alphas = opt.alphas.empty() ? default_grid() : opt.alphas;
   const std::vector<double> betas = opt.betas.empty() ? default_grid() : opt.betas;
-  AttnCapture cap = capture_attention_inputs(m, calib);
+  const RopeTables rt(c, cap);
   QFit q;
   if (grids) grids->assign(c.num_hidden_layers, {});
   for (int l = 0; l < c.num_hidden_layers; ++l) {
-    LayerCalib lc(c, cap, l);
+    check_capture(c, cap, l);
     QFitLayer L;
     L.scale = key_channel_max(c, cap.k[l], cap.T);
-    QFitGrid grid{alphas, betas, std::vector<double>(alphas.size() * betas.size())};
+    // Row-major over (alpha, beta), then (0, 0) once more: the error of KV quantization alone.
+    std::vector<std::vector<float>> means(alphas.size());
+    std::vector<train::KvCandidate> cands;
+    for (size_t ia = 0; ia < alphas.size(); ++ia) {
+      means[ia] = rotated_key_mean(c, cap, l, rt, candidate(L.scale, alphas[ia], 0.0, {}).factor);
+      for (double beta : betas) cands.push_back(candidate(L.scale, alphas[ia], beta, means[ia]));
+    }
+    cands.emplace_back();
+    const std::vector<double> mse = eval(l, cands);
+    QUADS_CHECK(mse.size() == cands.size(), "Q-FIT: {} MSEs for {} candidates", mse.size(), cands.size());
+    QFitGrid grid{alphas, betas, std::vector<double>(mse.begin(), mse.end() - 1)};
+    // The first minimum wins, so ties go to the smaller alpha, beta.
     size_t best = 0;
-    // Row-major over (alpha, beta); the first minimum wins, so ties go to the smaller alpha, beta.
-    for (size_t ia = 0; ia < alphas.size(); ++ia)
-      for (size_t ib = 0; ib < betas.size(); ++ib) {
-        const size_t i = ia * betas.size() + ib;
-        grid.mse[i] = lc.mse(L.scale, alphas[ia], betas[ib], opt.kv, nullptr);
-        if (grid.mse[i] < grid.mse[best]) best = i;
-      }
+    for (size_t i = 1; i < grid.mse.size(); ++i)
+      if (grid.mse[i] < grid.mse[best]) best = i;
     L.alpha = alphas[best / betas.size()];
     L.beta = betas[best % betas.size()];
     L.mse_best = grid.mse[best];
-    L.mse_plain = lc.mse(L.scale, 0.0, 0.0, opt.kv, nullptr);
-    lc.mse(L.scale, L.alpha, L.beta, opt.kv, &L.shift);
+    L.mse_plain = mse.back();
+    L.shift = means[best / betas.size()];
     q.layers.push_back(std::move(L));
     if (grids) (*grids)[l] = std::move(grid);
   }
   return q;
+}
+
+void check_calibration(const model::ModelConfig& c, const model::Batch& calib) {
+  QUADS_CHECK(calib.ntokens() > 0, "Q-FIT: empty calibration batch");
+  QUADS_CHECK(c.head_dim % 2 == 0, "Q-FIT: head_dim {} must be even (RoPE pairs)", c.head_dim);
+}
+
+}  // namespace
+
+std::vector<double> attention_mse_cpu(const model::ModelConfig& cfg, const AttnCapture& cap, int l,
+                                      const std::vector<train::KvCandidate>& cands, const num::QConfig* kv) {
+  check_capture(cfg, cap, l);
+  const RopeTables rt(cfg, cap);
+  const LayerCalib lc(cfg, cap, l, rt);
+  std::vector<double> mse;
+  for (const train::KvCandidate& k : cands) mse.push_back(lc.mse(k, kv));
+  return mse;
+}
+
+double qfit_attention_mse(const model::ModelConfig& cfg, const AttnCapture& cap, int l, const std::vector<float>& scale,
+                          double alpha, double beta, const KvQuantConfig& kv, std::vector<float>* shift_out) {
+  check_capture(cfg, cap, l);
+  const RopeTables rt(cfg, cap);
+  const train::KvCandidate f = candidate(scale, alpha, 0.0, {});
+  const std::vector<float> mean = rotated_key_mean(cfg, cap, l, rt, f.factor);
+  if (shift_out) *shift_out = mean;
+  const num::QConfig qc = kv.qconfig();
+  return LayerCalib(cfg, cap, l, rt).mse(candidate(scale, alpha, beta, mean), kv.enabled ? &qc : nullptr);
+}
+
+QFit calibrate_qfit(model::Model& m, const model::Batch& calib, const QFitOptions& opt, std::vector<QFitGrid>* grids) {
+  const model::ModelConfig& c = m.config();
+  check_calibration(c, calib);
+  const AttnCapture cap = capture_attention_inputs(m, calib);
+  const num::QConfig qc = opt.kv.qconfig();
+  const RopeTables rt(c, cap);
+  return search(c, cap, opt, grids, [&](int l, const std::vector<train::KvCandidate>& cands) {
+    const LayerCalib lc(c, cap, l, rt);
+    std::vector<double> mse;
+    for (const train::KvCandidate& k : cands) mse.push_back(lc.mse(k, opt.kv.enabled ? &qc : nullptr));
+    return mse;
+  });
+}
+
+QFit calibrate_qfit(train::TrainBackend& dev, const model::ModelConfig& c, const model::Batch& calib,
+                    const QFitOptions& opt, std::vector<QFitGrid>* grids) {
+  check_calibration(c, calib);
+  AttnCapture cap;
+  dev.capture_attention(calib, &cap);
+  const num::QConfig qc = opt.kv.qconfig();
+  return search(c, cap, opt, grids, [&](int l, const std::vector<train::KvCandidate>& cands) {
+    return dev.attention_mse(cap, l, cands, opt.kv.enabled ? &qc : nullptr);
+  });
 }
 
 }  // namespace quads::reqat

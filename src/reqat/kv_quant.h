@@ -43,6 +43,7 @@
 
 #include "model/model.h"
 #include "numerics/quantize.h"
+#include "train/backend.h"
 
 namespace quads::reqat {
 
@@ -84,13 +85,9 @@ model::KvHooks make_kv_hooks(const model::ModelConfig& cfg, const model::KvTrans
 // m.kv_hooks = make_kv_hooks(m.config(), kv, qfit).
 void install_kv_hooks(model::Model& m, const KvQuantConfig& kv, const QFit* qfit);
 
-// Per-layer inputs of attention, captured from a forward pass: q [T, nh, hd] and k [T, nkv, hd]
-// after q_norm/k_norm (before RoPE), v [T, nkv, hd]; positions restart at 0 in every sequence.
-struct AttnCapture {
-  std::vector<std::vector<float>> q, k, v;  // per layer
-  std::vector<int64_t> offsets;             // sequence boundaries (Batch::offsets)
-  int64_t T = 0;
-};
+// Per-layer inputs of attention (train::AttentionInputs): q [T, nh, hd] and k [T, nkv, hd] after
+// q_norm/k_norm (before RoPE), v [T, nkv, hd]; positions restart at 0 in every sequence.
+using AttnCapture = train::AttentionInputs;
 // Runs m.forward on `calib` with capturing hooks (the model's own kv_hooks are restored after).
 AttnCapture capture_attention_inputs(model::Model& m, const model::Batch& calib);
 
@@ -104,13 +101,22 @@ struct QFitGrid {
 };
 
 // Attention-output MSE of layer `l` of a capture under (alpha, beta): float32 attention vs the
-// attention with Q-FIT applied and K, V fake-quantized. `scale` is the layer's s.
+// attention with Q-FIT applied and K, V fake-quantized. `scale` is the layer's s. shift_out: the
+// mean of the rotated, scaled keys (QFitLayer::shift).
 double qfit_attention_mse(const model::ModelConfig& cfg, const AttnCapture& cap, int l, const std::vector<float>& scale,
                           double alpha, double beta, const KvQuantConfig& kv, std::vector<float>* shift_out = nullptr);
+// The host's train::TrainBackend::attention_mse: layer l's MSE under each candidate transform.
+std::vector<double> attention_mse_cpu(const model::ModelConfig& cfg, const AttnCapture& cap, int l,
+                                      const std::vector<train::KvCandidate>& cands, const num::QConfig* kv);
 
 // Q-FIT on calibration sequences (run in m's current precision, normally float32). grids (if
 // non-null) receives every layer's grid.
 QFit calibrate_qfit(model::Model& m, const model::Batch& calib, const QFitOptions& opt,
                     std::vector<QFitGrid>* grids = nullptr);
+// The same search with the capture and every layer's grid of attention MSEs on a trainer backend
+// (the GPU: a forward and ~grid^2 attentions a layer); the scales, shifts and the choice are made
+// here as above. Equals the CPU's calibration up to the backend's rounding of the MSEs.
+QFit calibrate_qfit(train::TrainBackend& dev, const model::ModelConfig& cfg, const model::Batch& calib,
+                    const QFitOptions& opt, std::vector<QFitGrid>* grids = nullptr);
 
 }  // namespace quads::reqat

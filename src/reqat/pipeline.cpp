@@ -10,6 +10,7 @@
 #include "reqat/kv_quant.h"
 #include "reqat/tokens.h"
 #include "reqat/trainer.h"
+#include "train/backend.h"
 #include "rl/report.h"
 #include "rl/sft.h"
 
@@ -166,8 +167,6 @@ nlohmann::ordered_json run_reqat(const ReqatConfig& cfg, const std::string& out,
   QFit qfit;
   std::vector<QFitGrid> grids;
   {
-    model::Weights w = stage1;
-    model::Model m(w);
     model::Batch calib;
     for (int64_t i = 0; i < std::min<int64_t>(cfg.qfit.calib_sequences, static_cast<int64_t>(traces.size())); ++i)
       calib.add(traces[i].tokens);
@@ -175,7 +174,16 @@ nlohmann::ordered_json run_reqat(const ReqatConfig& cfg, const std::string& out,
     qo.kv = kv;
     for (int64_t i = 0; i < cfg.qfit.grid; ++i) qo.alphas.push_back(static_cast<double>(i) / cfg.qfit.grid);
     qo.betas = qo.alphas;
-    qfit = calibrate_qfit(m, calib, qo, &grids);
+    // On the training device: a forward and grid^2 attentions a layer (the GPU trainer's exact
+    // float32 kernels there; the stage-1 model in float32 either way).
+    if (cfg.train_device == "cuda") {
+      auto dev = train::gpu_train_backend_factory()(stage1, model::PrecisionConfig::preset("fp32"));
+      qfit = calibrate_qfit(*dev, stage1.cfg, calib, qo, &grids);
+    } else {
+      model::Weights w = stage1;
+      model::Model m(w);
+      qfit = calibrate_qfit(m, calib, qo, &grids);
+    }
     for (size_t l = 0; l < qfit.layers.size(); ++l)
       say(fmt::format("Q-FIT layer {}: alpha {:.2f} beta {:.2f}, attention MSE {:.3g} -> {:.3g}", l,
                       qfit.layers[l].alpha, qfit.layers[l].beta, qfit.layers[l].mse_plain, qfit.layers[l].mse_best));
@@ -256,13 +264,15 @@ nlohmann::ordered_json run_reqat(const ReqatConfig& cfg, const std::string& out,
   // ---- low-entropy analysis ----
   tp = Clock::now();
   nlohmann::ordered_json tokens;
-  const TokenAnalysis before = analyze_divergence(stage1, nullptr, evalset, ptq_fp, ptq_q, tok, cfg.eval.low_entropy);
+  const TokenAnalysis before = analyze_divergence(stage1, nullptr, evalset, ptq_fp, ptq_q, tok, cfg.eval.low_entropy,
+                                                cfg.train_device);
   tokens["before_ptq"] = before.to_json();
   if (have_reqat) {
     const model::Weights* wr = nullptr;
     for (const auto& [v, w] : variants)
       if (v == "reqat") wr = &w;
-    const TokenAnalysis after = analyze_divergence(*wr, &qfit, evalset, reqat_fp, reqat_q, tok, cfg.eval.low_entropy);
+    const TokenAnalysis after = analyze_divergence(*wr, &qfit, evalset, reqat_fp, reqat_q, tok, cfg.eval.low_entropy,
+                                                  cfg.train_device);
     tokens["after_reqat"] = after.to_json();
   }
   timings["tokens_s"] = since(tp);
@@ -319,7 +329,8 @@ std::string reqat_report(const nlohmann::ordered_json& s, const std::string& con
       "(weights and per-token activations), float32 KV cache. W4A4KV4: W4A4 plus a 4-bit KV cache ({}). "
       "Reference (full-precision fine-tuning, stage 1, in FP): **{:.4f}**.\n\n",
       s.value("eval_tasks", 0), s.value("kv_cache", std::string("?")), ref);
-  md += fmt::format("Evaluation rollouts ran on: {}; the training stages (forward, backward, AdamW) on: {}.\n\n",
+  md += fmt::format("Evaluation rollouts ran on: {}; the training stages (forward, backward, AdamW), Q-FIT's "
+                    "calibration and the low-entropy analysis on: {}.\n\n",
                     s.value("eval_device", std::string("cpu")), s.value("train_device", std::string("cpu")));
   md += "| model | what | FP | W4A4 | W4A4KV4 | W4A4KV4 - ref |\n|---|---|---|---|---|---|\n";
   for (const auto& r : s["rows"])

@@ -1,8 +1,10 @@
 #include "reqat/tokens.h"
 
 #include <algorithm>
+#include <memory>
 
 #include "common/error.h"
+#include "train/backend.h"
 #include "train/losses.h"
 
 namespace quads::reqat {
@@ -51,21 +53,29 @@ nlohmann::json TokenAnalysis::to_json() const {
 
 TokenAnalysis analyze_divergence(const model::Weights& w, const QFit* qfit, const std::vector<rl::Task>& tasks,
                                  const EvalResult& fp, const EvalResult& q, const rl::CharTokenizer& tok,
-                                 double low_entropy) {
+                                 double low_entropy, const std::string& device) {
+  QUADS_CHECK(device == "cpu" || device == "cuda", "token analysis: device \"{}\" (cpu | cuda)", device);
   QUADS_CHECK(fp.responses.size() == tasks.size() && q.responses.size() == tasks.size(),
               "token analysis: {} tasks but {} / {} responses", tasks.size(), fp.responses.size(), q.responses.size());
   TokenAnalysis a;
   a.n = static_cast<int>(tasks.size());
   a.low_entropy = low_entropy;
   // Entropy of the full-precision model along its own greedy traces (one packed forward per chunk).
-  model::Weights wc = w;
-  model::Model m(wc);
-  if (qfit && !qfit->empty()) {
-    KvQuantConfig off;
-    off.enabled = false;
-    install_kv_hooks(m, off, qfit);
+  KvQuantConfig off;
+  off.enabled = false;
+  const bool with_qfit = qfit && !qfit->empty();
+  model::Weights wc;  // the CPU model's (it keeps a reference)
+  std::unique_ptr<model::Model> m;
+  std::unique_ptr<train::TrainBackend> dev;
+  if (device == "cuda") {
+    dev = train::gpu_train_backend_factory()(w, model::PrecisionConfig::preset("fp32"));
+    if (with_qfit) dev->set_kv_transform(make_kv_transform(w.cfg, off, qfit));
+  } else {
+    wc = w;
+    m = std::make_unique<model::Model>(wc, model::PrecisionConfig::preset("fp32"));
+    if (with_qfit) install_kv_hooks(*m, off, qfit);
   }
-  const int64_t V = m.config().vocab_size;
+  const int64_t V = w.cfg.vocab_size;
   double hsum = 0;
   int64_t hcount = 0, hlow = 0;
   double div_sum = 0;
@@ -81,7 +91,8 @@ TokenAnalysis analyze_divergence(const model::Weights& w, const QFit* qfit, cons
       b.add(ids);
     }
     std::vector<float> logits(b.ntokens() * V), H(b.ntokens());
-    m.forward(b, logits.data());
+    if (dev) dev->forward(b, logits.data(), false);
+    else m->forward(b, logits.data());
     train::entropy(logits.data(), b.ntokens(), V, H.data());
     for (size_t i = first; i < last; ++i) {
       const int s = static_cast<int>(i - first);

@@ -49,9 +49,10 @@ struct TokenAnalysis {
 };
 
 // fp and q: evaluations of the same tasks (full precision, quantized). The entropies come from
-// `w` run in float32 (with Q-FIT's hooks, KV quantization off, when qfit is given).
+// `w` run in float32 (with Q-FIT's hooks, KV quantization off, when qfit is given), on the host's
+// model (device "cpu") or a trainer backend's forward ("cuda": train::gpu_train_backend_factory).
 TokenAnalysis analyze_divergence(const model::Weights& w, const QFit* qfit, const std::vector<rl::Task>& tasks,
                                  const EvalResult& fp, const EvalResult& q, const rl::CharTokenizer& tok,
-                                 double low_entropy);
+                                 double low_entropy, const std::string& device = "cpu");
 
 }  // namespace quads::reqat

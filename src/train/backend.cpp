@@ -17,6 +17,16 @@ void TrainBackend::set_kv_transform(const model::KvTransform& t) {
               name());
 }
 
+void TrainBackend::capture_attention(const model::Batch&, AttentionInputs*) {
+  fail("train backend {} cannot capture attention inputs (Q-FIT's calibration): calibrate on the cpu or on cuda",
+       name());
+}
+
+std::vector<double> TrainBackend::attention_mse(const AttentionInputs&, int, const std::vector<KvCandidate>&,
+                                                const num::QConfig*) {
+  fail("train backend {} has no attention error (Q-FIT's calibration): calibrate on the cpu or on cuda", name());
+}
+
 void TrainBackend::set_router_losses(double aux_loss_coef, double z_loss_coef) {
   QUADS_CHECK(aux_loss_coef == 0 && z_loss_coef == 0,
               "train backend {} has no router aux / z losses (coefficients {} and {}): train on the cpu or on cuda",

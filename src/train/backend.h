@@ -7,11 +7,27 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "model/model.h"
 #include "train/adamw.h"
 
 namespace quads::train {
+
+// Every decoder layer's attention inputs over a packed batch, as a forward computes them: q [T, nh, hd]
+// and k [T, nkv, hd] after q_norm / k_norm (before any KV transform and RoPE), v [T, nkv, hd].
+// Q-FIT's calibration data (reqat/kv_quant.h).
+struct AttentionInputs {
+  std::vector<std::vector<float>> q, k, v;  // per layer
+  std::vector<int64_t> offsets;             // sequence boundaries (Batch::offsets); positions restart in each
+  int64_t T = 0;
+};
+
+// One candidate KV transform of one layer (model::KvTransform's per-layer data): q *= factor and
+// k /= factor before RoPE, k -= shift after it (each empty: none).
+struct KvCandidate {
+  std::vector<float> factor, shift;
+};
 
 class TrainBackend {
  public:
@@ -33,6 +49,14 @@ class TrainBackend {
   // KvHooks are made from, model::KvTransform). A backend without one accepts an empty transform
   // only.
   virtual void set_kv_transform(const model::KvTransform& t);
+  // Q-FIT's calibration on the backend's device (reqat::calibrate_qfit). capture_attention: the
+  // attention inputs of a forward of b, run without the KV transform. attention_mse: for layer l of
+  // such a capture, the mean squared difference between the causal attention output (per sequence)
+  // under each candidate, K and V then fake-quantized with kv (null: not), and the plain float32
+  // attention. Either may end what a kept forward left for backward(). A backend without them throws.
+  virtual void capture_attention(const model::Batch& b, AttentionInputs* out);
+  virtual std::vector<double> attention_mse(const AttentionInputs& in, int l, const std::vector<KvCandidate>& cands,
+                                            const num::QConfig* kv);
 
   // Router aux / z losses (model::ForwardOptions' coefficients) in the following forwards and
   // backwards; router_losses() gives the last forward's values, unscaled. A backend without them

@@ -778,3 +778,89 @@ TEST(CudaTrain, ReqatStageTwoOnTheGpuFollowsTheCpu) {
   EXPECT_NEAR(eg, ec, 2e-2 * ec);
   EXPECT_FALSE(wg.data == w0.data);
 }
+
+// Q-FIT's calibration on the GPU (reqat::calibrate_qfit through the trainer backend): the capture is
+// the CPU forward's attention inputs up to the forward's rounding; fed the CPU's capture, the GPU's
+// attention MSEs are the CPU's up to the attention's rounding (and a rare 4-bit KV code flip); the
+// calibration as a whole chooses what the CPU chooses, or a point whose CPU MSE is as good. The
+// fixture (head_dim 16: the padded attention) and a head_dim-64 task model.
+TEST(CudaTrain, QFitCalibratedOnTheGpuIsTheCpus) {
+  QUADS_REQUIRE_GPU();
+  const rl::CharTokenizer tok;
+  std::vector<std::pair<std::string, model::Weights>> models;
+  models.emplace_back("fixture", fixture_weights());
+  models.emplace_back("hd64", model::Weights::random(
+                                  reqat::task_model_config(128, 2, 4, 2, 64, 4, 2, 64, 128, 1e4, 1e-6, tok.vocab_size()),
+                                  13, 0.2f, 0.6f));
+  for (auto& [name, w] : models) {
+    SCOPED_TRACE(name);
+    const model::ModelConfig& c = w.cfg;
+    const model::Batch b = model::Batch::of(
+        {random_tokens(41, 3, c.vocab_size), random_tokens(17, 4, c.vocab_size), random_tokens(64, 5, c.vocab_size)});
+    reqat::QFitOptions o;
+    o.alphas = {0.0, 0.25, 0.5, 0.75};
+    o.betas = {0.0, 0.45, 0.9};
+    o.kv = reqat::parse_kv_quant("e1m2");
+    model::Weights wc = w;
+    model::Model m(wc);
+    std::vector<reqat::QFitGrid> gc, gg;
+    const reqat::QFit qc = reqat::calibrate_qfit(m, b, o, &gc);
+    const auto dev = cuda::make_gpu_trainer(w, model::PrecisionConfig::preset("fp32"));
+    const reqat::QFit qg = reqat::calibrate_qfit(*dev, c, b, o, &gg);
+
+    train::AttentionInputs capg;
+    dev->capture_attention(b, &capg);
+    const reqat::AttnCapture capc = reqat::capture_attention_inputs(m, b);
+    ASSERT_EQ(capg.T, capc.T);
+    ASSERT_EQ(capg.q.size(), capc.q.size());
+    const num::QConfig qcfg = o.kv.qconfig();
+    for (int l = 0; l < c.num_hidden_layers; ++l) {
+      const double eq = rel_l2(capg.q[l], capc.q[l]), ek = rel_l2(capg.k[l], capc.k[l]),
+                   ev = rel_l2(capg.v[l], capc.v[l]);
+      EXPECT_LT(std::max({eq, ek, ev}), 1e-5) << l;
+      // The arithmetic alone: every grid candidate of the CPU's search on the CPU's capture.
+      std::vector<train::KvCandidate> cands;
+      for (double a : o.alphas)
+        for (double be : o.betas) {
+          std::vector<float> mean;
+          reqat::qfit_attention_mse(c, capc, l, qc.layers[l].scale, a, 0.0, o.kv, &mean);
+          train::KvCandidate k;
+          if (a != 0) {
+            k.factor.resize(qc.layers[l].scale.size(), 1.f);
+            for (size_t i = 0; i < k.factor.size(); ++i)
+              if (qc.layers[l].scale[i] > 0) k.factor[i] = float(std::pow(double(qc.layers[l].scale[i]), a));
+          }
+          if (be != 0)
+            for (float x : mean) k.shift.push_back(float(be * double(x)));
+          cands.push_back(k);
+        }
+      const std::vector<double> mg = dev->attention_mse(capc, l, cands, &qcfg);
+      const std::vector<double> mc = reqat::attention_mse_cpu(c, capc, l, cands, &qcfg);
+      ASSERT_EQ(mg.size(), gc[l].mse.size());
+      double worst = 0, worst_run = 0;
+      for (size_t i = 0; i < mg.size(); ++i) {
+        EXPECT_EQ(mc[i], gc[l].mse[i]) << "the candidates rebuilt here are not the search's, point " << i;
+        worst = std::max(worst, std::fabs(mg[i] - mc[i]) / mc[i]);
+        worst_run = std::max(worst_run, std::fabs(gg[l].mse[i] - gc[l].mse[i]) / gc[l].mse[i]);
+      }
+      const size_t ig = std::min_element(gg[l].mse.begin(), gg[l].mse.end()) - gg[l].mse.begin();
+      std::printf("%s layer %d: capture rel L2 q %.2g k %.2g v %.2g; MSE GPU vs CPU on one capture: worst rel %.3g; "
+                  "whole calibration: worst rel %.3g, choice GPU (%.2f, %.2f) CPU (%.2f, %.2f), MSE %.4g -> %.4g "
+                  "(CPU %.4g -> %.4g)\n",
+                  name.c_str(), l, eq, ek, ev, worst, worst_run, qg.layers[l].alpha, qg.layers[l].beta,
+                  qc.layers[l].alpha, qc.layers[l].beta, qg.layers[l].mse_plain, qg.layers[l].mse_best,
+                  qc.layers[l].mse_plain, qc.layers[l].mse_best);
+      EXPECT_LT(worst, 1e-3) << l;
+      EXPECT_LT(worst_run, 2e-2) << l;
+      EXPECT_NEAR(qg.layers[l].mse_plain, qc.layers[l].mse_plain, 2e-2 * qc.layers[l].mse_plain) << l;
+      // The GPU's choice is the argmin of its own grid, and no worse than 1% on the CPU's grid.
+      EXPECT_EQ(qg.layers[l].alpha, o.alphas[ig / o.betas.size()]) << l;
+      EXPECT_EQ(qg.layers[l].beta, o.betas[ig % o.betas.size()]) << l;
+      EXPECT_LE(gc[l].mse[ig], 1.01 * qc.layers[l].mse_best) << l;
+      EXPECT_LT(rel_l2(qg.layers[l].scale, qc.layers[l].scale), 1e-5) << l;
+      EXPECT_LT(rel_l2(qg.layers[l].shift, qc.layers[l].shift), 1e-4) << l;
+      // The search had something to choose.
+      EXPECT_GT(*std::max_element(gc[l].mse.begin(), gc[l].mse.end()), 1.01 * qc.layers[l].mse_best) << l;
+    }
+  }
+}

@@ -11,6 +11,7 @@
 #include "common/error.h"
 #include "numerics/formats.h"
 #include "reqat/kv_quant.h"
+#include "train/cpu_as_backend.h"
 
 using namespace quads;
 using namespace quads::model;
@@ -228,4 +229,49 @@ TEST(ReqatQFit, JsonRoundTrip) {
     EXPECT_EQ(back.layers[l].shift, qf.layers[l].shift);
   }
   EXPECT_THROW(QFit::from_json(qf.to_json(), c.num_hidden_layers + 1, c.kv_dim(), "test"), Error);
+}
+
+// The search through a trainer backend (the GPU's way: capture and MSEs there, scales, candidates
+// and the choice here): with the host's code behind the interface, the CPU's calibration exactly.
+TEST(ReqatQFit, CalibrationThroughABackendIsTheCpus) {
+  const ModelConfig c = kv_config();
+  Weights w = Weights::random(c, 12, 0.2f, 0.6f);
+  Model m(w);
+  const Batch b = calib_batch(c.vocab_size);
+  QFitOptions o;
+  o.alphas = {0.0, 0.25, 0.5, 0.75};
+  o.betas = {0.0, 0.5, 0.9};
+  std::vector<QFitGrid> gc, gd;
+  const QFit qc = calibrate_qfit(m, b, o, &gc);
+  int calls = 0;
+  test::CpuAsBackend dev(w, PrecisionConfig::preset("fp32"), &calls, false);
+  const QFit qd = calibrate_qfit(dev, c, b, o, &gd);
+  EXPECT_EQ(calls, 1);  // one capture
+  ASSERT_EQ(qd.layers.size(), qc.layers.size());
+  for (size_t l = 0; l < qc.layers.size(); ++l) {
+    EXPECT_EQ(qd.layers[l].alpha, qc.layers[l].alpha) << l;
+    EXPECT_EQ(qd.layers[l].beta, qc.layers[l].beta) << l;
+    EXPECT_EQ(qd.layers[l].mse_plain, qc.layers[l].mse_plain) << l;
+    EXPECT_EQ(qd.layers[l].mse_best, qc.layers[l].mse_best) << l;
+    EXPECT_EQ(qd.layers[l].scale, qc.layers[l].scale) << l;
+    EXPECT_EQ(qd.layers[l].shift, qc.layers[l].shift) << l;
+    EXPECT_EQ(gd[l].mse, gc[l].mse) << l;
+  }
+  // A backend without the calibration names itself; a capture of the wrong size is named.
+  struct Bare : train::TrainBackend {
+    std::string name() const override { return "bare"; }
+    void forward(const Batch&, float*, bool, Routing*, const Routing*) override {}
+    void backward(const float*, float*) override {}
+    void sync(const Weights&) override {}
+  } bare;
+  try {
+    calibrate_qfit(bare, c, b, o);
+    ADD_FAILURE() << "a backend without a capture was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("bare"), std::string::npos) << e.what();
+  }
+  AttnCapture cap = capture_attention_inputs(m, b);
+  cap.k[1].pop_back();
+  EXPECT_THROW(attention_mse_cpu(c, cap, 1, {train::KvCandidate{}}, nullptr), Error);
+  EXPECT_THROW(attention_mse_cpu(c, cap, 2, {train::KvCandidate{}}, nullptr), Error);
 }

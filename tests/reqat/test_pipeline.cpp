@@ -220,3 +220,39 @@ TEST(ReqatPipeline, MiniatureRunWritesConsistentSummary) {
   EXPECT_NE(ss.str().find("| reqat |"), std::string::npos);
   std::filesystem::remove_all(out);
 }
+
+// train_device = "cuda" puts the stages, Q-FIT's calibration and the low-entropy analysis on the
+// trainer backend: through the CPU model behind that interface the run must be the CPU run's bit
+// for bit (the backend's capture and attention errors are the host's code, so Q-FIT's search, its
+// candidates and shifts, must come out the same).
+TEST(ReqatPipeline, TrainDeviceRunEqualsTheCpuRun) {
+  const std::string base = (std::filesystem::temp_directory_path() / "quads_reqat_device_test").string();
+  std::filesystem::remove_all(base);
+  RunOptions ro;
+  ro.progress = false;
+  ro.save_checkpoints = false;
+  ReqatConfig c = tiny();
+  c.variants = {"reqat"};
+  const auto cpu = run_reqat(c, base + "/cpu", ro);
+  int calls = 0;
+  train::register_gpu_train_backend([&calls](const model::Weights& w, const model::PrecisionConfig& p) {
+    return std::make_unique<test::CpuAsBackend>(w, p, &calls, true);
+  });
+  c.train_device = "cuda";
+  nlohmann::ordered_json dev;
+  try {
+    dev = run_reqat(c, base + "/dev", ro);
+  } catch (...) {
+    train::register_gpu_train_backend(nullptr);
+    throw;
+  }
+  train::register_gpu_train_backend(nullptr);
+  EXPECT_EQ(dev["train_device"], "cpu-as-backend");
+  EXPECT_GT(calls, 0);
+  EXPECT_EQ(dev["qfit"], cpu["qfit"]);
+  EXPECT_EQ(dev["rows"], cpu["rows"]);
+  EXPECT_EQ(dev["tokens"], cpu["tokens"]);
+  const auto qa = rl::read_jsonl(base + "/cpu/qfit.json"), qb = rl::read_jsonl(base + "/dev/qfit.json");
+  EXPECT_EQ(qa, qb);  // scales and shifts too
+  std::filesystem::remove_all(base);
+}

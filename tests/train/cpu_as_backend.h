@@ -37,6 +37,15 @@ class CpuAsBackend : public train::TrainBackend {
   }
   // The transform through the CPU hooks made from it (reqat::make_kv_hooks).
   void set_kv_transform(const model::KvTransform& t) override { m_.kv_hooks = reqat::make_kv_hooks(w_.cfg, t); }
+  // Q-FIT's calibration through the host's code (reqat/kv_quant.h).
+  void capture_attention(const model::Batch& b, train::AttentionInputs* out) override {
+    *out = reqat::capture_attention_inputs(m_, b);
+    ++*calls_;
+  }
+  std::vector<double> attention_mse(const train::AttentionInputs& in, int l, const std::vector<train::KvCandidate>& cands,
+                                    const num::QConfig* kv) override {
+    return reqat::attention_mse_cpu(w_.cfg, in, l, cands, kv);
+  }
   void sync(const model::Weights& w) override {
     w_.data = w.data;
     m_.sync();
