@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: the ReQAT experiment with every training stage (base SFT, stage 1, the stage-2
-# variants) and every evaluation rollout (FP, W4A4, W4A4KV4 with the Q-FIT transform) on the GPU
-# (`quads reqat --device cuda`); Q-FIT's calibration and the divergence analysis on the CPU cores.
+# variants), Q-FIT's calibration, every evaluation rollout (FP, W4A4, W4A4KV4 with the Q-FIT
+# transform) and the divergence analysis on the GPU (`quads reqat --device cuda`).
 # Timed; summary and report go to $OUT/<name>/ (name: the output folder's, default reqat_gpu).
 #   bash scripts/gpu/reqat_gpu.sh [extra quads reqat arguments]      (carry: .debs)
 #   QUADS_REQAT_OUT=runs/reqat_big bash scripts/gpu/reqat_gpu.sh --config configs/reqat_gpu.toml

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cli/command.h"
+#include "cli/reqat_devices.h"
 #include "common/error.h"
 #include "reqat/config.h"
 #include "reqat/tokens.h"
@@ -21,12 +22,15 @@ namespace {
 struct Options {
   std::string model, qfit, config, kv;
   std::vector<std::string> sets;
+  std::string device;
   double low = -1;
 };
 
 int run(const Options& o) {
   using namespace quads;
-  const reqat::ReqatConfig cfg = reqat::load_reqat_config(o.config, o.sets);
+  const reqat::ReqatConfig cfg = reqat::load_reqat_config(o.config, cli::with_device(o.sets, o.device));
+  cli::install_reqat_devices(cfg, "reqat-tokens");
+  cli::check_reqat_devices(cfg, "reqat-tokens");
   const model::Weights w = model::Weights::load(o.model);
   reqat::QFit qfit;
   if (!o.qfit.empty()) {
@@ -48,10 +52,13 @@ int run(const Options& o) {
   const int max_new = static_cast<int>(cfg.eval.max_new_tokens);
   reqat::InferSpec fp = reqat::fp_infer();
   fp.qfit = &qfit;
+  fp.device = cfg.eval.device;
+  reqat::InferSpec q = reqat::w4a4kv4_infer(kv, &qfit);
+  q.device = cfg.eval.device;
   const reqat::EvalResult efp = reqat::evaluate(w, fp, ts.eval_set(), tok, max_new);
-  const reqat::EvalResult eq = reqat::evaluate(w, reqat::w4a4kv4_infer(kv, &qfit), ts.eval_set(), tok, max_new);
+  const reqat::EvalResult eq = reqat::evaluate(w, q, ts.eval_set(), tok, max_new);
   const reqat::TokenAnalysis a = reqat::analyze_divergence(w, &qfit, ts.eval_set(), efp, eq, tok,
-                                                           o.low >= 0 ? o.low : cfg.eval.low_entropy);
+                                                           o.low >= 0 ? o.low : cfg.eval.low_entropy, cfg.train_device);
   nlohmann::json j = a.to_json();
   j["fp_pass1"] = efp.score.pass1;
   j["w4a4kv4_pass1"] = eq.score.pass1;
@@ -72,6 +79,9 @@ std::function<int()> setup(CLI::App& app) {
   app.add_option("--config", o->config, "reqat TOML config (tasks and eval set); default: built-in");
   app.add_option("--set", o->sets, "override a config key (repeatable)");
   app.add_option("--kv", o->kv, "KV-cache format e1m2 | e2m1 (default: the config's kv_format)");
+  app.add_option("--device", o->device,
+                 "where the evaluation rollouts and the entropy forward run: cpu | cuda (sets eval.device and "
+                 "train_device)");
   app.add_option("--low-entropy", o->low, "low-entropy threshold in nats (default: eval.low_entropy)");
   return [o] { return run(*o); };
 }

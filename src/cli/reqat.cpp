@@ -8,11 +8,10 @@
 #include <vector>
 
 #include "cli/command.h"
+#include "cli/reqat_devices.h"
 #include "common/error.h"
 #include "reqat/config.h"
 #include "reqat/pipeline.h"
-#include "rl/run.h"
-#include "train/backend.h"
 
 namespace {
 
@@ -33,46 +32,18 @@ std::function<int()> setup(CLI::App& app) {
   app.add_flag("--quiet", o->quiet, "no progress output");
   app.add_flag("--no-checkpoints", o->no_checkpoints, "do not save the model checkpoints");
   app.add_option("--device", o->device,
-                 "where the training and the evaluation rollouts run: cpu | cuda (sets train_device and eval.device)");
+                 "where the training, Q-FIT, the low-entropy analysis and the evaluation rollouts run: cpu | cuda (sets "
+                 "train_device and eval.device)");
   app.add_flag("--print-config", o->print_config, "print the resolved configuration (TOML) and exit");
   return [o] {
     using namespace quads;
-    std::vector<std::string> sets = o->sets;
-    if (!o->device.empty()) {
-      sets.push_back("eval.device=\"" + o->device + "\"");
-      sets.push_back("train_device=\"" + o->device + "\"");
-    }
-    const reqat::ReqatConfig cfg = reqat::load_reqat_config(o->config, sets);
-#ifdef QUADS_HAVE_CUDA
-    rl::install_cuda_rollouts();
-#endif
-    if (cfg.eval.device == "cuda") {  // fail before any work
-      try {
-        (void)rl::rollout_backend_factory();
-      } catch (const Error&) {
-        fail("reqat: eval.device = \"cuda\" (--device cuda), but this build has no CUDA backend (configure with "
-             "-DQUADS_CUDA=ON, or use the cpu)");
-      }
-    }
-    if (cfg.train_device == "cuda") {
-      try {
-        (void)train::gpu_train_backend_factory();
-      } catch (const Error&) {
-        fail("reqat: train_device = \"cuda\" (--device cuda), but this build has no CUDA trainer (configure with "
-             "-DQUADS_CUDA=ON, or use the cpu)");
-      }
-    }
+    const reqat::ReqatConfig cfg = reqat::load_reqat_config(o->config, cli::with_device(o->sets, o->device));
+    cli::install_reqat_devices(cfg, "reqat");
     if (o->print_config) {
       std::printf("%s", reqat::to_toml(cfg).c_str());
       return 0;
     }
-#ifdef QUADS_HAVE_CUDA
-    // Here rather than in the backends' factories, whose errors name the RL settings.
-    if ((cfg.eval.device == "cuda" || cfg.train_device == "cuda") && cuda::device_count() == 0)
-      fail("reqat: train_device = \"{}\", eval.device = \"{}\" (--device), but no CUDA device was found (use the "
-           "cpu)",
-           cfg.train_device, cfg.eval.device);
-#endif
+    cli::check_reqat_devices(cfg, "reqat");
     QUADS_CHECK(!o->out.empty(), "reqat: --out is required");
     reqat::RunOptions ro;
     ro.progress = !o->quiet;
