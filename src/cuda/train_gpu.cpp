@@ -1008,17 +1008,7 @@ struct GpuTrainer::Impl {
                                     const num::QConfig* kvq) {
     const int nh = cfg.num_attention_heads, nkv = cfg.num_key_value_heads, hd = cfg.head_dim;
     const int64_t qd = cfg.q_dim(), kvd = cfg.kv_dim();
-    QUADS_CHECK(l >= 0 && l < int(in.q.size()) && in.k.size() == in.q.size() && in.v.size() == in.q.size(),
-                "GpuTrainer::attention_mse: layer {} not in the capture ({} layers)", l, in.q.size());
-    QUADS_CHECK(!in.offsets.empty() && in.offsets.front() == 0 && in.offsets.back() == in.T,
-                "GpuTrainer::attention_mse: the capture's offsets do not cover its {} tokens", in.T);
-    QUADS_CHECK(int64_t(in.q[l].size()) == in.T * qd && int64_t(in.k[l].size()) == in.T * kvd &&
-                    int64_t(in.v[l].size()) == in.T * kvd,
-                "GpuTrainer::attention_mse: layer {}'s q/k/v sizes do not match {} tokens", l, in.T);
-    for (const train::KvCandidate& c : cands)
-      QUADS_CHECK((c.factor.empty() || int64_t(c.factor.size()) == kvd) && (c.shift.empty() || int64_t(c.shift.size()) == kvd),
-                  "GpuTrainer::attention_mse: a candidate's factor / shift has {} / {} values, kv_dim is {}",
-                  c.factor.size(), c.shift.size(), kvd);
+    train::check_attention_inputs(cfg, in, l, cands, "GpuTrainer::attention_mse");
     kept = false;  // the buffers below are not the kept forward's, but T and the positions change
     T = in.T;
     if (T == 0 || cands.empty()) return std::vector<double>(cands.size(), 0.0);

@@ -240,17 +240,7 @@ struct RopeTables {
 };
 
 void check_capture(const model::ModelConfig& c, const AttnCapture& cap, int l) {
-  QUADS_CHECK(l >= 0 && l < static_cast<int>(cap.q.size()) && cap.k.size() == cap.q.size() &&
-                  cap.v.size() == cap.q.size(),
-              "Q-FIT: layer {} not in the capture ({} layers)", l, cap.q.size());
-  QUADS_CHECK(!cap.offsets.empty() && cap.offsets.front() == 0 && cap.offsets.back() == cap.T,
-              "Q-FIT: the capture's sequence offsets do not cover its {} tokens", cap.T);
-  QUADS_CHECK(static_cast<int64_t>(cap.q[l].size()) == cap.T * c.q_dim() &&
-                  static_cast<int64_t>(cap.k[l].size()) == cap.T * c.kv_dim() &&
-                  static_cast<int64_t>(cap.v[l].size()) == cap.T * c.kv_dim(),
-              "Q-FIT: layer {} of the capture holds q/k/v of {}/{}/{} floats, {} tokens need {}/{}/{}", l,
-              cap.q[l].size(), cap.k[l].size(), cap.v[l].size(), cap.T, cap.T * c.q_dim(), cap.T * c.kv_dim(),
-              cap.T * c.kv_dim());
+  train::check_attention_inputs(c, cap, l, {}, "Q-FIT");
 }
 
 // The mean over the capture's tokens of layer l's keys divided by `factor` (empty: none) and
@@ -304,10 +294,6 @@ struct LayerCalib {
   double mse(const train::KvCandidate& cand, const num::QConfig* kv) const {
     const int nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
     const int64_t T = cap.T, kvd = c.kv_dim();
-    QUADS_CHECK((cand.factor.empty() || static_cast<int64_t>(cand.factor.size()) == kvd) &&
-                    (cand.shift.empty() || static_cast<int64_t>(cand.shift.size()) == kvd),
-                "Q-FIT: a candidate's factor / shift has {} / {} values, kv_dim is {}", cand.factor.size(),
-                cand.shift.size(), kvd);
     std::vector<float> q = cap.q[l], k = cap.k[l], v = cap.v[l];
     if (!cand.factor.empty()) apply_scale(q.data(), k.data(), T, nh, nkv, hd, cand.factor.data());
     cpu::rope_forward(q.data(), T, nh, hd, rt.cos.data(), rt.sin.data());
@@ -401,7 +387,7 @@ void check_calibration(const model::ModelConfig& c, const model::Batch& calib) {
 
 std::vector<double> attention_mse_cpu(const model::ModelConfig& cfg, const AttnCapture& cap, int l,
                                       const std::vector<train::KvCandidate>& cands, const num::QConfig* kv) {
-  check_capture(cfg, cap, l);
+  train::check_attention_inputs(cfg, cap, l, cands, "Q-FIT");
   const RopeTables rt(cfg, cap);
   const LayerCalib lc(cfg, cap, l, rt);
   std::vector<double> mse;

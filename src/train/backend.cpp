@@ -11,6 +11,24 @@ std::mutex g_mu;
 TrainBackendFactory g_factory;
 }  // namespace
 
+void check_attention_inputs(const model::ModelConfig& c, const AttentionInputs& in, int l,
+                            const std::vector<KvCandidate>& cands, const std::string& who) {
+  QUADS_CHECK(l >= 0 && l < static_cast<int>(in.q.size()) && in.k.size() == in.q.size() && in.v.size() == in.q.size(),
+              "{}: layer {} not in the attention inputs ({} layers)", who, l, in.q.size());
+  QUADS_CHECK(!in.offsets.empty() && in.offsets.front() == 0 && in.offsets.back() == in.T,
+              "{}: the attention inputs' sequence offsets do not cover their {} tokens", who, in.T);
+  const int64_t qd = c.q_dim(), kvd = c.kv_dim();
+  QUADS_CHECK(static_cast<int64_t>(in.q[l].size()) == in.T * qd && static_cast<int64_t>(in.k[l].size()) == in.T * kvd &&
+                  static_cast<int64_t>(in.v[l].size()) == in.T * kvd,
+              "{}: layer {} holds q/k/v of {}/{}/{} floats, {} tokens need {}/{}/{}", who, l, in.q[l].size(),
+              in.k[l].size(), in.v[l].size(), in.T, in.T * qd, in.T * kvd, in.T * kvd);
+  for (const KvCandidate& k : cands)
+    QUADS_CHECK((k.factor.empty() || static_cast<int64_t>(k.factor.size()) == kvd) &&
+                    (k.shift.empty() || static_cast<int64_t>(k.shift.size()) == kvd),
+                "{}: a candidate's factor / shift has {} / {} values, kv_dim is {}", who, k.factor.size(),
+                k.shift.size(), kvd);
+}
+
 void TrainBackend::set_kv_transform(const model::KvTransform& t) {
   QUADS_CHECK(t.empty(), "train backend {} has no KV-cache transform (ReQAT's KV quantization / Q-FIT): train on the "
                          "cpu or on cuda",

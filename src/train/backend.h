@@ -29,6 +29,11 @@ struct KvCandidate {
   std::vector<float> factor, shift;
 };
 
+// Throws a quads::Error naming `who` unless layer l of `in` holds q/k/v of in.T tokens of model c,
+// in.offsets cover those tokens, and every candidate's factor and shift is empty or kv_dim long.
+void check_attention_inputs(const model::ModelConfig& c, const AttentionInputs& in, int l,
+                            const std::vector<KvCandidate>& cands, const std::string& who);
+
 class TrainBackend {
  public:
   virtual ~TrainBackend() = default;

@@ -271,6 +271,9 @@ TEST(ReqatQFit, CalibrationThroughABackendIsTheCpus) {
     EXPECT_NE(std::string(e.what()).find("bare"), std::string::npos) << e.what();
   }
   AttnCapture cap = capture_attention_inputs(m, b);
+  train::KvCandidate short_factor;
+  short_factor.factor.assign(c.kv_dim() - 1, 1.f);
+  EXPECT_THROW(attention_mse_cpu(c, cap, 1, {short_factor}, nullptr), Error);
   cap.k[1].pop_back();
   EXPECT_THROW(attention_mse_cpu(c, cap, 1, {train::KvCandidate{}}, nullptr), Error);
   EXPECT_THROW(attention_mse_cpu(c, cap, 2, {train::KvCandidate{}}, nullptr), Error);
